@@ -1,0 +1,68 @@
+"""Fake (meta) kernels of the ``mla`` ops, installed as ``mla_ops.meta``.
+
+They validate metadata and allocate outputs with ``new_empty``: no device query, no data access, no
+GPU library. ``torch.compile`` and ``FakeTensorMode`` use them to propagate shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import check_attention_inputs, check_cu_seqlens_values, check_merge_inputs
+
+__all__ = [
+    "check_attention_inputs",
+    "check_cu_seqlens_values",
+    "check_merge_inputs",
+    "merge_attn_states_fake",
+    "prefill_context_chunk_fake",
+    "prefill_fake",
+]
+
+
+def _attention_outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_heads, _ = q.shape
+    out = q.new_empty((num_tokens, num_heads, v.shape[-1]))
+    lse = q.new_empty((num_heads, num_tokens), dtype=torch.float32)
+    return out, lse
+
+
+def prefill_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fake ``mla::prefill``: ``out`` ``[T, H, Dv]`` (dtype of ``q``), ``lse`` float32 ``[H, T]``."""
+    check_attention_inputs("mla.prefill", q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale)
+    return _attention_outputs(q, v)
+
+
+def prefill_context_chunk_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fake ``mla::prefill_context_chunk``: ``out`` ``[Tq, H, Dv]``, ``lse`` float32 ``[H, Tq]``."""
+    check_attention_inputs(
+        "mla.prefill_context_chunk", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale
+    )
+    return _attention_outputs(q, v)
+
+
+def merge_attn_states_fake(
+    prefix_out: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_out: torch.Tensor,
+    suffix_lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fake ``mla::merge_attn_states``: ``out`` like ``prefix_out``, ``lse`` like ``prefix_lse``."""
+    check_merge_inputs(prefix_out, prefix_lse, suffix_out, suffix_lse)
+    return prefix_out.new_empty(prefix_out.shape), prefix_lse.new_empty(prefix_lse.shape)

@@ -1,0 +1,185 @@
+"""Input validation shared by the fake kernels, the real kernels and the Python API.
+
+Everything except :func:`check_cu_seqlens_values` looks only at metadata (shape, dtype, device,
+strides), so it costs no device sync and works on fake tensors under ``torch.compile``, where it
+turns bad input into an error at trace time. :func:`check_cu_seqlens_values` reads the offsets and is
+only called where they are already on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_rank3(op: str, name: str, t: object, layout: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    if t.dim() != 3:
+        raise ValueError(f"{op}: {name} must be a 3-D tensor {layout}, got shape {tuple(t.shape)}")
+    return t
+
+
+def _check_unit_stride(op: str, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
+    for name, t in zip(names, tensors):
+        if t.numel() > 0 and t.stride(-1) != 1:
+            raise ValueError(
+                f"{op}: {name} must have stride 1 in its last dimension (got strides {tuple(t.stride())}); "
+                f"pass {name}.contiguous() or a view that keeps the head channels contiguous"
+            )
+
+
+def _check_cu_seqlens(op: str, name: str, cu: object, device: torch.device) -> torch.Tensor:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be an int32 torch.Tensor [B+1], got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{op}: {name} must have dtype int32, got {_dtype_name(cu.dtype)}; use {name}.to(torch.int32)")
+    if cu.dim() != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{op}: {name} must be a 1-D tensor [B+1] starting at 0, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{op}: {name} is on {cu.device} but q is on {device}; move it to {device}")
+    return cu
+
+
+def _check_max_seqlen(op: str, name: str, value: object) -> None:
+    if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{op}: {name} must be >= 0, got {value}")
+
+
+def _check_scale(op: str, softmax_scale: object) -> None:
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"{op}: softmax_scale must be a float, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"{op}: softmax_scale must be finite, got {softmax_scale}")
+
+
+def check_attention_inputs(
+    op: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+) -> None:
+    """Validate the inputs of ``mla.prefill`` or ``mla.prefill_context_chunk`` without reading data.
+
+    Raises ``TypeError`` for a wrong type or dtype and ``ValueError`` for a wrong shape, device,
+    stride or value; each message names the argument and says what to pass instead.
+    """
+    _check_rank3(op, "q", q, "[T, H, Dqk]")
+    _check_rank3(op, "k", k, "[T, H, Dqk]")
+    _check_rank3(op, "v", v, "[T, H, Dv]")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"{op}: q has dtype {_dtype_name(q.dtype)}; only bfloat16 and float16 are supported")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(
+                f"{op}: {name} has dtype {_dtype_name(t.dtype)} but q has {_dtype_name(q.dtype)}; "
+                "q, k and v must share one dtype"
+            )
+        if t.device != q.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but q is on {q.device}; q, k and v must share a device")
+    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
+        raise ValueError(
+            f"{op}: head counts differ: q has {q.shape[1]}, k has {k.shape[1]}, v has {v.shape[1]}; "
+            "MLA prefill expands the latent KV to one k/v head per query head"
+        )
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"{op}: q has head dim {q.shape[2]} but k has {k.shape[2]}; they must match")
+    if q.shape[2] == 0 or v.shape[2] == 0:
+        raise ValueError(f"{op}: head dims must be positive, got Dqk={q.shape[2]}, Dv={v.shape[2]}")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"{op}: k has {k.shape[0]} tokens but v has {v.shape[0]}; they must match")
+    _check_unit_stride(op, ("q", "k", "v"), (q, k, v))
+    if cu_seqlens_k is cu_seqlens_q:
+        if k.shape[0] != q.shape[0]:
+            raise ValueError(f"{op}: q has {q.shape[0]} tokens but k has {k.shape[0]}; they must match")
+        _check_cu_seqlens(op, "cu_seqlens", cu_seqlens_q, q.device)
+        _check_max_seqlen(op, "max_seqlen", max_seqlen_q)
+    else:
+        _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.device)
+        _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, q.device)
+        if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+            raise ValueError(
+                f"{op}: cu_seqlens_q describes {cu_seqlens_q.shape[0] - 1} sequences but cu_seqlens_k "
+                f"describes {cu_seqlens_k.shape[0] - 1}; a chunk needs one (possibly empty) entry per sequence"
+            )
+        _check_max_seqlen(op, "max_seqlen_q", max_seqlen_q)
+        _check_max_seqlen(op, "max_seqlen_k", max_seqlen_k)
+    _check_scale(op, softmax_scale)
+
+
+def check_merge_inputs(
+    prefix_out: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_out: torch.Tensor,
+    suffix_lse: torch.Tensor,
+) -> None:
+    """Validate the inputs of ``mla.merge_attn_states`` without reading data."""
+    op = "mla.merge_attn_states"
+    _check_rank3(op, "prefix_out", prefix_out, "[T, H, Dv]")
+    _check_rank3(op, "suffix_out", suffix_out, "[T, H, Dv]")
+    if prefix_out.dtype not in _DTYPES:
+        raise TypeError(
+            f"{op}: prefix_out has dtype {_dtype_name(prefix_out.dtype)}; only bfloat16 and float16 are supported"
+        )
+    if suffix_out.dtype != prefix_out.dtype:
+        raise TypeError(
+            f"{op}: suffix_out has dtype {_dtype_name(suffix_out.dtype)} but prefix_out has "
+            f"{_dtype_name(prefix_out.dtype)}; they must match"
+        )
+    if suffix_out.shape != prefix_out.shape:
+        raise ValueError(
+            f"{op}: prefix_out has shape {tuple(prefix_out.shape)} but suffix_out has {tuple(suffix_out.shape)}; "
+            "they must match"
+        )
+    num_tokens, num_heads, _ = prefix_out.shape
+    for name, lse in (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse)):
+        if not isinstance(lse, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a float32 torch.Tensor [H, T], got {type(lse).__name__}")
+        if lse.dtype != torch.float32:
+            raise TypeError(f"{op}: {name} must have dtype float32, got {_dtype_name(lse.dtype)}")
+        if lse.dim() != 2 or lse.shape[0] != num_heads or lse.shape[1] != num_tokens:
+            raise ValueError(
+                f"{op}: {name} must have shape [H, T] = ({num_heads}, {num_tokens}) (head-major), "
+                f"got {tuple(lse.shape)}"
+            )
+    for name, t in (("prefix_lse", prefix_lse), ("suffix_out", suffix_out), ("suffix_lse", suffix_lse)):
+        if t.device != prefix_out.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but prefix_out is on {prefix_out.device}")
+    _check_unit_stride(op, ("prefix_out", "suffix_out"), (prefix_out, suffix_out))
+
+
+def check_cu_seqlens_values(cu_seqlens: torch.Tensor, num_tokens: int, max_seqlen: int, name: str) -> None:
+    """Validate the values of ``cu_seqlens``: this reads them, so call it only where they are on the host.
+
+    Requires ``cu_seqlens[0] == 0``, non-decreasing offsets, ``cu_seqlens[-1] <= num_tokens`` (tokens
+    past the last offset are padding) and every length ``<= max_seqlen``.
+    """
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {bounds[0]}")
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"{name} must be non-decreasing, got {bounds}")
+    if bounds[-1] > num_tokens:
+        raise ValueError(
+            f"{name} ends at {bounds[-1]} but the tensor holds only {num_tokens} tokens; "
+            f"{name}[-1] must be <= the token count"
+        )
+    longest = max(lengths, default=0)
+    if longest > max_seqlen:
+        raise ValueError(f"max_seqlen for {name} is {max_seqlen} but a sequence has {longest} tokens; pass an upper bound")

@@ -1,0 +1,40 @@
+"""MLA prefill attention as ``torch.library`` custom ops.
+
+Importing this package registers ``torch.ops.mla.prefill``, ``torch.ops.mla.prefill_context_chunk``
+and ``torch.ops.mla.merge_attn_states``. The Python API below wraps them with defaults.
+"""
+
+from __future__ import annotations
+
+from . import ops  # noqa: F401  (registers torch.ops.mla.*)
+from .api import (
+    ContextChunk,
+    default_softmax_scale,
+    merge_attn_states,
+    prefill,
+    prefill_context_chunk,
+    prefill_with_context,
+)
+from .backends.registry import PrefillBackendEnum
+from .config import DEEPSEEK_V3, DeviceCapability, MLADimensions, SelectorConfig
+from .selector import clear_cache, prefill_backend, select_backend, set_prefill_backend
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEEPSEEK_V3",
+    "ContextChunk",
+    "DeviceCapability",
+    "MLADimensions",
+    "PrefillBackendEnum",
+    "SelectorConfig",
+    "clear_cache",
+    "default_softmax_scale",
+    "merge_attn_states",
+    "prefill",
+    "prefill_backend",
+    "prefill_context_chunk",
+    "prefill_with_context",
+    "select_backend",
+    "set_prefill_backend",
+]
