@@ -17,6 +17,7 @@ from .api import (
 )
 from .backends.registry import PrefillBackendEnum
 from .config import DEEPSEEK_V3, DeviceCapability, MLADimensions, SelectorConfig
+from .graphs import plan_cuda_graph, release_cuda_graph_buffers
 from .selector import clear_cache, prefill_backend, select_backend, set_prefill_backend
 
 __version__ = "0.1.0"
@@ -31,10 +32,12 @@ __all__ = [
     "clear_cache",
     "default_softmax_scale",
     "merge_attn_states",
+    "plan_cuda_graph",
     "prefill",
     "prefill_backend",
     "prefill_context_chunk",
     "prefill_with_context",
+    "release_cuda_graph_buffers",
     "select_backend",
     "set_prefill_backend",
 ]

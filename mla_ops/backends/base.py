@@ -7,11 +7,15 @@ out the class itself and the op's dispatch costs one dict lookup. Backends that 
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from ..config import SUPPORTED_DTYPES, DeviceCapability, MLADimensions, SelectorConfig
+
+if TYPE_CHECKING:
+    from ..graphs import GraphBuffer
 
 
 class PrefillBackend:
@@ -74,7 +78,7 @@ class PrefillBackend:
         reasons: list[str] = []
         try:
             why = cls.unavailable_reason()
-        except Exception as exc:  # noqa: BLE001 - report, never raise, from a probe
+        except Exception as exc:
             why = f"availability check failed: {exc!r}"
         if why is not None:
             reasons.append(why)
@@ -99,6 +103,18 @@ class PrefillBackend:
 
         Called by ``python -m mla_ops warmup``; backends without a just-in-time step keep this no-op.
         """
+
+    @classmethod
+    def plan_cuda_graph(cls, new_tokens: GraphBuffer, chunks: Sequence[GraphBuffer]) -> None:
+        """Re-plan host-side state for graphs that read these static offset buffers.
+
+        Called by :func:`mla_ops.plan_cuda_graph` before capture and before every replay, with the
+        offsets now in the buffers. Backends that read ``cu_seqlens`` on the device keep this no-op.
+        """
+
+    @classmethod
+    def release_cuda_graph_state(cls) -> None:
+        """Drop whatever :meth:`plan_cuda_graph` built."""
 
     # --- execution ------------------------------------------------------------------------------
 

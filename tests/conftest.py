@@ -1,0 +1,38 @@
+"""Shared pytest configuration.
+
+Without CUDA, Triton kernels run in Triton's interpreter; it is chosen when a kernel is decorated, so
+the variable is set here, before any test module imports ``mla_ops.kernels``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import mla_ops  # noqa: E402
+
+_NO_CUDA = "needs a CUDA device: torch.cuda.is_available() is False on this machine"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason=_NO_CUDA)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_selection(monkeypatch: pytest.MonkeyPatch):
+    """Every test starts with automatic selection and empty caches, and leaves them that way."""
+    monkeypatch.delenv(mla_ops.selector.ENV_VAR, raising=False)
+    mla_ops.set_prefill_backend(None)
+    yield
+    mla_ops.set_prefill_backend(None)
