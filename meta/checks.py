@@ -8,6 +8,7 @@ only called where they are already on the host.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -172,7 +173,7 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, num_tokens: int, max_seqle
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0:
         raise ValueError(f"{name} must start at 0, got {bounds[0]}")
-    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
     if any(n < 0 for n in lengths):
         raise ValueError(f"{name} must be non-decreasing, got {bounds}")
     if bounds[-1] > num_tokens:
@@ -182,4 +183,6 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, num_tokens: int, max_seqle
         )
     longest = max(lengths, default=0)
     if longest > max_seqlen:
-        raise ValueError(f"max_seqlen for {name} is {max_seqlen} but a sequence has {longest} tokens; pass an upper bound")
+        raise ValueError(
+            f"max_seqlen for {name} is {max_seqlen} but a sequence has {longest} tokens; pass an upper bound"
+        )

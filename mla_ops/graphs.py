@@ -24,6 +24,7 @@ it unconditionally.
 from __future__ import annotations
 
 import importlib
+import itertools
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ def _host_offsets(name: str, cu: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"plan_cuda_graph: {name} must be an int32 tensor [B+1], got {cu!r:.80}")
     host = cu.cpu()
     bounds = host.tolist()
-    if bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
+    if bounds[0] != 0 or any(b < a for a, b in itertools.pairwise(bounds)):
         raise ValueError(f"plan_cuda_graph: {name} must start at 0 and be non-decreasing, got {bounds}")
     return host
 

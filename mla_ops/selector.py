@@ -135,8 +135,7 @@ def select_backend(capability: DeviceCapability | None, config: SelectorConfig) 
         cls, reasons = validate_backend(override, capability, config)
         if reasons:
             raise ValueError(
-                f"Selected MLA prefill backend {override.name} is not valid for this configuration. "
-                f"Reason: {reasons}"
+                f"Selected MLA prefill backend {override.name} is not valid for this configuration. Reason: {reasons}"
             )
         assert cls is not None
         logger.info("Using %s MLA prefill backend (explicit override).", override.name)
@@ -149,7 +148,9 @@ def _auto_select(capability: DeviceCapability | None, config: SelectorConfig) ->
     priorities = backend_priorities(capability, config.mla_dimensions)
     if not priorities:
         assert capability is not None
-        raise ValueError(f"No valid MLA prefill backend found with {config!r}: {unsupported_platform_reason(capability)}.")
+        raise ValueError(
+            f"No valid MLA prefill backend found with {config!r}: {unsupported_platform_reason(capability)}."
+        )
     all_reasons: dict[str, list[str]] = {}
     for backend in priorities:
         cls, reasons = validate_backend(backend, capability, config)

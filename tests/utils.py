@@ -113,9 +113,11 @@ def dense_attention(
         qq = q[q0:q1].to(compute_dtype).transpose(0, 1)
         kk = k[k0:k1].to(compute_dtype).transpose(0, 1)
         vv = v[k0:k1].to(compute_dtype).transpose(0, 1)
-        s = (qq @ kk.transpose(1, 2)).float() * softmax_scale if compute_dtype != torch.float64 else (
-            qq @ kk.transpose(1, 2)
-        ) * softmax_scale
+        s = (
+            (qq @ kk.transpose(1, 2)).float() * softmax_scale
+            if compute_dtype != torch.float64
+            else (qq @ kk.transpose(1, 2)) * softmax_scale
+        )
         if causal:
             lq, lk = q1 - q0, k1 - k0
             mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)

@@ -139,9 +139,7 @@ class ReferenceBackend(PrefillBackend):
         return attention_reference(q, k, v, cu_seqlens, cu_seqlens, softmax_scale, causal=True)
 
     @classmethod
-    def prefill_context_chunk(
-        cls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale
-    ):
+    def prefill_context_chunk(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
         check_cu_seqlens_values(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
         check_cu_seqlens_values(cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
         return attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=False)
