@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_attention_inputs, check_cu_seqlens_values, check_merge_inputs
+from .checks import check_argument_types, check_attention_inputs, check_cu_seqlens_values, check_merge_inputs
 
 __all__ = [
+    "check_argument_types",
     "check_attention_inputs",
     "check_cu_seqlens_values",
     "check_merge_inputs",
@@ -36,7 +37,9 @@ def prefill_fake(
     softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fake ``mla::prefill``: ``out`` ``[T, H, Dv]`` (dtype of ``q``), ``lse`` float32 ``[H, T]``."""
-    check_attention_inputs("mla.prefill", q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale)
+    check_attention_inputs(
+        "mla.prefill", q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, self_attention=True
+    )
     return _attention_outputs(q, v)
 
 
@@ -52,7 +55,16 @@ def prefill_context_chunk_fake(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fake ``mla::prefill_context_chunk``: ``out`` ``[Tq, H, Dv]``, ``lse`` float32 ``[H, Tq]``."""
     check_attention_inputs(
-        "mla.prefill_context_chunk", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale
+        "mla.prefill_context_chunk",
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        softmax_scale,
+        False,
     )
     return _attention_outputs(q, v)
 

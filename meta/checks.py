@@ -74,8 +74,12 @@ def check_attention_inputs(
     max_seqlen_q: int,
     max_seqlen_k: int,
     softmax_scale: float,
+    self_attention: bool,
 ) -> None:
     """Validate the inputs of ``mla.prefill`` or ``mla.prefill_context_chunk`` without reading data.
+
+    ``self_attention`` selects the ``mla.prefill`` rules: ``k`` and ``v`` are the new tokens
+    themselves, described by ``cu_seqlens_q`` (pass it as ``cu_seqlens_k`` too).
 
     Raises ``TypeError`` for a wrong type or dtype and ``ValueError`` for a wrong shape, device,
     stride or value; each message names the argument and says what to pass instead.
@@ -105,7 +109,7 @@ def check_attention_inputs(
     if v.shape[0] != k.shape[0]:
         raise ValueError(f"{op}: k has {k.shape[0]} tokens but v has {v.shape[0]}; they must match")
     _check_unit_stride(op, ("q", "k", "v"), (q, k, v))
-    if cu_seqlens_k is cu_seqlens_q:
+    if self_attention:
         if k.shape[0] != q.shape[0]:
             raise ValueError(f"{op}: q has {q.shape[0]} tokens but k has {k.shape[0]}; they must match")
         _check_cu_seqlens(op, "cu_seqlens", cu_seqlens_q, q.device)
@@ -164,7 +168,16 @@ def check_merge_inputs(
     _check_unit_stride(op, ("prefix_out", "suffix_out"), (prefix_out, suffix_out))
 
 
-def check_cu_seqlens_values(cu_seqlens: torch.Tensor, num_tokens: int, max_seqlen: int, name: str) -> None:
+def check_argument_types(op: str, tensors: dict[str, object], ints: dict[str, object]) -> None:
+    """Check Python argument types before they reach the dispatcher, whose own errors name no argument."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, value in ints.items():
+        _check_max_seqlen(op, name, value)
+
+
+def check_cu_seqlens_values(op: str, cu_seqlens: torch.Tensor, num_tokens: int, max_seqlen: int, name: str) -> None:
     """Validate the values of ``cu_seqlens``: this reads them, so call it only where they are on the host.
 
     Requires ``cu_seqlens[0] == 0``, non-decreasing offsets, ``cu_seqlens[-1] <= num_tokens`` (tokens
@@ -172,17 +185,17 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, num_tokens: int, max_seqle
     """
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {bounds[0]}")
+        raise ValueError(f"{op}: {name} must start at 0, got {bounds[0]}")
     lengths = [b - a for a, b in itertools.pairwise(bounds)]
     if any(n < 0 for n in lengths):
-        raise ValueError(f"{name} must be non-decreasing, got {bounds}")
+        raise ValueError(f"{op}: {name} must be non-decreasing, got {bounds}")
     if bounds[-1] > num_tokens:
         raise ValueError(
-            f"{name} ends at {bounds[-1]} but the tensor holds only {num_tokens} tokens; "
+            f"{op}: {name} ends at {bounds[-1]} but the tensor holds only {num_tokens} tokens; "
             f"{name}[-1] must be <= the token count"
         )
     longest = max(lengths, default=0)
     if longest > max_seqlen:
         raise ValueError(
-            f"max_seqlen for {name} is {max_seqlen} but a sequence has {longest} tokens; pass an upper bound"
+            f"{op}: max_seqlen for {name} is {max_seqlen} but a sequence has {longest} tokens; pass an upper bound"
         )

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.mla)
+from .meta.checks import check_argument_types
 
 
 class ContextChunk(NamedTuple):
@@ -35,9 +36,11 @@ def default_softmax_scale(head_dim_qk: int) -> float:
 
 
 def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
-    if softmax_scale is None:
-        return default_softmax_scale(q.shape[-1])
-    return float(softmax_scale)
+    if softmax_scale is not None:
+        return float(softmax_scale)
+    if not isinstance(q, torch.Tensor) or q.dim() == 0:
+        raise TypeError(f"q must be a torch.Tensor [T, H, Dqk], got {type(q).__name__}")
+    return default_softmax_scale(q.shape[-1])
 
 
 def prefill(
@@ -63,6 +66,7 @@ def prefill(
         ``(out, lse)``: ``out`` ``[T, H, Dv]`` in the dtype of ``q``; ``lse`` float32 ``[H, T]``,
         natural log.
     """
+    check_argument_types("mla.prefill", {"q": q, "k": k, "v": v, "cu_seqlens": cu_seqlens}, {"max_seqlen": max_seqlen})
     return torch.ops.mla.prefill(q, k, v, cu_seqlens, max_seqlen, _scale(q, softmax_scale))
 
 
@@ -90,6 +94,11 @@ def prefill_context_chunk(
     Returns:
         ``(out, lse)``: ``out`` ``[Tq, H, Dv]``; ``lse`` float32 ``[H, Tq]``, natural log.
     """
+    check_argument_types(
+        "mla.prefill_context_chunk",
+        {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k},
+        {"max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k},
+    )
     return torch.ops.mla.prefill_context_chunk(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, _scale(q, softmax_scale)
     )
@@ -111,6 +120,11 @@ def merge_attn_states(
         ``(out, lse)`` as if attention had run over both key sets at once. A row empty on both sides
         gives ``out = 0`` and ``lse = -inf``, never NaN.
     """
+    check_argument_types(
+        "mla.merge_attn_states",
+        {"prefix_out": prefix_out, "prefix_lse": prefix_lse, "suffix_out": suffix_out, "suffix_lse": suffix_lse},
+        {},
+    )
     return torch.ops.mla.merge_attn_states(prefix_out, prefix_lse, suffix_out, suffix_lse)
 
 
@@ -137,15 +151,13 @@ def prefill_with_context(
         ``(out, lse)``: ``out`` ``[T, H, Dv]``; ``lse`` float32 ``[H, T]``.
     """
     scale = _scale(q, softmax_scale)
-    out, lse = torch.ops.mla.prefill(q, k, v, cu_seqlens, max_seqlen, scale)
+    out, lse = prefill(q, k, v, cu_seqlens, max_seqlen, scale)
     for i, chunk in enumerate(chunks):
         if len(chunk) != 4:
             raise TypeError(
                 f"prefill_with_context: chunks[{i}] must be (k, v, cu_seqlens_k, max_seqlen_k), got {len(chunk)} items"
             )
         k_c, v_c, cu_seqlens_k, max_seqlen_k = chunk
-        out_c, lse_c = torch.ops.mla.prefill_context_chunk(
-            q, k_c, v_c, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, scale
-        )
-        out, lse = torch.ops.mla.merge_attn_states(out_c, lse_c, out, lse)
+        out_c, lse_c = prefill_context_chunk(q, k_c, v_c, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, scale)
+        out, lse = merge_attn_states(out_c, lse_c, out, lse)
     return out, lse

@@ -45,17 +45,17 @@ for _schema in SCHEMAS.values():
 
 
 def _prefill_cpu(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
-    check_attention_inputs("mla.prefill", q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale)
+    check_attention_inputs(
+        "mla.prefill", q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, self_attention=True
+    )
     return ReferenceBackend.prefill(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
 
 
-def _prefill_context_chunk_cpu(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
+def _prefill_context_chunk_cpu(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale):
     check_attention_inputs(
-        "mla.prefill_context_chunk", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale
+        "mla.prefill_context_chunk", q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, self_attention=False
     )
-    return ReferenceBackend.prefill_context_chunk(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale
-    )
+    return ReferenceBackend.prefill_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale)
 
 
 def _merge_cpu(prefix_out, prefix_lse, suffix_out, suffix_lse):
@@ -67,17 +67,17 @@ def _merge_cpu(prefix_out, prefix_lse, suffix_out, suffix_lse):
 
 
 def _prefill_cuda(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
-    check_attention_inputs("mla.prefill", q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale)
+    check_attention_inputs(
+        "mla.prefill", q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, self_attention=True
+    )
     return backend_for(q, v).prefill(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
 
 
-def _prefill_context_chunk_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
+def _prefill_context_chunk_cuda(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale):
     check_attention_inputs(
-        "mla.prefill_context_chunk", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale
+        "mla.prefill_context_chunk", q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, self_attention=False
     )
-    return backend_for(q, v).prefill_context_chunk(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale
-    )
+    return backend_for(q, v).prefill_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale)
 
 
 def _merge_cuda(prefix_out, prefix_lse, suffix_out, suffix_lse):

@@ -70,18 +70,12 @@ class PrefillBackend:
         return cls.name.lower()
 
     @classmethod
-    def validate_configuration(cls, capability: DeviceCapability | None, config: SelectorConfig) -> list[str]:
-        """Every reason this backend cannot serve ``config`` on ``capability``; empty means valid.
+    def configuration_reasons(cls, capability: DeviceCapability | None, config: SelectorConfig) -> list[str]:
+        """Why the backend's kernels do not cover ``config`` on ``capability``, whatever is installed.
 
-        ``capability`` is ``None`` for a CPU.
+        A pure function of its arguments: the selection rules that ``info --capability`` prints.
         """
         reasons: list[str] = []
-        try:
-            why = cls.unavailable_reason()
-        except Exception as exc:
-            why = f"availability check failed: {exc!r}"
-        if why is not None:
-            reasons.append(why)
         if capability is None:
             if not cls.supports_cpu:
                 reasons.append("runs on CUDA devices only, not on CPU")
@@ -96,6 +90,20 @@ class PrefillBackend:
         else:
             reasons.extend(cls.mla_dimension_reasons(dims, capability))
         return reasons
+
+    @classmethod
+    def validate_configuration(cls, capability: DeviceCapability | None, config: SelectorConfig) -> list[str]:
+        """Every reason this backend cannot serve ``config`` on ``capability`` here; empty means valid.
+
+        ``capability`` is ``None`` for a CPU. This is :meth:`configuration_reasons` plus whether the
+        backend's library is usable on this machine.
+        """
+        try:
+            why = cls.unavailable_reason()
+        except Exception as exc:  # an availability probe reports, never raises
+            why = f"availability check failed: {exc!r}"
+        reasons = [why] if why is not None else []
+        return reasons + cls.configuration_reasons(capability, config)
 
     @classmethod
     def warmup(cls, device: torch.device, config: SelectorConfig, num_heads: int) -> None:

@@ -14,6 +14,8 @@ from ..config import DeviceCapability
 from ..meta.checks import check_cu_seqlens_values
 from .base import PrefillBackend
 
+_CHUNK = "mla.prefill_context_chunk"
+
 # Scores of one block of query rows are materialised in fp32; this bounds that block's size.
 _MAX_SCORE_ELEMENTS = 1 << 26
 
@@ -135,11 +137,11 @@ class ReferenceBackend(PrefillBackend):
 
     @classmethod
     def prefill(cls, q, k, v, cu_seqlens, max_seqlen, softmax_scale):
-        check_cu_seqlens_values(cu_seqlens, q.shape[0], max_seqlen, "cu_seqlens")
+        check_cu_seqlens_values("mla.prefill", cu_seqlens, q.shape[0], max_seqlen, "cu_seqlens")
         return attention_reference(q, k, v, cu_seqlens, cu_seqlens, softmax_scale, causal=True)
 
     @classmethod
     def prefill_context_chunk(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
-        check_cu_seqlens_values(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
-        check_cu_seqlens_values(cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
+        check_cu_seqlens_values(_CHUNK, cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
+        check_cu_seqlens_values(_CHUNK, cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
         return attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=False)

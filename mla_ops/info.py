@@ -1,0 +1,175 @@
+"""``python -m mla_ops info``: what would run where, and why.
+
+The output has three parts: the versions and the device; the selection rules for the device (a pure
+function of capability, dtype and dims, so ``--capability`` reproduces any GPU's rules anywhere);
+and what this machine's installed libraries make of them, with the dispatch table of the ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+
+import torch
+
+from . import __version__
+from .backends.registry import PrefillBackendEnum
+from .config import DEEPSEEK_V3, DeviceCapability, MLADimensions, SelectorConfig
+from .selector import (
+    ENV_VAR,
+    backend_priorities,
+    current_override,
+    select_backend,
+    unsupported_platform_reason,
+    validate_backend,
+)
+
+_LIBRARIES = {
+    "torch": "torch",
+    "triton": "triton",
+    "flashinfer": "flashinfer-python",
+    "flash_attn": "flash-attn",
+    "flash_attn_interface (FA3)": "flash-attn-3",
+}
+
+
+def library_versions() -> dict[str, str]:
+    """Installed versions of the libraries the backends use (``"not installed"`` when absent)."""
+    versions = {}
+    for label, dist in _LIBRARIES.items():
+        try:
+            versions[label] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[label] = "not installed"
+    versions["torch"] = torch.__version__
+    versions["CUDA (torch build)"] = str(torch.version.cuda)
+    return versions
+
+
+def _device_name(capability: DeviceCapability | None) -> str:
+    return "CPU" if capability is None else f"compute capability {capability}"
+
+
+def selection_rules(capability: DeviceCapability | None, config: SelectorConfig) -> str:
+    """The priority list for ``capability`` and whether each backend's kernels cover ``config``.
+
+    Ignores what is installed: the same arguments print the same table on every machine.
+    """
+    lines = [f"Selection rules for {_device_name(capability)} and {config!r}"]
+    priorities = backend_priorities(capability, config.mla_dimensions)
+    if not priorities:
+        assert capability is not None
+        lines.append(f"  {unsupported_platform_reason(capability)}")
+        return "\n".join(lines)
+    lines.append(f"  {'order':<6} {'backend':<11} covers this config")
+    first = None
+    rest = [b for b in PrefillBackendEnum if b not in priorities]
+    for rank, backend in [(str(i + 1), b) for i, b in enumerate(priorities)] + [("-", b) for b in rest]:
+        try:
+            reasons = backend.get_class().configuration_reasons(capability, config)
+        except ImportError:
+            reasons = ["ImportError"]
+        verdict = "yes" if not reasons else "no: " + "; ".join(reasons)
+        if rank == "-":
+            verdict += " (explicit override only)" if not reasons else ""
+        elif first is None and not reasons:
+            first = backend.name
+        lines.append(f"  {rank:<6} {backend.name:<11} {verdict}")
+    lines.append(f"  automatic choice when every library is installed: {first or 'none'}")
+    return "\n".join(lines)
+
+
+def machine_table(capability: DeviceCapability | None, config: SelectorConfig, simulated: bool) -> str:
+    """Each backend's validity with this machine's libraries, and the backend that would be selected."""
+    where = _device_name(capability) + (", simulated" if simulated else "")
+    lines = [f"On this machine ({where})", f"  {'backend':<11} {'valid':<6} implementation or reasons"]
+    for backend in PrefillBackendEnum:
+        cls, reasons = validate_backend(backend, capability, config)
+        detail = cls.implementation() if not reasons and cls is not None else "; ".join(reasons)
+        lines.append(f"  {backend.name:<11} {'yes' if not reasons else 'no':<6} {detail}")
+    override = current_override()
+    lines.append(f"  override: {override.name if override else f'none ({ENV_VAR} unset)'}")
+    try:
+        lines.append(f"  selected: {select_backend(capability, config).name}")
+    except ValueError as exc:
+        lines.append(f"  selected: none ({exc})")
+    return "\n".join(lines)
+
+
+def dispatch_table(capability: DeviceCapability | None, config: SelectorConfig) -> str:
+    """What each dispatch key of the ``mla`` ops runs for ``config``."""
+    from .ops import merge_kernel
+
+    if capability is None:
+        cuda = "no CUDA device visible (pass --capability to see a GPU's rules)"
+    else:
+        try:
+            cuda = f"{select_backend(capability, config).name} for prefill and prefill_context_chunk"
+        except ValueError:
+            cuda = "no valid backend (see above): the ops raise ValueError"
+        merge = merge_kernel()
+        cuda += f"; merge_attn_states: {'Triton kernel' if merge.__module__.endswith('merge') else 'PyTorch math'}"
+    return "\n".join(
+        [
+            "Dispatch keys of torch.ops.mla.*",
+            "  Meta/fake  mla_ops.meta shape functions",
+            "  CPU        REFERENCE (PyTorch, fp32 accumulation)",
+            f"  CUDA       {cuda}",
+        ]
+    )
+
+
+def _capability(text: str) -> DeviceCapability:
+    try:
+        return DeviceCapability.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--capability", type=_capability, default=None, help="simulate a CUDA device, e.g. 9.0, 10.0, 8.0"
+    )
+    parser.add_argument(
+        "--dtype", default="bfloat16", help="dtype of q/k/v: bfloat16 or float16 (others print why they fail)"
+    )
+    parser.add_argument(
+        "--dims",
+        default=",".join(map(str, DEEPSEEK_V3)),
+        help="MLA dims qk_nope,qk_rope,v (default %(default)s, DeepSeek-V3)",
+    )
+    parser.add_argument("--device", default=None, help="CUDA device to describe (default: the current one)")
+
+
+def _parse_dims(text: str) -> MLADimensions:
+    try:
+        nope, rope, v = (int(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--dims must be three integers qk_nope,qk_rope,v, got {text!r}") from None
+    return MLADimensions(nope, rope, v)
+
+
+def main(args: argparse.Namespace) -> int:
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise SystemExit(f"--dtype {args.dtype!r} is not a torch dtype")
+    config = SelectorConfig(dtype, _parse_dims(args.dims))
+    device = None
+    if torch.cuda.is_available():
+        device = torch.device(args.device or f"cuda:{torch.cuda.current_device()}")
+    capability = args.capability or (DeviceCapability.of(device) if device is not None else None)
+
+    print(f"mla_ops {__version__}")
+    for label, version in library_versions().items():
+        print(f"  {label}: {version}")
+    if device is not None:
+        print(f"device: {device} {torch.cuda.get_device_name(device)}, capability {DeviceCapability.of(device)}")
+    else:
+        print("device: CPU only (no CUDA device visible)")
+    print()
+    print(selection_rules(capability, config))
+    print()
+    print(machine_table(capability, config, simulated=args.capability is not None))
+    print()
+    print(dispatch_table(capability, config))
+    return 0

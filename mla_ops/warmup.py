@@ -1,0 +1,68 @@
+"""``python -m mla_ops warmup``: build every just-in-time kernel before serving.
+
+FlashInfer compiles its attention kernels on first use (minutes on a bare machine) and Triton
+compiles on first launch (seconds). Doing it ahead of time keeps that out of the first request and,
+more importantly, out of CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from .backends.registry import PrefillBackendEnum
+from .config import DEEPSEEK_V3, DeviceCapability, SelectorConfig
+from .info import _parse_dims
+from .selector import validate_backend
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dtype",
+        action="append",
+        choices=["bfloat16", "float16"],
+        help="dtype to compile for (repeatable; default bfloat16)",
+    )
+    parser.add_argument(
+        "--dims",
+        action="append",
+        help=f"MLA dims qk_nope,qk_rope,v (repeatable; default {','.join(map(str, DEEPSEEK_V3))})",
+    )
+    parser.add_argument("--heads", type=int, default=16, help="query heads per device (default %(default)s)")
+    parser.add_argument(
+        "--backend",
+        action="append",
+        choices=[b.name for b in PrefillBackendEnum],
+        help="warm up only these backends (repeatable; default: every backend valid here)",
+    )
+    parser.add_argument("--device", default="cuda", help="CUDA device (default %(default)s)")
+
+
+def main(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("warmup: no CUDA device visible; the CPU path (REFERENCE) has nothing to compile")
+        return 0
+    device = torch.device(args.device)
+    capability = DeviceCapability.of(device)
+    dtypes = [getattr(torch, d) for d in (args.dtype or ["bfloat16"])]
+    dims_list = [_parse_dims(d) for d in (args.dims or [",".join(map(str, DEEPSEEK_V3))])]
+    wanted = [PrefillBackendEnum[name] for name in args.backend] if args.backend else list(PrefillBackendEnum)
+    jobs = [(b, SelectorConfig(dt, dims)) for b in wanted for dt in dtypes for dims in dims_list]
+    failures = 0
+    for i, (backend, config) in enumerate(jobs, 1):
+        dtype = str(config.dtype).removeprefix("torch.")
+        label = f"[{i}/{len(jobs)}] {backend.name} {dtype} {tuple(config.mla_dimensions)}"
+        cls, reasons = validate_backend(backend, capability, config)
+        if reasons:
+            print(f"{label}: skipped ({'; '.join(reasons)})", flush=True)
+            if args.backend:
+                failures += 1
+            continue
+        print(f"{label}: compiling ...", flush=True)
+        start = time.perf_counter()
+        cls.warmup(device, config, args.heads)
+        torch.cuda.synchronize(device)
+        print(f"{label}: ready in {time.perf_counter() - start:.1f} s", flush=True)
+    return 1 if failures else 0

@@ -1,0 +1,125 @@
+"""torch.compile(fullgraph=True) over the ops and over the MLA layer, with graph breaks and
+recompiles counted. On CPU the ops run REFERENCE; tests/test_gpu_e2e.py repeats this on CUDA."""
+
+from __future__ import annotations
+
+import torch
+import torch._dynamo
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from utils import cu_seqlens_of, make_batch, make_qkv
+
+import mla_ops
+from mla_ops.model import MLAAttention, MLAConfig, random_batch
+
+# Five ragged batches with different token counts and batch sizes, each with two context chunks.
+# Dynamo specialises sizes 0 and 1, so no tensor here is 0 or 1 tokens long (individual sequences
+# may be): a 1-token chunk tensor in one batch would cost a recompile when the next one is longer.
+# The first two batches differ in every size and int, so automatic dynamic shapes mark all of them
+# dynamic at the first recompile.
+BATCHES = [
+    ([5, 0, 9], [[2, 0, 3], [2, 0, 1]]),
+    ([12, 1], [[4, 4], [0, 4]]),
+    ([3, 3, 3, 3], [[1, 2, 3, 4], [0, 0, 2, 1]]),
+    ([20], [[7], [7]]),
+    ([1, 6, 0, 2, 8], [[0, 1, 2, 3, 4], [5, 0, 0, 0, 0]]),
+]
+
+
+def _inputs(lengths, context, seed):
+    b = make_batch(lengths, 2, 192, 128, torch.bfloat16, strided_v=True, seed=seed)
+    chunks = []
+    for i, ctx in enumerate(context):
+        _, k, v = make_qkv(sum(ctx), 2, 192, 128, torch.bfloat16, generator=torch.Generator().manual_seed(seed + i))
+        chunks.append(mla_ops.ContextChunk(k, v, cu_seqlens_of(ctx), max(ctx)))
+    return b, chunks
+
+
+def _graph_breaks() -> int:
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def _compiled_variants(fn) -> int:
+    """How many graphs dynamo keeps for ``fn``'s code: 1 + the number of recompiles.
+
+    (Counting backend calls would also count dynamo's internal restarts of one compile.)
+    """
+    return len(_debug_get_cache_entry_list(fn.__code__))
+
+
+def _run_batches(mark_dynamic: bool, dynamic: bool | None = None) -> tuple[int, int]:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+    def attend(q, k, v, cu, max_seqlen, chunks):
+        return mla_ops.prefill_with_context(q, k, v, cu, max_seqlen, chunks)
+
+    compiled = torch.compile(attend, fullgraph=True, dynamic=dynamic)
+
+    for seed, (lengths, context) in enumerate(BATCHES):
+        b, chunks = _inputs(lengths, context, seed)
+        if mark_dynamic:
+            for t in (b.q, b.k, b.v):
+                torch._dynamo.mark_dynamic(t, 0)
+        out, lse = compiled(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen, chunks)
+        want_out, want_lse = mla_ops.prefill_with_context(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen, chunks)
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    return _compiled_variants(attend), _graph_breaks()
+
+
+def test_prefill_with_context_compiles_once_with_automatic_dynamic_shapes() -> None:
+    compiles, breaks = _run_batches(mark_dynamic=False)
+    assert breaks == 0
+    assert compiles <= 2, f"{compiles - 1} recompiles over {len(BATCHES)} batches"
+
+
+def test_prefill_with_context_recompiles_at_most_once_with_tokens_marked_dynamic() -> None:
+    compiles, breaks = _run_batches(mark_dynamic=True)
+    assert breaks == 0
+    # The token dims are dynamic from the start; the max_seqlen ints still cost the one recompile.
+    assert compiles <= 2, f"{compiles - 1} recompiles over {len(BATCHES)} batches"
+
+
+def test_prefill_with_context_never_recompiles_when_compiled_dynamic() -> None:
+    compiles, breaks = _run_batches(mark_dynamic=False, dynamic=True)
+    assert breaks == 0
+    assert compiles == 1, f"{compiles - 1} recompiles over {len(BATCHES)} batches"
+
+
+def test_compiled_graph_calls_the_custom_ops() -> None:
+    b, chunks = _inputs(*BATCHES[0], seed=0)
+    explanation = torch._dynamo.explain(mla_ops.prefill_with_context)(
+        b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen, chunks
+    )
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    code = "\n".join(g.code for g in explanation.graphs)
+    for op in ("mla.prefill", "mla.prefill_context_chunk", "mla.merge_attn_states"):
+        assert op in code
+
+
+def layer_batches(layer: MLAAttention, count: int = 10, chunk_size: int = 8):
+    """``count`` ragged batches of different sizes, each with exactly two context chunks."""
+    gen = torch.Generator().manual_seed(0)
+    for i in range(count):
+        num_seqs = 2 + i % 3
+        lengths = [3 + (7 * i + 5 * j) % 29 for j in range(num_seqs)]
+        context = [(5 * i + 4 * j) % (2 * chunk_size + 1) for j in range(num_seqs)]
+        context[0] = chunk_size + 2 + i % (chunk_size - 1)  # two chunks, neither of them 0 or 1 tokens
+        batch = random_batch(layer, lengths, context, chunk_size=chunk_size, generator=gen)
+        assert len(batch.context) == 2
+        yield batch
+
+
+@torch.no_grad()
+def test_mla_layer_compiles_fullgraph_once_across_ten_batches() -> None:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    layer = MLAAttention(MLAConfig(hidden_size=256, num_heads=4, kv_lora_rank=64), dtype=torch.bfloat16)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    for batch in layer_batches(layer):
+        args = (batch.hidden, batch.positions, batch.cu_seqlens, batch.max_seqlen, batch.context)
+        # Inductor fuses the projections' epilogues differently from eager: compare at bf16 precision.
+        torch.testing.assert_close(compiled(*args), layer(*args), rtol=2e-2, atol=2e-3)
+    assert _graph_breaks() == 0
+    variants = _compiled_variants(layer.forward)
+    assert variants == 1, f"{variants - 1} recompiles over 10 batches"

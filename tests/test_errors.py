@@ -1,0 +1,229 @@
+"""Every bad input gets a clear error naming what is wrong, through the API and the raw ops."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from utils import cu_seqlens_of, make_batch, make_qkv
+
+import mla_ops
+
+BF16 = torch.bfloat16
+
+
+def _good():
+    b = make_batch([3, 4], 2, 192, 128, BF16)
+    return {"q": b.q, "k": b.k, "v": b.v, "cu_seqlens": b.cu_seqlens, "max_seqlen": 4}
+
+
+def _call_prefill(**overrides):
+    args = _good() | overrides
+    return mla_ops.prefill(args["q"], args["k"], args["v"], args["cu_seqlens"], args["max_seqlen"])
+
+
+PREFILL_CASES = [
+    ("q as float32", {"q": torch.randn(7, 2, 192)}, TypeError, "mla.prefill: q has dtype float32; only bfloat16"),
+    (
+        "k dtype",
+        {"k": torch.randn(7, 2, 192, dtype=torch.float16)},
+        TypeError,
+        "k has dtype float16 but q has bfloat16",
+    ),
+    (
+        "v dtype",
+        {"v": torch.randn(7, 2, 128, dtype=torch.float16)},
+        TypeError,
+        "v has dtype float16 but q has bfloat16",
+    ),
+    (
+        "q rank",
+        {"q": torch.randn(7, 384, dtype=BF16)},
+        ValueError,
+        "q must be a 3-D tensor [T, H, Dqk], got shape (7, 384)",
+    ),
+    ("v rank", {"v": torch.randn(7, 2, 2, 64, dtype=BF16)}, ValueError, "v must be a 3-D tensor [T, H, Dv]"),
+    ("q not a tensor", {"q": [1, 2]}, TypeError, "q must be a torch.Tensor, got list"),
+    (
+        "head mismatch",
+        {"k": torch.randn(7, 3, 192, dtype=BF16)},
+        ValueError,
+        "head counts differ: q has 2, k has 3, v has 2",
+    ),
+    ("dim mismatch", {"k": torch.randn(7, 2, 128, dtype=BF16)}, ValueError, "q has head dim 192 but k has 128"),
+    ("token mismatch k/v", {"v": torch.randn(6, 2, 128, dtype=BF16)}, ValueError, "k has 7 tokens but v has 6"),
+    (
+        "token mismatch q/k",
+        {"k": torch.randn(8, 2, 192, dtype=BF16), "v": torch.randn(8, 2, 128, dtype=BF16)},
+        ValueError,
+        "q has 7 tokens but k has 8",
+    ),
+    (
+        "cu_seqlens int64",
+        {"cu_seqlens": torch.tensor([0, 3, 7])},
+        TypeError,
+        "cu_seqlens must have dtype int32, got int64; use cu_seqlens.to(torch.int32)",
+    ),
+    (
+        "cu_seqlens rank",
+        {"cu_seqlens": torch.zeros(2, 2, dtype=torch.int32)},
+        ValueError,
+        "cu_seqlens must be a 1-D tensor [B+1] starting at 0",
+    ),
+    ("cu_seqlens not a tensor", {"cu_seqlens": [0, 3, 7]}, TypeError, "cu_seqlens must be a torch.Tensor, got list"),
+    (
+        "cu_seqlens past T",
+        {"cu_seqlens": cu_seqlens_of([3, 5])},
+        ValueError,
+        "cu_seqlens ends at 8 but the tensor holds only 7 tokens",
+    ),
+    (
+        "cu_seqlens start",
+        {"cu_seqlens": torch.tensor([1, 3, 7], dtype=torch.int32)},
+        ValueError,
+        "cu_seqlens must start at 0",
+    ),
+    (
+        "cu_seqlens decreasing",
+        {"cu_seqlens": torch.tensor([0, 5, 3], dtype=torch.int32)},
+        ValueError,
+        "cu_seqlens must be non-decreasing",
+    ),
+    (
+        "max_seqlen too small",
+        {"max_seqlen": 3},
+        ValueError,
+        "max_seqlen for cu_seqlens is 3 but a sequence has 4 tokens",
+    ),
+    ("max_seqlen negative", {"max_seqlen": -1}, ValueError, "max_seqlen must be >= 0, got -1"),
+    ("max_seqlen float", {"max_seqlen": 4.0}, TypeError, "max_seqlen must be an int, got float"),
+    (
+        "strided last dim",
+        {"q": torch.randn(7, 2, 384, dtype=BF16)[..., ::2]},
+        ValueError,
+        "q must have stride 1 in its last dimension",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "overrides", "error", "message"), PREFILL_CASES, ids=[c[0] for c in PREFILL_CASES])
+def test_prefill_errors(name, overrides, error, message) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        _call_prefill(**overrides)
+
+
+def test_raw_op_validates_too() -> None:
+    g = _good()
+    with pytest.raises(TypeError, match=re.escape("mla.prefill: q has dtype float32")):
+        torch.ops.mla.prefill(g["q"].float(), g["k"], g["v"], g["cu_seqlens"], 4, 0.1)
+
+
+def test_softmax_scale_errors() -> None:
+    g = _good()
+    with pytest.raises(ValueError, match="softmax_scale must be finite, got nan"):
+        mla_ops.prefill(g["q"], g["k"], g["v"], g["cu_seqlens"], 4, softmax_scale=float("nan"))
+
+
+def test_device_mismatch_is_named() -> None:
+    g = _good()
+    meta_v = torch.empty(7, 2, 128, dtype=BF16, device="meta")
+    with pytest.raises(ValueError, match=re.escape("v is on meta but q is on cpu")):
+        mla_ops.prefill(g["q"], g["k"], meta_v, g["cu_seqlens"], 4)
+    with pytest.raises(ValueError, match=re.escape("cu_seqlens is on meta but q is on cpu; move it to cpu")):
+        mla_ops.prefill(g["q"], g["k"], g["v"], g["cu_seqlens"].to("meta"), 4)
+
+
+def _chunk_args():
+    b = make_batch([3, 4], 2, 192, 128, BF16)
+    _, k_c, v_c = make_qkv(5, 2, 192, 128, BF16)
+    return [b.q, k_c, v_c, b.cu_seqlens, cu_seqlens_of([2, 3]), 4, 3]
+
+
+CHUNK_CASES = [
+    (
+        "batch mismatch",
+        {4: cu_seqlens_of([2, 3, 0])},
+        ValueError,
+        "cu_seqlens_q describes 2 sequences but cu_seqlens_k describes 3",
+    ),
+    ("cu_k int64", {4: torch.tensor([0, 2, 5])}, TypeError, "cu_seqlens_k must have dtype int32, got int64"),
+    (
+        "cu_k past Tk",
+        {4: cu_seqlens_of([2, 4])},
+        ValueError,
+        "cu_seqlens_k ends at 6 but the tensor holds only 5 tokens",
+    ),
+    ("max_k too small", {6: 2}, ValueError, "max_seqlen for cu_seqlens_k is 2 but a sequence has 3 tokens"),
+    ("k heads", {1: torch.randn(5, 4, 192, dtype=BF16)}, ValueError, "head counts differ: q has 2, k has 4"),
+]
+
+
+@pytest.mark.parametrize(("name", "overrides", "error", "message"), CHUNK_CASES, ids=[c[0] for c in CHUNK_CASES])
+def test_context_chunk_errors(name, overrides, error, message) -> None:
+    args = _chunk_args()
+    for i, value in overrides.items():
+        args[i] = value
+    with pytest.raises(error, match=re.escape("mla.prefill_context_chunk: " + message)):
+        mla_ops.prefill_context_chunk(*args)
+
+
+def _merge_args():
+    out = torch.randn(5, 2, 128, dtype=BF16)
+    lse = torch.randn(2, 5)
+    return [out, lse, out.clone(), lse.clone()]
+
+
+MERGE_CASES = [
+    (
+        "lse layout [T, H]",
+        {1: torch.randn(5, 2)},
+        ValueError,
+        "prefix_lse must have shape [H, T] = (2, 5) (head-major), got (5, 2)",
+    ),
+    (
+        "lse dtype",
+        {3: torch.randn(2, 5, dtype=torch.float16)},
+        TypeError,
+        "suffix_lse must have dtype float32, got float16",
+    ),
+    (
+        "out dtype",
+        {2: torch.randn(5, 2, 128, dtype=torch.float16)},
+        TypeError,
+        "suffix_out has dtype float16 but prefix_out has bfloat16",
+    ),
+    (
+        "out shape",
+        {2: torch.randn(5, 2, 64, dtype=BF16)},
+        ValueError,
+        "prefix_out has shape (5, 2, 128) but suffix_out has",
+    ),
+    ("float32 out", {0: torch.randn(5, 2, 128), 2: torch.randn(5, 2, 128)}, TypeError, "prefix_out has dtype float32"),
+]
+
+
+@pytest.mark.parametrize(("name", "overrides", "error", "message"), MERGE_CASES, ids=[c[0] for c in MERGE_CASES])
+def test_merge_errors(name, overrides, error, message) -> None:
+    args = _merge_args()
+    for i, value in overrides.items():
+        args[i] = value
+    with pytest.raises(error, match=re.escape("mla.merge_attn_states: " + message)):
+        mla_ops.merge_attn_states(*args)
+
+
+def test_prefill_with_context_rejects_malformed_chunks() -> None:
+    g = _good()
+    with pytest.raises(TypeError, match=re.escape("chunks[0] must be (k, v, cu_seqlens_k, max_seqlen_k), got 2 items")):
+        mla_ops.prefill_with_context(g["q"], g["k"], g["v"], g["cu_seqlens"], 4, [(g["k"], g["v"])])
+
+
+def test_errors_surface_at_trace_time_under_compile() -> None:
+    g = _good()
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def f(q, k, v, cu):
+        return mla_ops.prefill(q, k, v, cu, 4)
+
+    with pytest.raises(Exception, match=re.escape("q has head dim 192 but k has 128")):
+        f(g["q"], g["k"][..., :128], g["v"], g["cu_seqlens"])

@@ -1,0 +1,116 @@
+"""The op contract: schemas, registration per dispatch key, fake kernels and opcheck."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from utils import cu_seqlens_of, make_batch, make_qkv
+
+import mla_ops
+
+SCHEMAS = {
+    "prefill": "mla::prefill(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, float softmax_scale)"
+    " -> (Tensor out, Tensor lse)",
+    "prefill_context_chunk": "mla::prefill_context_chunk(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+    "Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float softmax_scale) -> (Tensor out, Tensor lse)",
+    "merge_attn_states": "mla::merge_attn_states(Tensor prefix_out, Tensor prefix_lse, Tensor suffix_out, "
+    "Tensor suffix_lse) -> (Tensor out, Tensor lse)",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_schema_is_the_documented_one(name: str) -> None:
+    assert str(getattr(torch.ops.mla, name).default._schema) == SCHEMAS[name]
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_kernels_registered_for_cpu_cuda_and_meta(name: str) -> None:
+    qualname = f"mla::{name}"
+    for key in ("CPU", "CUDA"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key), (qualname, key)
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Meta")
+
+
+# (lengths, heads, Dqk, Dv, dtype, strided v, padding rows); includes zero-length sequences.
+SHAPES = [
+    ([5], 1, 192, 128, torch.bfloat16, False, 0),
+    ([3, 0, 7, 1], 2, 192, 128, torch.bfloat16, True, 2),
+    ([0, 0], 2, 64, 64, torch.float16, False, 3),
+    ([4, 9], 3, 128, 128, torch.float16, True, 0),
+    ([], 2, 192, 128, torch.bfloat16, False, 4),
+]
+
+
+def _chunk_for(batch, context_lengths):
+    _, k, v = make_qkv(sum(context_lengths), batch.q.shape[1], batch.q.shape[2], batch.v.shape[2], batch.q.dtype)
+    return k, v, cu_seqlens_of(context_lengths), max(context_lengths, default=0)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_opcheck_all_ops(shape) -> None:
+    lengths, heads, dqk, dv, dtype, strided, padding = shape
+    b = make_batch(lengths, heads, dqk, dv, dtype, strided_v=strided, padding=padding)
+    scale = dqk**-0.5
+    torch.library.opcheck(torch.ops.mla.prefill.default, (b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen, scale))
+    k_c, v_c, cu_k, max_k = _chunk_for(b, [(i * 3) % 5 for i in range(len(lengths))])
+    chunk_args = (b.q, k_c, v_c, b.cu_seqlens, cu_k, b.max_seqlen, max_k, scale)
+    torch.library.opcheck(torch.ops.mla.prefill_context_chunk.default, chunk_args)
+    out_a, lse_a = torch.ops.mla.prefill(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen, scale)
+    out_b, lse_b = torch.ops.mla.prefill_context_chunk(*chunk_args)
+    torch.library.opcheck(torch.ops.mla.merge_attn_states.default, (out_a, lse_a, out_b, lse_b))
+
+
+def test_fake_kernels_give_shapes_without_data() -> None:
+    with FakeTensorMode():
+        q = torch.empty(11, 4, 192, dtype=torch.bfloat16)
+        v = torch.empty(11, 4, 256, dtype=torch.bfloat16)[..., 128:]
+        cu = torch.empty(3, dtype=torch.int32)
+        out, lse = torch.ops.mla.prefill(q, q, v, cu, 8, 0.1)
+        assert out.shape == (11, 4, 128) and out.dtype == torch.bfloat16 and out.is_contiguous()
+        assert lse.shape == (4, 11) and lse.dtype == torch.float32 and lse.is_contiguous()
+        k_c = torch.empty(30, 4, 192, dtype=torch.bfloat16)
+        out, lse = torch.ops.mla.prefill_context_chunk(q, k_c, k_c[..., :128], cu, cu, 8, 20, 0.1)
+        assert out.shape == (11, 4, 128) and lse.shape == (4, 11)
+        out2, lse2 = torch.ops.mla.merge_attn_states(out, lse, out, lse)
+        assert out2.shape == out.shape and lse2.shape == lse.shape
+
+
+def test_outputs_follow_conventions_on_cpu() -> None:
+    b = make_batch([6, 2], 3, 192, 128, torch.float16, strided_v=True)
+    out, lse = mla_ops.prefill(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen)
+    assert out.shape == (8, 3, 128) and out.dtype == torch.float16 and out.is_contiguous()
+    assert lse.shape == (3, 8) and lse.dtype == torch.float32 and lse.is_contiguous()
+
+
+def test_default_softmax_scale_is_inverse_sqrt_dqk() -> None:
+    b = make_batch([5, 4], 2, 192, 128, torch.bfloat16)
+    default = mla_ops.prefill(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen)
+    explicit = torch.ops.mla.prefill(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen, 1 / 192**0.5)
+    other = torch.ops.mla.prefill(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen, 0.5)
+    assert torch.equal(default[1], explicit[1])
+    assert not torch.equal(default[1], other[1])
+
+
+def test_meta_is_installed_inside_the_package(tmp_path) -> None:
+    import mla_ops.meta
+
+    assert mla_ops.meta.__name__ == "mla_ops.meta"
+    # PyPI has an unrelated top-level package called "meta"; the fake kernels must never shadow it.
+    code = "import importlib.util, mla_ops; print(importlib.util.find_spec('meta') is None)"
+    # Run outside the checkout, whose meta/ folder would otherwise be importable from the cwd.
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert result.stdout.strip() == "True"
+
+
+def test_meta_imports_no_gpu_library() -> None:
+    code = (
+        "import sys, mla_ops.meta\n"
+        "bad = [m for m in ('triton', 'flashinfer', 'flash_attn', 'flash_attn_interface') if m in sys.modules]\n"
+        "print(bad)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

@@ -1,0 +1,81 @@
+"""Project-level promises: the README's commands, CI running them verbatim, the CLI, and docstrings."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mla_ops
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _quick_start() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(?:bash|sh)?\n(.*?)```", section, flags=re.S)
+    return [line.strip() for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def test_quick_start_is_exactly_two_commands() -> None:
+    commands = _quick_start()
+    assert len(commands) == 2, commands
+    assert commands[0].endswith("python -m mla_ops demo")
+    assert "pytest" in commands[1]
+
+
+def test_ci_runs_the_readme_test_command_verbatim() -> None:
+    test_command = _quick_start()[1]
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert test_command in [line.strip() for line in ci]
+
+
+@pytest.mark.parametrize("command", [[], ["info"], ["demo"], ["warmup"]])
+def test_cli_help(command) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "mla_ops", *command, "--help"], capture_output=True, text=True, check=True
+    )
+    assert "usage: python -m mla_ops" in result.stdout
+
+
+def test_demo_runs_eagerly_and_passes() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "mla_ops", "demo", "--no-compile"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "demo passed" in result.stdout
+    assert result.stdout.count(" ok") == 3
+
+
+def test_demo_fails_loudly_when_attention_is_wrong(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from mla_ops import demo
+
+    def wrong(q, k, v, cu_seqlens, max_seqlen, chunks, softmax_scale):
+        # Drops the context: exactly the kind of bug the demo must catch.
+        return mla_ops.prefill(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
+
+    monkeypatch.setattr(demo, "MLAAttention", _with_attention(demo.MLAAttention, wrong))
+    assert demo.run_demo("cpu", compile=False) == 1
+    assert "demo FAILED" in capsys.readouterr().out
+
+
+def _with_attention(cls, attention):
+    def build(config, **kwargs):
+        kwargs["attention"] = attention
+        return cls(config, **kwargs)
+
+    return build
+
+
+def test_public_functions_are_documented_and_typed() -> None:
+    for name in mla_ops.__all__:
+        obj = getattr(mla_ops, name)
+        assert inspect.getdoc(obj), f"mla_ops.{name} has no docstring"
+        if inspect.isfunction(obj):
+            hints = inspect.signature(obj)
+            assert hints.return_annotation is not inspect.Signature.empty, f"mla_ops.{name} lacks a return type"

@@ -1,0 +1,218 @@
+"""The selector on simulated devices: priority lists, choices, overrides, errors and caching.
+
+Snapshots are expecttest inline snapshots; after an intended change, regenerate them with
+``EXPECTTEST_ACCEPT=1 python -m pytest tests/test_selector.py``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import expecttest
+import pytest
+import torch
+
+import mla_ops
+from mla_ops import DeviceCapability, MLADimensions, PrefillBackendEnum, SelectorConfig
+from mla_ops import selector as sel
+from mla_ops.info import selection_rules
+
+SM80, SM89, SM90, SM100, SM75 = (DeviceCapability(*c) for c in ((8, 0), (8, 9), (9, 0), (10, 0), (7, 5)))
+DEEPSEEK = MLADimensions(128, 64, 128)
+WIDE = MLADimensions(192, 64, 256)
+NON_MLA = MLADimensions(128, 0, 128)  # plain multi-head attention with 128-channel heads
+ODD = MLADimensions(100, 20, 72)  # no kernel library serves these
+
+
+@pytest.fixture
+def all_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pretend every backend's library is installed, so choices depend only on the rules."""
+    for member in PrefillBackendEnum:
+        monkeypatch.setattr(member.get_class(), "unavailable_reason", classmethod(lambda cls: None))
+    sel.clear_cache()
+
+
+def _summary(capability, dtype, dims) -> str:
+    order = [b.name for b in sel.backend_priorities(capability, dims)]
+    rules = selection_rules(capability, SelectorConfig(dtype, dims)).splitlines()
+    return f"{order} -> {rules[-1].split(': ', 1)[-1]}"
+
+
+class TestSnapshots(expecttest.TestCase):
+    def test_priorities_and_choices(self) -> None:
+        lines = []
+        for cap in (None, SM80, SM89, SM90, SM100, SM75):
+            for dims in (DEEPSEEK, WIDE, NON_MLA, ODD):
+                for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                    name = "cpu" if cap is None else f"sm{cap.major}{cap.minor}"
+                    lines.append(f"{name} {tuple(dims)} {str(dtype)[6:]}: {_summary(cap, dtype, dims)}")
+        self.assertExpectedInline("\n".join(lines), """""")
+
+    def test_rules_table_sm90(self) -> None:
+        self.assertExpectedInline(selection_rules(SM90, SelectorConfig(torch.bfloat16, DEEPSEEK)), """""")
+
+    def test_rules_table_sm100(self) -> None:
+        self.assertExpectedInline(selection_rules(SM100, SelectorConfig(torch.bfloat16, DEEPSEEK)), """""")
+        self.assertExpectedInline(selection_rules(SM100, SelectorConfig(torch.bfloat16, WIDE)), """""")
+
+    def test_rules_table_unsupported_platform(self) -> None:
+        self.assertExpectedInline(selection_rules(SM75, SelectorConfig(torch.bfloat16, DEEPSEEK)), """""")
+
+
+@pytest.mark.usefixtures("all_installed")
+class TestErrorMessages(expecttest.TestCase):
+    def test_no_valid_backend_names_config_and_every_reason(self) -> None:
+        with self.assertRaises(ValueError) as ctx:
+            sel.select_backend(SM90, SelectorConfig(torch.float32, DEEPSEEK))
+        self.assertExpectedInline(str(ctx.exception), """""")
+
+    def test_no_valid_backend_for_odd_dims(self) -> None:
+        with self.assertRaises(ValueError) as ctx:
+            sel.select_backend(SM90, SelectorConfig(torch.bfloat16, ODD))
+        self.assertExpectedInline(str(ctx.exception), """""")
+
+    def test_unsupported_platform(self) -> None:
+        with self.assertRaises(ValueError) as ctx:
+            sel.select_backend(SM75, SelectorConfig(torch.bfloat16, DEEPSEEK))
+        self.assertExpectedInline(str(ctx.exception), """""")
+
+    def test_invalid_override(self) -> None:
+        with mla_ops.prefill_backend("FLASHINFER"), self.assertRaises(ValueError) as ctx:
+            sel.select_backend(SM90, SelectorConfig(torch.bfloat16, ODD))
+        self.assertExpectedInline(str(ctx.exception), """""")
+
+    def test_unknown_backend_name(self) -> None:
+        with self.assertRaises(ValueError) as ctx:
+            mla_ops.set_prefill_backend("FLASH")
+        self.assertExpectedInline(str(ctx.exception), """""")
+
+
+def test_choices_match_the_rules_when_everything_is_installed(all_installed) -> None:
+    for cap in (SM80, SM89, SM90, SM100):
+        for dims in (DEEPSEEK, WIDE, NON_MLA):
+            config = SelectorConfig(torch.bfloat16, dims)
+            first = selection_rules(cap, config).splitlines()[-1].split(": ", 1)[1]
+            assert sel.select_backend(cap, config).name == first
+
+
+def test_missing_library_moves_selection_down_the_list(monkeypatch: pytest.MonkeyPatch, all_installed) -> None:
+    flashinfer = PrefillBackendEnum.FLASHINFER.get_class()
+    monkeypatch.setattr(flashinfer, "unavailable_reason", classmethod(lambda cls: "flashinfer is not installed"))
+    sel.clear_cache()
+    assert sel.select_backend(SM90, SelectorConfig(torch.bfloat16, DEEPSEEK)).name == "TRITON"
+
+
+def test_import_error_becomes_the_reason_ImportError(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(self):
+        raise ImportError("simulated")
+
+    monkeypatch.setattr(PrefillBackendEnum, "get_class", broken)
+    cls, reasons = sel.validate_backend(PrefillBackendEnum.TRITON, SM90, SelectorConfig(torch.bfloat16))
+    assert cls is None and reasons == ["ImportError"]
+
+
+def test_cpu_uses_reference() -> None:
+    assert sel.backend_priorities(None, DEEPSEEK) == [PrefillBackendEnum.REFERENCE]
+    assert sel.select_backend(None, SelectorConfig(torch.bfloat16)).name == "REFERENCE"
+
+
+# --- overrides ----------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("all_installed")
+class TestOverride:
+    config = SelectorConfig(torch.bfloat16, DEEPSEEK)
+
+    def test_env_var(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv(sel.ENV_VAR, "flash_attn")
+        assert sel.select_backend(SM90, self.config).name == "FLASH_ATTN"
+
+    def test_setter_wins_over_env_var(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv(sel.ENV_VAR, "FLASH_ATTN")
+        mla_ops.set_prefill_backend("TRITON")
+        assert sel.select_backend(SM90, self.config).name == "TRITON"
+        mla_ops.set_prefill_backend(None)
+        assert sel.select_backend(SM90, self.config).name == "FLASH_ATTN"
+
+    def test_context_manager_restores(self) -> None:
+        auto = sel.select_backend(SM90, self.config).name
+        with mla_ops.prefill_backend(PrefillBackendEnum.REFERENCE):
+            assert sel.select_backend(SM90, self.config).name == "REFERENCE"
+            with mla_ops.prefill_backend("TRITON"):
+                assert sel.select_backend(SM90, self.config).name == "TRITON"
+            assert sel.select_backend(SM90, self.config).name == "REFERENCE"
+        assert sel.select_backend(SM90, self.config).name == auto
+
+    def test_invalid_override_never_falls_back(self) -> None:
+        # FLASH_ATTN's FA3/FA2 kernels need SM80+; on SM75 the override must fail, not pick another.
+        with mla_ops.prefill_backend("FLASH_ATTN"), pytest.raises(ValueError, match="Selected MLA prefill backend FLASH_ATTN is not valid"):
+            sel.select_backend(SM75, self.config)
+
+    def test_invalid_env_var_name(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv(sel.ENV_VAR, "FASTEST")
+        with pytest.raises(ValueError, match="unknown MLA prefill backend 'FASTEST'; choose one of: REFERENCE, TRITON"):
+            sel.select_backend(SM90, self.config)
+
+
+# --- caching ------------------------------------------------------------------------------------
+
+
+def test_auto_selection_runs_once_per_configuration(monkeypatch: pytest.MonkeyPatch, all_installed) -> None:
+    calls = []
+    real = sel.validate_backend
+
+    def counting(backend, capability, config):
+        calls.append((backend, capability, config))
+        return real(backend, capability, config)
+
+    monkeypatch.setattr(sel, "validate_backend", counting)
+    a = SelectorConfig(torch.bfloat16, DEEPSEEK)
+    b = SelectorConfig(torch.float16, DEEPSEEK)
+    for _ in range(50):
+        sel.select_backend(SM90, a)
+        sel.select_backend(SM90, b)
+        sel.select_backend(SM80, a)
+    distinct = {(cap, cfg) for _, cap, cfg in calls}
+    assert distinct == {(SM90, a), (SM90, b), (SM80, a)}
+    # One walk of the priority list per configuration, stopping at the first valid backend.
+    assert len(calls) == 3
+
+
+def test_routing_looks_up_a_cache_after_the_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = sel.select_backend
+    monkeypatch.setattr(sel, "select_backend", lambda cap, cfg: calls.append(cfg) or real(cap, cfg))
+    q = torch.empty(4, 2, 192, dtype=torch.bfloat16)
+    v = torch.empty(4, 2, 128, dtype=torch.bfloat16)
+    for _ in range(100):
+        assert sel.backend_for(q, v).name == "REFERENCE"
+    assert len(calls) == 1
+    mla_ops.set_prefill_backend(None)  # changing the override clears the route cache
+    sel.backend_for(q, v)
+    assert len(calls) == 2
+
+
+# --- the CLI prints the snapshot tables -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("capability", "expected_cap"), [("9.0", SM90), ("10.0", SM100), ("8.0", SM80)])
+def test_info_cli_prints_the_rules_table(capability, expected_cap) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "mla_ops", "info", "--capability", capability],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**__import__("os").environ, sel.ENV_VAR: ""},
+    )
+    assert selection_rules(expected_cap, SelectorConfig(torch.bfloat16, DEEPSEEK)) in result.stdout
+    assert "On this machine (compute capability" in result.stdout
+    assert "Dispatch keys of torch.ops.mla.*" in result.stdout
+
+
+def test_info_cli_rejects_bad_capability() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "mla_ops", "info", "--capability", "nine"], capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert "cannot parse compute capability 'nine'; write it as MAJOR.MINOR, e.g. 9.0" in result.stderr
