@@ -64,6 +64,54 @@ def _check_scale(op: str, softmax_scale: object) -> None:
         raise ValueError(f"{op}: softmax_scale must be finite, got {softmax_scale}")
 
 
+_BF16, _FP16, _INT32 = torch.bfloat16, torch.float16, torch.int32
+
+
+def _attention_inputs_are_valid(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, self_attention) -> bool:
+    """The common case in one expression: this runs on every eager call, so it avoids helper calls
+    and message formatting; any ``False`` falls through to the checks that explain the problem."""
+    qs, ks, vs, dt, dev = q.shape, k.shape, v.shape, q.dtype, q.device
+    return (
+        len(qs) == 3
+        and len(ks) == 3
+        and len(vs) == 3
+        and (dt is _BF16 or dt is _FP16)
+        and k.dtype is dt
+        and v.dtype is dt
+        and k.device == dev
+        and v.device == dev
+        and ks[1] == qs[1]
+        and vs[1] == qs[1]
+        and ks[2] == qs[2]
+        and qs[2] > 0
+        and vs[2] > 0
+        and vs[0] == ks[0]
+        and (qs[0] == 0 or q.stride(2) == 1)
+        and (ks[0] == 0 or k.stride(2) == 1)
+        and (vs[0] == 0 or v.stride(2) == 1)
+        and cu_q.dtype is _INT32
+        and cu_q.dim() == 1
+        and cu_q.shape[0] >= 1
+        and cu_q.device == dev
+        and type(max_q) is int
+        and max_q >= 0
+        and type(softmax_scale) is float
+        and math.isfinite(softmax_scale)
+        and (
+            ks[0] == qs[0]
+            if self_attention
+            else (
+                cu_k.dtype is _INT32
+                and cu_k.dim() == 1
+                and cu_k.shape[0] == cu_q.shape[0]
+                and cu_k.device == dev
+                and type(max_k) is int
+                and max_k >= 0
+            )
+        )
+    )
+
+
 def check_attention_inputs(
     op: str,
     q: torch.Tensor,
@@ -84,6 +132,10 @@ def check_attention_inputs(
     Raises ``TypeError`` for a wrong type or dtype and ``ValueError`` for a wrong shape, device,
     stride or value; each message names the argument and says what to pass instead.
     """
+    if _attention_inputs_are_valid(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, self_attention
+    ):
+        return
     _check_rank3(op, "q", q, "[T, H, Dqk]")
     _check_rank3(op, "k", k, "[T, H, Dqk]")
     _check_rank3(op, "v", v, "[T, H, Dv]")

@@ -48,6 +48,14 @@ _buffers: dict[int, GraphBuffer] = {}
 _generation = 0
 
 
+def _version_of(t: torch.Tensor) -> int:
+    """The tensor's version counter, or -1 for tensors made under ``torch.inference_mode`` (which have none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 def _host_offsets(name: str, cu: torch.Tensor) -> torch.Tensor:
     if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
         raise TypeError(f"plan_cuda_graph: {name} must be an int32 tensor [B+1], got {cu!r:.80}")
@@ -80,7 +88,7 @@ def plan_cuda_graph(cu_seqlens: torch.Tensor, cu_seqlens_k: Sequence[torch.Tenso
     planned = []
     for name, cu in [("cu_seqlens", cu_seqlens)] + [(f"cu_seqlens_k[{i}]", c) for i, c in enumerate(cu_seqlens_k)]:
         host = _host_offsets(name, cu)
-        entry = GraphBuffer(cu, host, cu._version, _generation)
+        entry = GraphBuffer(cu, host, _version_of(cu), _generation)
         _buffers[cu.data_ptr()] = entry
         planned.append(entry)
     for backend in _loaded_backends():

@@ -87,9 +87,7 @@ def test_prefill_with_context_never_recompiles_when_compiled_dynamic() -> None:
 
 def test_compiled_graph_calls_the_custom_ops() -> None:
     b, chunks = _inputs(*BATCHES[0], seed=0)
-    explanation = torch._dynamo.explain(mla_ops.prefill_with_context)(
-        b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen, chunks
-    )
+    explanation = torch._dynamo.explain(mla_ops.prefill_with_context)(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen, chunks)
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1
     code = "\n".join(g.code for g in explanation.graphs)
     for op in ("mla.prefill", "mla.prefill_context_chunk", "mla.merge_attn_states"):

@@ -22,19 +22,25 @@ SM80, SM89, SM90, SM100, SM75 = (DeviceCapability(*c) for c in ((8, 0), (8, 9), 
 DEEPSEEK = MLADimensions(128, 64, 128)
 WIDE = MLADimensions(192, 64, 256)
 NON_MLA = MLADimensions(128, 0, 128)  # plain multi-head attention with 128-channel heads
-ODD = MLADimensions(100, 20, 72)  # no kernel library serves these
+ODD = MLADimensions(256, 64, 128)  # Dqk 320: wider than any kernel library serves
 
 
 @pytest.fixture
 def all_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pretend every backend's library is installed, so choices depend only on the rules."""
     for member in PrefillBackendEnum:
-        monkeypatch.setattr(member.get_class(), "unavailable_reason", classmethod(lambda cls: None))
+        cls = member.get_class()
+        monkeypatch.setattr(cls, "unavailable_reason", classmethod(lambda c: None))
+        monkeypatch.setattr(
+            cls, "validate_configuration", classmethod(lambda c, cap, cfg: c.configuration_reasons(cap, cfg))
+        )
     sel.clear_cache()
 
 
 def _summary(capability, dtype, dims) -> str:
     order = [b.name for b in sel.backend_priorities(capability, dims)]
+    if not order:
+        return "[] -> none (no priority list for this capability)"
     rules = selection_rules(capability, SelectorConfig(dtype, dims)).splitlines()
     return f"{order} -> {rules[-1].split(': ', 1)[-1]}"
 
@@ -47,17 +53,127 @@ class TestSnapshots(expecttest.TestCase):
                 for dtype in (torch.bfloat16, torch.float16, torch.float32):
                     name = "cpu" if cap is None else f"sm{cap.major}{cap.minor}"
                     lines.append(f"{name} {tuple(dims)} {str(dtype)[6:]}: {_summary(cap, dtype, dims)}")
-        self.assertExpectedInline("\n".join(lines), """""")
+        self.assertExpectedInline(
+            "\n".join(lines),
+            """\
+cpu (128, 64, 128) bfloat16: ['REFERENCE'] -> REFERENCE
+cpu (128, 64, 128) float16: ['REFERENCE'] -> REFERENCE
+cpu (128, 64, 128) float32: ['REFERENCE'] -> none
+cpu (192, 64, 256) bfloat16: ['REFERENCE'] -> REFERENCE
+cpu (192, 64, 256) float16: ['REFERENCE'] -> REFERENCE
+cpu (192, 64, 256) float32: ['REFERENCE'] -> none
+cpu (128, 0, 128) bfloat16: ['REFERENCE'] -> REFERENCE
+cpu (128, 0, 128) float16: ['REFERENCE'] -> REFERENCE
+cpu (128, 0, 128) float32: ['REFERENCE'] -> none
+cpu (256, 64, 128) bfloat16: ['REFERENCE'] -> REFERENCE
+cpu (256, 64, 128) float16: ['REFERENCE'] -> REFERENCE
+cpu (256, 64, 128) float32: ['REFERENCE'] -> none
+sm80 (128, 64, 128) bfloat16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> FLASH_ATTN
+sm80 (128, 64, 128) float16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> FLASH_ATTN
+sm80 (128, 64, 128) float32: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
+sm80 (192, 64, 256) bfloat16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> FLASH_ATTN
+sm80 (192, 64, 256) float16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> FLASH_ATTN
+sm80 (192, 64, 256) float32: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
+sm80 (128, 0, 128) bfloat16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> FLASH_ATTN
+sm80 (128, 0, 128) float16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> FLASH_ATTN
+sm80 (128, 0, 128) float32: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
+sm80 (256, 64, 128) bfloat16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
+sm80 (256, 64, 128) float16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
+sm80 (256, 64, 128) float32: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
+sm89 (128, 64, 128) bfloat16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> FLASH_ATTN
+sm89 (128, 64, 128) float16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> FLASH_ATTN
+sm89 (128, 64, 128) float32: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
+sm89 (192, 64, 256) bfloat16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> FLASH_ATTN
+sm89 (192, 64, 256) float16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> FLASH_ATTN
+sm89 (192, 64, 256) float32: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
+sm89 (128, 0, 128) bfloat16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> FLASH_ATTN
+sm89 (128, 0, 128) float16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> FLASH_ATTN
+sm89 (128, 0, 128) float32: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
+sm89 (256, 64, 128) bfloat16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
+sm89 (256, 64, 128) float16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
+sm89 (256, 64, 128) float32: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
+sm90 (128, 64, 128) bfloat16: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> FLASHINFER
+sm90 (128, 64, 128) float16: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> FLASHINFER
+sm90 (128, 64, 128) float32: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> none
+sm90 (192, 64, 256) bfloat16: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> FLASHINFER
+sm90 (192, 64, 256) float16: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> FLASHINFER
+sm90 (192, 64, 256) float32: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> none
+sm90 (128, 0, 128) bfloat16: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> FLASHINFER
+sm90 (128, 0, 128) float16: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> FLASHINFER
+sm90 (128, 0, 128) float32: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> none
+sm90 (256, 64, 128) bfloat16: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> none
+sm90 (256, 64, 128) float16: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> none
+sm90 (256, 64, 128) float32: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> none
+sm100 (128, 64, 128) bfloat16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> FLASHINFER
+sm100 (128, 64, 128) float16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> FLASHINFER
+sm100 (128, 64, 128) float32: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> none
+sm100 (192, 64, 256) bfloat16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> FLASH_ATTN
+sm100 (192, 64, 256) float16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> FLASH_ATTN
+sm100 (192, 64, 256) float32: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
+sm100 (128, 0, 128) bfloat16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> FLASHINFER
+sm100 (128, 0, 128) float16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> FLASHINFER
+sm100 (128, 0, 128) float32: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> none
+sm100 (256, 64, 128) bfloat16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> none
+sm100 (256, 64, 128) float16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> none
+sm100 (256, 64, 128) float32: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> none
+sm75 (128, 64, 128) bfloat16: [] -> none (no priority list for this capability)
+sm75 (128, 64, 128) float16: [] -> none (no priority list for this capability)
+sm75 (128, 64, 128) float32: [] -> none (no priority list for this capability)
+sm75 (192, 64, 256) bfloat16: [] -> none (no priority list for this capability)
+sm75 (192, 64, 256) float16: [] -> none (no priority list for this capability)
+sm75 (192, 64, 256) float32: [] -> none (no priority list for this capability)
+sm75 (128, 0, 128) bfloat16: [] -> none (no priority list for this capability)
+sm75 (128, 0, 128) float16: [] -> none (no priority list for this capability)
+sm75 (128, 0, 128) float32: [] -> none (no priority list for this capability)
+sm75 (256, 64, 128) bfloat16: [] -> none (no priority list for this capability)
+sm75 (256, 64, 128) float16: [] -> none (no priority list for this capability)
+sm75 (256, 64, 128) float32: [] -> none (no priority list for this capability)""",
+        )
 
     def test_rules_table_sm90(self) -> None:
-        self.assertExpectedInline(selection_rules(SM90, SelectorConfig(torch.bfloat16, DEEPSEEK)), """""")
+        self.assertExpectedInline(
+            selection_rules(SM90, SelectorConfig(torch.bfloat16, DEEPSEEK)),
+            """\
+Selection rules for compute capability 9.0 and SelectorConfig(dtype=torch.bfloat16, mla_dimensions=MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))
+  order  backend     covers this config
+  1      FLASHINFER  yes
+  2      TRITON      yes
+  3      FLASH_ATTN  yes
+  -      REFERENCE   yes (explicit override only)
+  automatic choice when every library is installed: FLASHINFER""",
+        )
 
     def test_rules_table_sm100(self) -> None:
-        self.assertExpectedInline(selection_rules(SM100, SelectorConfig(torch.bfloat16, DEEPSEEK)), """""")
-        self.assertExpectedInline(selection_rules(SM100, SelectorConfig(torch.bfloat16, WIDE)), """""")
+        self.assertExpectedInline(
+            selection_rules(SM100, SelectorConfig(torch.bfloat16, DEEPSEEK)),
+            """\
+Selection rules for compute capability 10.0 and SelectorConfig(dtype=torch.bfloat16, mla_dimensions=MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))
+  order  backend     covers this config
+  1      FLASHINFER  yes
+  2      FLASH_ATTN  yes
+  3      TRITON      yes
+  -      REFERENCE   yes (explicit override only)
+  automatic choice when every library is installed: FLASHINFER""",
+        )
+        self.assertExpectedInline(
+            selection_rules(SM100, SelectorConfig(torch.bfloat16, WIDE)),
+            """\
+Selection rules for compute capability 10.0 and SelectorConfig(dtype=torch.bfloat16, mla_dimensions=MLADimensions(qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256))
+  order  backend     covers this config
+  1      FLASH_ATTN  yes
+  2      FLASHINFER  yes
+  3      TRITON      yes
+  -      REFERENCE   yes (explicit override only)
+  automatic choice when every library is installed: FLASH_ATTN""",
+        )
 
     def test_rules_table_unsupported_platform(self) -> None:
-        self.assertExpectedInline(selection_rules(SM75, SelectorConfig(torch.bfloat16, DEEPSEEK)), """""")
+        self.assertExpectedInline(
+            selection_rules(SM75, SelectorConfig(torch.bfloat16, DEEPSEEK)),
+            """\
+Selection rules for compute capability 7.5 and SelectorConfig(dtype=torch.bfloat16, mla_dimensions=MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))
+  no MLA prefill backend priority list for compute capability 7.5; automatic selection covers SM80/SM86/SM89 (Ampere, Ada), SM90 (Hopper) and SM100 (Blackwell). Set MLA_OPS_PREFILL_BACKEND to force a backend that is valid here""",
+        )
 
 
 @pytest.mark.usefixtures("all_installed")
@@ -65,27 +181,42 @@ class TestErrorMessages(expecttest.TestCase):
     def test_no_valid_backend_names_config_and_every_reason(self) -> None:
         with self.assertRaises(ValueError) as ctx:
             sel.select_backend(SM90, SelectorConfig(torch.float32, DEEPSEEK))
-        self.assertExpectedInline(str(ctx.exception), """""")
+        self.assertExpectedInline(
+            str(ctx.exception),
+            """No valid MLA prefill backend found with SelectorConfig(dtype=torch.float32, mla_dimensions=MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)). Reasons: {FLASHINFER: [dtype float32 is not supported (use bfloat16, float16)], TRITON: [dtype float32 is not supported (use bfloat16, float16)], FLASH_ATTN: [dtype float32 is not supported (use bfloat16, float16)]}.""",
+        )
 
     def test_no_valid_backend_for_odd_dims(self) -> None:
         with self.assertRaises(ValueError) as ctx:
             sel.select_backend(SM90, SelectorConfig(torch.bfloat16, ODD))
-        self.assertExpectedInline(str(ctx.exception), """""")
+        self.assertExpectedInline(
+            str(ctx.exception),
+            """No valid MLA prefill backend found with SelectorConfig(dtype=torch.bfloat16, mla_dimensions=MLADimensions(qk_nope_head_dim=256, qk_rope_head_dim=64, v_head_dim=128)). Reasons: {FLASHINFER: [head dims (Dqk, Dv) = (320, 128) have no FlashInfer ragged prefill kernel: fa2/fa3 are built for Dqk == Dv in (64, 128, 256) and for DeepSeek's (192, 128)], TRITON: [qk head dim (qk_nope + qk_rope) 320 exceeds 256], FLASH_ATTN: [head dims (Dqk=320, Dv=128) are not supported: FlashAttention-3 (flash_attn_interface) supports Dqk up to 256; FlashAttention-2 (flash_attn) supports head dims up to 256, and the padded head dim max(Dqk, Dv) is 320; PyTorch's bundled FlashAttention-2 (torch.ops.aten._flash_attention_forward) supports head dims up to 256, and the padded head dim max(Dqk, Dv) is 320]}.""",
+        )
 
     def test_unsupported_platform(self) -> None:
         with self.assertRaises(ValueError) as ctx:
             sel.select_backend(SM75, SelectorConfig(torch.bfloat16, DEEPSEEK))
-        self.assertExpectedInline(str(ctx.exception), """""")
+        self.assertExpectedInline(
+            str(ctx.exception),
+            """No valid MLA prefill backend found with SelectorConfig(dtype=torch.bfloat16, mla_dimensions=MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)): no MLA prefill backend priority list for compute capability 7.5; automatic selection covers SM80/SM86/SM89 (Ampere, Ada), SM90 (Hopper) and SM100 (Blackwell). Set MLA_OPS_PREFILL_BACKEND to force a backend that is valid here.""",
+        )
 
     def test_invalid_override(self) -> None:
         with mla_ops.prefill_backend("FLASHINFER"), self.assertRaises(ValueError) as ctx:
             sel.select_backend(SM90, SelectorConfig(torch.bfloat16, ODD))
-        self.assertExpectedInline(str(ctx.exception), """""")
+        self.assertExpectedInline(
+            str(ctx.exception),
+            """Selected MLA prefill backend FLASHINFER is not valid for this configuration. Reason: ["head dims (Dqk, Dv) = (320, 128) have no FlashInfer ragged prefill kernel: fa2/fa3 are built for Dqk == Dv in (64, 128, 256) and for DeepSeek's (192, 128)"]""",
+        )
 
     def test_unknown_backend_name(self) -> None:
         with self.assertRaises(ValueError) as ctx:
             mla_ops.set_prefill_backend("FLASH")
-        self.assertExpectedInline(str(ctx.exception), """""")
+        self.assertExpectedInline(
+            str(ctx.exception),
+            """unknown MLA prefill backend 'FLASH'; choose one of: REFERENCE, TRITON, FLASH_ATTN, FLASHINFER""",
+        )
 
 
 def test_choices_match_the_rules_when_everything_is_installed(all_installed) -> None:
@@ -98,7 +229,7 @@ def test_choices_match_the_rules_when_everything_is_installed(all_installed) -> 
 
 def test_missing_library_moves_selection_down_the_list(monkeypatch: pytest.MonkeyPatch, all_installed) -> None:
     flashinfer = PrefillBackendEnum.FLASHINFER.get_class()
-    monkeypatch.setattr(flashinfer, "unavailable_reason", classmethod(lambda cls: "flashinfer is not installed"))
+    monkeypatch.setattr(flashinfer, "validate_configuration", classmethod(lambda c, cap, cfg: ["not installed"]))
     sel.clear_cache()
     assert sel.select_backend(SM90, SelectorConfig(torch.bfloat16, DEEPSEEK)).name == "TRITON"
 
@@ -146,7 +277,10 @@ class TestOverride:
 
     def test_invalid_override_never_falls_back(self) -> None:
         # FLASH_ATTN's FA3/FA2 kernels need SM80+; on SM75 the override must fail, not pick another.
-        with mla_ops.prefill_backend("FLASH_ATTN"), pytest.raises(ValueError, match="Selected MLA prefill backend FLASH_ATTN is not valid"):
+        with (
+            mla_ops.prefill_backend("FLASH_ATTN"),
+            pytest.raises(ValueError, match="Selected MLA prefill backend FLASH_ATTN is not valid"),
+        ):
             sel.select_backend(SM75, self.config)
 
     def test_invalid_env_var_name(self, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,821 @@
+"""FLASHINFER: MLA prefill through ``flashinfer.BatchPrefillWithRaggedKVCacheWrapper``.
+
+FlashInfer splits attention into a host-side ``plan()`` (it reads the offsets on the host and builds
+a work schedule) and a device-side ``run()``. This module plans once per batch and reuses the plan
+for every layer:
+
+- **Eager calls** look the plan up by the identity of the offsets tensors plus the layer
+  configuration (heads, head dims, dtype, softmax scale, causal). A tensor's identity is
+  ``(device, data_ptr, _version, numel)``, and the cache holds a strong reference to every offsets
+  tensor it keys on, so the caching allocator cannot hand the same address to the next batch while
+  the plan lives. An in-place write bumps ``_version`` and forces a new plan; views share the
+  version counter and reuse the plan. A write that bypasses the counter (a custom kernel writing
+  into the tensor, ``.data``) is not seen: give each batch its own offsets tensor, or write them
+  with PyTorch ops. A plan miss reads the offsets on the host: one device sync per batch, the
+  documented exception to the no-sync rule. Tensors created under ``torch.inference_mode()`` have
+  no version counter; for them every call reads the offsets on the host and re-plans only if they
+  changed (correct, but it syncs at each call; create the offsets outside inference mode to avoid
+  that). The plans of the last :data:`MAX_CACHED_BATCHES` batches are kept; the oldest batch's
+  wrappers go back to a pool for reuse.
+- **CUDA graphs.** When ``cu_seqlens`` was registered with :func:`mla_ops.plan_cuda_graph`, the op
+  uses wrappers built with ``use_cuda_graph=True`` and static indptr buffers of this module. Their
+  batch size is fixed to the registered buffer's ``B`` plus one padding sequence that covers the
+  rows ``[cu_seqlens[-1], T)`` of the token budget ``T`` with no keys (FlashInfer's ``run()``
+  requires ``q.shape[0] == qo_indptr[-1]``, and a key-less sequence costs a few empty tiles). The
+  eager warm-up call creates and plans them; capture only runs them; every later
+  :func:`mla_ops.plan_cuda_graph` re-plans them through :meth:`FlashInferBackend.plan_cuda_graph`.
+  Capturing a call that has no planned graph wrapper raises ``RuntimeError``.
+
+Kernels (FlashInfer's ``backend=``): ``"fa3"`` on SM90, ``"cutlass"`` on SM100 for the head dims its
+kernel is built for, ``"fa2"`` otherwise. The CUTLASS wrapper refuses to be re-planned in CUDA-graph
+mode (its plan allocates new buffers each time), so graphs on SM100 use ``"fa2"``.
+
+The wrappers share one float workspace per device and assume that calls on a device are issued
+from one thread, on one stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import logging
+import math
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from ..config import DeviceCapability, MLADimensions, SelectorConfig
+from ..graphs import GraphBuffer, graph_buffer
+from ..meta.checks import check_cu_seqlens_values
+from .base import PrefillBackend
+
+logger = logging.getLogger("mla_ops")
+
+#: ``ln(2)``: FlashInfer's LSE is ``log2(sum(exp(s)))``; times ``ln 2`` it is the natural-log LSE.
+LN2 = math.log(2.0)
+
+INSTALL_HINT = "pip install 'mla_ops[flashinfer]'"
+
+#: ``(Dqk, Dv)`` pairs FlashInfer builds ragged prefill kernels for. FA3 accepts exactly these
+#: (``flashinfer.utils.is_fa3_prefill_head_dim_supported``); FA2 is instantiated and tested for the
+#: same set (``aot.py`` builds ``(64, 64)``, ``(128, 128)``, ``(256, 256)``; FlashInfer's DeepSeek
+#: tests build ``(192, 128)`` for both fa2 and fa3).
+SUPPORTED_HEAD_DIMS: frozenset[tuple[int, int]] = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})
+
+#: ``(Dqk, Dv)`` pairs of the SM100 CUTLASS kernel (``DISPATCH_head_dim`` in ``fmha_cutlass_sm100.cu``).
+CUTLASS_HEAD_DIMS: frozenset[tuple[int, int]] = frozenset({(192, 128), (128, 128), (64, 64)})
+
+# The CUTLASS planner writes one work item per (256-row query tile, head) into buffers of this fixed
+# capacity without a bounds check (``fmha_varlen_plan`` in flashinfer/prefill.py); larger batches
+# go to FA2 instead.
+CUTLASS_MAX_WORK_ITEMS = 131072
+_CUTLASS_QO_TILE = 256
+
+#: Size of the float workspace shared by all wrappers on a device (FlashInfer recommends 128 MiB).
+#: ``MLA_OPS_FLASHINFER_WORKSPACE_MB`` overrides it; FA2 in CUDA-graph mode always splits the KV
+#: loop and may need more at large ``H * T``.
+WORKSPACE_BYTES = 128 << 20
+WORKSPACE_ENV = "MLA_OPS_FLASHINFER_WORKSPACE_MB"
+
+#: Batches whose plans stay cached (each batch keeps one plan per layer configuration and chunk).
+MAX_CACHED_BATCHES = 4
+#: Idle wrappers kept for reuse per (device, kernel); each holds 8 MiB of device and 8 MiB of
+#: pinned host memory for its schedule.
+MAX_POOLED_WRAPPERS = 16
+
+
+# --- the library --------------------------------------------------------------------------------
+
+_flashinfer: Any = None
+_import_error: str | None = None
+
+
+def _import_flashinfer() -> Any:
+    """Import FlashInfer once; raises ``RuntimeError`` saying why it cannot be used."""
+    global _flashinfer, _import_error
+    if _flashinfer is None and _import_error is None:
+        try:
+            module = importlib.import_module("flashinfer")
+        except ModuleNotFoundError as exc:
+            if exc.name == "flashinfer":
+                _import_error = f"flashinfer is not installed ({INSTALL_HINT})"
+            else:
+                _import_error = f"flashinfer failed to import: {type(exc).__name__}: {exc}"
+        except Exception as exc:  # a broken install raises anything (OSError for a missing libcudart)
+            _import_error = f"flashinfer failed to import: {type(exc).__name__}: {exc}"
+        else:
+            _import_error = _api_problem(module)
+            if _import_error is None:
+                _flashinfer = module
+    if _flashinfer is None:
+        raise RuntimeError(f"FLASHINFER MLA prefill backend is unavailable: {_import_error}")
+    return _flashinfer
+
+
+def _api_problem(module: Any) -> str | None:
+    version = getattr(module, "__version__", "(unknown version)")
+    cls = getattr(module, "BatchPrefillWithRaggedKVCacheWrapper", None)
+    if cls is None:
+        return f"flashinfer {version} has no BatchPrefillWithRaggedKVCacheWrapper; {INSTALL_HINT}"
+    try:
+        init_params = inspect.signature(cls.__init__).parameters
+        plan_params = inspect.signature(cls.plan).parameters
+    except (TypeError, ValueError):  # signatures hidden by a C extension: trust the version pin
+        return None
+    missing = [name for name in ("backend", "use_cuda_graph") if name not in init_params]
+    missing += [name for name in ("head_dim_vo", "o_data_type") if name not in plan_params]
+    if missing:
+        return (
+            f"flashinfer {version} is too old: BatchPrefillWithRaggedKVCacheWrapper lacks {', '.join(missing)}; "
+            f"upgrade it ({INSTALL_HINT})"
+        )
+    return None
+
+
+def flashinfer_version() -> str | None:
+    """The installed FlashInfer version, or ``None`` when it cannot be imported."""
+    try:
+        return str(getattr(_import_flashinfer(), "__version__", "unknown"))
+    except RuntimeError:
+        return None
+
+
+# --- kernel choice ------------------------------------------------------------------------------
+
+
+def _toolkit_at_least(major: int, minor: int) -> bool:
+    # FlashInfer gates fa3 on CUDA 12.3 and cutlass on 12.8 (is_sm90a_supported / is_sm100a_supported).
+    # A CPU build of torch has no CUDA version; the capability is then simulated and the gate is moot.
+    version = torch.version.cuda
+    if not version:
+        return True
+    parts = version.split(".")
+    return (int(parts[0]), int(parts[1]) if len(parts) > 1 else 0) >= (major, minor)
+
+
+def choose_kernel(
+    capability: DeviceCapability | None, head_dim_qk: int, head_dim_vo: int, *, cuda_graph: bool = False
+) -> str:
+    """FlashInfer's ``backend=`` for a device (``None``: CPU) and head dims.
+
+    ``"fa3"`` on SM90; ``"cutlass"`` on SM100 for :data:`CUTLASS_HEAD_DIMS` outside CUDA graphs
+    (its wrapper cannot be re-planned in graph mode); ``"fa2"`` otherwise.
+    """
+    if capability is None:
+        return "fa2"
+    dims = (head_dim_qk, head_dim_vo)
+    if capability.major == 9 and dims in SUPPORTED_HEAD_DIMS and _toolkit_at_least(12, 3):
+        return "fa3"
+    if capability.major == 10 and dims in CUTLASS_HEAD_DIMS and not cuda_graph and _toolkit_at_least(12, 8):
+        return "cutlass"
+    return "fa2"
+
+
+def cutlass_work_items(qo_indptr_host: torch.Tensor, num_heads: int) -> int:
+    """Work items the CUTLASS planner emits: one per 256-row query tile per head."""
+    lengths = qo_indptr_host[1:] - qo_indptr_host[:-1]
+    return int(((lengths + _CUTLASS_QO_TILE - 1) // _CUTLASS_QO_TILE).sum()) * num_heads
+
+
+_capabilities: dict[torch.device, DeviceCapability | None] = {}
+
+
+def _device_capability(device: torch.device) -> DeviceCapability | None:
+    cap = _capabilities.get(device)
+    if cap is None and device not in _capabilities:
+        cap = _capabilities[device] = DeviceCapability.of(device)
+    return cap
+
+
+# --- LSE ----------------------------------------------------------------------------------------
+
+
+def lse_base2_to_natural(
+    lse: torch.Tensor, out: torch.Tensor | None = None, *, posinf_means_empty: bool = False
+) -> torch.Tensor:
+    """Convert FlashInfer's LSE (base 2, ``[T, H]``) to the package's (natural log, ``[H, T]``).
+
+    Args:
+        lse: float32 ``[T, H]``, ``log2`` of each row's sum of ``exp`` of the scaled scores.
+        out: optional float32 ``[H, T]`` destination (any strides); allocated contiguous if absent.
+        posinf_means_empty: also map ``+inf`` (how some kernels mark a row with no keys) to
+            ``-inf``. FlashInfer's fa2, fa3 and cutlass kernels write ``-inf`` for such rows (fa3:
+            ``store_zero`` in ``hopper/epilogue.cuh``; fa2: ``m = -inf, d = 1`` give
+            ``log2(d) + m = -inf``, and its split-KV merge writes ``-inf`` for zero chunks; cutlass:
+            the SM100 epilogue), so the backend leaves this off and the conversion stays one fused
+            elementwise kernel.
+
+    Returns:
+        float32 ``[H, T]``, natural log; ``-inf`` stays ``-inf`` (never NaN).
+    """
+    if out is None:
+        out = torch.empty((lse.shape[1], lse.shape[0]), dtype=torch.float32, device=lse.device)
+    torch.mul(lse.t(), LN2, out=out)
+    if posinf_means_empty:
+        out.masked_fill_(torch.isposinf(out), -math.inf)
+    return out
+
+
+# --- shared device state --------------------------------------------------------------------------
+
+_workspaces: dict[torch.device, torch.Tensor] = {}
+_plan_count = 0
+_built_modules: set[tuple[str, torch.dtype, int, int]] = set()
+_warned_unversioned = False
+
+
+def plan_count() -> int:
+    """How many times this process has called a FlashInfer wrapper's ``plan()`` (for tests)."""
+    return _plan_count
+
+
+def _workspace_bytes() -> int:
+    text = os.environ.get(WORKSPACE_ENV, "").strip()
+    if not text:
+        return WORKSPACE_BYTES
+    try:
+        megabytes = int(text)
+    except ValueError:
+        megabytes = 0
+    if megabytes <= 0:
+        raise ValueError(f"{WORKSPACE_ENV} must be a positive number of MiB, got {text!r}")
+    return megabytes << 20
+
+
+def _workspace(device: torch.device) -> torch.Tensor:
+    buffer = _workspaces.get(device)
+    if buffer is None:
+        buffer = _workspaces[device] = torch.empty(_workspace_bytes(), dtype=torch.uint8, device=device)
+    return buffer
+
+
+class _LayerConfig(NamedTuple):
+    """What a plan depends on besides the offsets (a tuple: it is built and hashed on every call)."""
+
+    num_heads: int
+    head_dim_qk: int
+    head_dim_vo: int
+    dtype: torch.dtype
+    softmax_scale: float
+    causal: bool
+
+
+def _plan(
+    wrapper: Any,
+    kernel: str,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    cfg: _LayerConfig,
+    warn_build: bool = True,
+) -> None:
+    """``wrapper.plan`` with host offsets; warns before the first just-in-time build of a module."""
+    global _plan_count
+    module_key = (kernel, cfg.dtype, cfg.head_dim_qk, cfg.head_dim_vo)
+    first = module_key not in _built_modules
+    if first and warn_build:
+        logger.warning(
+            "FlashInfer loads or builds its %s prefill kernel for %s, Dqk=%d, Dv=%d on first use; a build "
+            "from scratch can take minutes. `python -m mla_ops warmup` builds the kernels ahead of time.",
+            kernel,
+            str(cfg.dtype).removeprefix("torch."),
+            cfg.head_dim_qk,
+            cfg.head_dim_vo,
+        )
+    start = time.perf_counter()
+    device = wrapper.device
+    # The planner sizes its schedule by the current device's SM count.
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        try:
+            wrapper.plan(
+                qo_indptr,
+                kv_indptr,
+                cfg.num_heads,
+                cfg.num_heads,
+                cfg.head_dim_qk,
+                head_dim_vo=cfg.head_dim_vo,
+                causal=cfg.causal,
+                sm_scale=cfg.softmax_scale,
+                q_data_type=cfg.dtype,
+                kv_data_type=cfg.dtype,
+                o_data_type=cfg.dtype,
+            )
+        except RuntimeError as exc:
+            if "workspace" in str(exc).lower():
+                raise RuntimeError(
+                    f"FlashInfer's plan ran out of workspace ({_workspace_bytes() >> 20} MiB per device): {exc}. "
+                    f"Set {WORKSPACE_ENV} to a larger size, in MiB, before the first call"
+                ) from exc
+            raise
+    _plan_count += 1
+    if first:
+        _built_modules.add(module_key)
+        logger.info("FlashInfer %s prefill kernel ready after %.1f s", kernel, time.perf_counter() - start)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (3-D), or a contiguous copy when its base or strides break the kernels' 16-byte loads."""
+    token_stride, head_stride, _ = t.stride()
+    itemsize = t.element_size()
+    if t.data_ptr() % 16 == 0 and (token_stride * itemsize) % 16 == 0 and (head_stride * itemsize) % 16 == 0:
+        return t
+    return t.contiguous()
+
+
+def _run(
+    wrapper: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse_out: torch.Tensor,
+) -> None:
+    """Run a planned wrapper; ``q`` must hold exactly the planned ``qo_indptr[-1]`` rows.
+
+    ``out`` is ``[n, H, Dv]`` contiguous and ``lse_out`` a float32 ``[H, n]`` view to fill.
+    """
+    # The kernels index the LSE as a contiguous [n, H] array, so it gets its own buffer and one
+    # fused transpose-and-scale. FlashInfer >= 0.7.2's run(lse_base="ln", lse_layout="HN") does the
+    # same two steps internally and rejects the strided [H, n] view that a padded batch needs.
+    lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
+    wrapper.run(_aligned(q), _aligned(k), _aligned(v), out=out, lse=lse, return_lse=True)
+    lse_base2_to_natural(lse, out=lse_out)
+
+
+def _empty_outputs(q: torch.Tensor, head_dim_vo: int) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_heads, _ = q.shape
+    out = torch.empty((num_tokens, num_heads, head_dim_vo), dtype=q.dtype, device=q.device)
+    lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _is_capturing() -> bool:
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:  # a CPU-only build of torch cannot capture
+        return False
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+
+
+def _offsets_key(t: torch.Tensor) -> tuple[torch.device, int, int | None, int]:
+    return (t.device, t.data_ptr(), _version_of(t), t.numel())
+
+
+# --- eager plans ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _EagerPlan:
+    wrapper: Any  # None when nothing is computed: no query rows, or a chunk with no keys at all
+    kernel: str
+    num_rows: int
+    host_offsets: torch.Tensor  # [1 or 2, B+1]: what was planned, compared again for unversioned offsets
+    offsets_k: torch.Tensor | None  # strong reference: keeps the address of a keyed chunk tensor taken
+
+
+@dataclass
+class _BatchPlans:
+    offsets_q: torch.Tensor  # strong reference: keeps the address of the keyed tensor taken
+    plans: dict[tuple[_LayerConfig, tuple | None], _EagerPlan] = field(default_factory=dict)
+
+
+_batches: OrderedDict[tuple, _BatchPlans] = OrderedDict()
+_wrapper_pool: dict[tuple[torch.device, str], list[Any]] = {}
+
+
+def _acquire_wrapper(device: torch.device, kernel: str) -> Any:
+    pool = _wrapper_pool.get((device, kernel))
+    if pool:
+        return pool.pop()
+    fi = _import_flashinfer()
+    return fi.BatchPrefillWithRaggedKVCacheWrapper(_workspace(device), "NHD", backend=kernel)
+
+
+def _recycle(plan: _EagerPlan) -> None:
+    if plan.wrapper is not None:
+        pool = _wrapper_pool.setdefault((plan.wrapper.device, plan.kernel), [])
+        if len(pool) < MAX_POOLED_WRAPPERS:
+            pool.append(plan.wrapper)
+
+
+def _read_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor | None) -> torch.Tensor:
+    # One device-to-host copy (one sync) for both offset arrays. The sync also drains the stream, so
+    # no earlier plan's pinned-to-device copy is still pending when a pooled wrapper is re-planned.
+    # copy=True: the plan keeps this as a record of what it planned, which must not alias offsets
+    # that already live on the host (and may be rewritten in place).
+    both = cu_q.unsqueeze(0) if cu_k is None else torch.stack((cu_q, cu_k))
+    return both.to("cpu", copy=True)
+
+
+def _eager_kernel(capability: DeviceCapability | None, host_q: torch.Tensor, cfg: _LayerConfig) -> str:
+    kernel = choose_kernel(capability, cfg.head_dim_qk, cfg.head_dim_vo)
+    if kernel == "cutlass" and cutlass_work_items(host_q, cfg.num_heads) > CUTLASS_MAX_WORK_ITEMS:
+        kernel = "fa2"
+    return kernel
+
+
+def _make_eager_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    host: torch.Tensor,
+    cu_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    cfg: _LayerConfig,
+) -> _EagerPlan:
+    host_q = host[0]
+    host_k = host_q if cu_k is None else host[1]
+    if cu_k is None:
+        check_cu_seqlens_values("mla.prefill", host_q, q.shape[0], max_seqlen_q, "cu_seqlens")
+    else:
+        check_cu_seqlens_values("mla.prefill_context_chunk", host_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
+        check_cu_seqlens_values("mla.prefill_context_chunk", host_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
+    num_rows = int(host_q[-1])
+    if num_rows == 0 or int(host_k[-1]) == 0:
+        return _EagerPlan(None, "", num_rows, host, cu_k)
+    kernel = _eager_kernel(_device_capability(q.device), host_q, cfg)
+    wrapper = _acquire_wrapper(q.device, kernel)
+    _plan(wrapper, kernel, host_q, host_k, cfg)
+    return _EagerPlan(wrapper, kernel, num_rows, host, cu_k)
+
+
+def _eager_plan_for(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    cfg: _LayerConfig,
+) -> _EagerPlan:
+    global _warned_unversioned
+    batch_key = _offsets_key(cu_q)
+    plan_key = (cfg, None if cu_k is None else _offsets_key(cu_k))
+    group = _batches.get(batch_key)
+    plan = None
+    if group is not None:
+        _batches.move_to_end(batch_key)
+        plan = group.plans.get(plan_key)
+    unversioned = batch_key[2] is None or (plan_key[1] is not None and plan_key[1][2] is None)
+    if plan is not None and not unversioned:
+        return plan
+    host = _read_offsets(cu_q, cu_k)
+    if plan is not None:
+        if torch.equal(host, plan.host_offsets):
+            return plan
+        del group.plans[plan_key]  # before its wrapper can be handed out again
+        _recycle(plan)
+    if unversioned and not _warned_unversioned:
+        _warned_unversioned = True
+        logger.warning(
+            "FLASHINFER: cu_seqlens was created under torch.inference_mode() and has no version counter, so "
+            "in-place rewrites cannot be detected cheaply; the offsets are read on the host (a device sync) "
+            "at every call. Allocate offsets tensors outside inference mode to plan once per batch."
+        )
+    plan = _make_eager_plan(q, k, host, cu_k, max_seqlen_q, max_seqlen_k, cfg)
+    if group is None:
+        group = _batches[batch_key] = _BatchPlans(cu_q)
+        while len(_batches) > MAX_CACHED_BATCHES:
+            _, evicted = _batches.popitem(last=False)
+            for old in evicted.plans.values():
+                _recycle(old)
+    group.plans[plan_key] = plan
+    return plan
+
+
+def _run_eager(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    cfg: _LayerConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    plan = _eager_plan_for(q, k, cu_q, cu_k, max_seqlen_q, max_seqlen_k, cfg)
+    out, lse = _empty_outputs(q, cfg.head_dim_vo)
+    num_tokens, n = q.shape[0], plan.num_rows
+    if n < num_tokens or plan.wrapper is None:
+        # Padding rows (and rows without keys) are unspecified by contract; zero and -inf keep NaN
+        # garbage out of anything downstream. Costs two small fills, and only for padded batches.
+        start = n if plan.wrapper is not None else 0
+        out[start:].zero_()
+        lse[:, start:].fill_(-math.inf)
+    if plan.wrapper is None:
+        return out, lse
+    if n < num_tokens:
+        q = q[:n]
+        if cu_k is None:
+            k, v = k[:n], v[:n]
+        _run(plan.wrapper, q, k, v, out[:n], lse[:, :n])
+    else:
+        _run(plan.wrapper, q, k, v, out, lse)
+    return out, lse
+
+
+# --- CUDA-graph plans -------------------------------------------------------------------------------
+
+
+@dataclass
+class _GraphWrapper:
+    wrapper: Any
+    kernel: str
+    cfg: _LayerConfig
+    offsets_q: torch.Tensor  # the registered static buffers this wrapper is planned from
+    offsets_k: torch.Tensor
+    num_rows: int  # the token budget T; qo_indptr always ends there
+    num_kv_rows: int
+    generation: tuple[int, int] = (-1, -1)
+
+
+_graph_wrappers: dict[tuple, _GraphWrapper] = {}
+
+
+def _graph_key(q: torch.Tensor, k: torch.Tensor, entry_q: GraphBuffer, entry_k: GraphBuffer, cfg: _LayerConfig):
+    return (
+        q.device,
+        entry_q.device_offsets.data_ptr(),
+        entry_k.device_offsets.data_ptr(),
+        q.shape[0],
+        k.shape[0],
+        cfg,
+    )
+
+
+def _capture_error(problem: str) -> RuntimeError:
+    return RuntimeError(
+        f"FLASHINFER cannot run inside CUDA graph capture: {problem}. FlashInfer plans on the host, which "
+        "capture forbids. Before capturing, call mla_ops.plan_cuda_graph(cu_seqlens, cu_seqlens_k=[...]) with "
+        "the graph's static offset buffers (the new tokens' cu_seqlens and each context chunk's cu_seqlens_k), "
+        "then make one eager warm-up call of the model with those buffers and the same shapes, then capture; "
+        "call mla_ops.plan_cuda_graph again after writing new offsets, before each replay"
+    )
+
+
+def _registered(cu: torch.Tensor) -> GraphBuffer | None:
+    entry = graph_buffer(cu)
+    if entry is None or entry.device_offsets.numel() != cu.numel():
+        return None
+    return entry
+
+
+def _plan_graph_wrapper(gw: _GraphWrapper, entry_q: GraphBuffer, entry_k: GraphBuffer) -> None:
+    host_q = entry_q.host_offsets
+    host_k = entry_k.host_offsets
+    if int(host_q[-1]) > gw.num_rows:
+        raise ValueError(
+            f"cu_seqlens ends at {int(host_q[-1])} but the graph's token budget (q.shape[0] at warm-up) is "
+            f"{gw.num_rows}; keep cu_seqlens[-1] <= {gw.num_rows}"
+        )
+    if int(host_k[-1]) > gw.num_kv_rows:
+        raise ValueError(
+            f"cu_seqlens_k ends at {int(host_k[-1])} but the chunk buffers hold {gw.num_kv_rows} tokens; "
+            f"keep cu_seqlens_k[-1] <= {gw.num_kv_rows}"
+        )
+    # One extra sequence owns the rows [cu_seqlens[-1], T) with no keys: FlashInfer's run() needs
+    # qo_indptr[-1] == q.shape[0], and the fa2/fa3 kernels write 0 and an LSE of -inf for such rows.
+    budget = torch.tensor([gw.num_rows], dtype=torch.int32)
+    qo_indptr = torch.cat((host_q, budget))
+    kv_indptr = torch.cat((host_k, host_k[-1:]))
+    _plan(gw.wrapper, gw.kernel, qo_indptr, kv_indptr, gw.cfg)
+    gw.generation = (entry_q.generation, entry_k.generation)
+
+
+def _new_graph_wrapper(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    entry_q: GraphBuffer,
+    entry_k: GraphBuffer,
+    cfg: _LayerConfig,
+) -> _GraphWrapper:
+    fi = _import_flashinfer()
+    device = q.device
+    kernel = choose_kernel(_device_capability(device), cfg.head_dim_qk, cfg.head_dim_vo, cuda_graph=True)
+    batch = entry_q.device_offsets.numel() + 1  # B sequences + the padding sequence, plus one
+    qo_buf = torch.zeros(batch, dtype=torch.int32, device=device)
+    kv_buf = torch.zeros(batch, dtype=torch.int32, device=device)
+    wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(
+        _workspace(device),
+        "NHD",
+        use_cuda_graph=True,
+        qo_indptr_buf=qo_buf,
+        kv_indptr_buf=kv_buf,
+        backend=kernel,
+    )
+    return _GraphWrapper(wrapper, kernel, cfg, entry_q.device_offsets, entry_k.device_offsets, q.shape[0], k.shape[0])
+
+
+def _check_unchanged(name: str, cu: torch.Tensor, entry: GraphBuffer) -> None:
+    version = _version_of(cu)
+    if version is not None and version != entry.version:
+        raise RuntimeError(
+            f"{name} was written after mla_ops.plan_cuda_graph(...) planned it; call mla_ops.plan_cuda_graph "
+            "again after writing new offsets into the graph's buffers (and before each replay)"
+        )
+
+
+def _run_graph(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor | None,
+    entry_q: GraphBuffer,
+    entry_k: GraphBuffer,
+    cfg: _LayerConfig,
+    capturing: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_unchanged("cu_seqlens" if cu_k is None else "cu_seqlens_q", cu_q, entry_q)
+    if cu_k is not None:
+        _check_unchanged("cu_seqlens_k", cu_k, entry_k)
+    key = _graph_key(q, k, entry_q, entry_k, cfg)
+    gw = _graph_wrappers.get(key)
+    generation = (entry_q.generation, entry_k.generation)
+    if capturing:
+        if gw is None or gw.generation != generation:
+            raise _capture_error(
+                f"no FlashInfer graph wrapper is planned for this call (H={cfg.num_heads}, Dqk={cfg.head_dim_qk}, "
+                f"Dv={cfg.head_dim_vo}, {str(cfg.dtype).removeprefix('torch.')}, causal={cfg.causal}, "
+                f"token budget {q.shape[0]}); the eager warm-up call after mla_ops.plan_cuda_graph creates it"
+            )
+    elif gw is None:
+        gw = _new_graph_wrapper(q, k, entry_q, entry_k, cfg)
+        _plan_graph_wrapper(gw, entry_q, entry_k)
+        _graph_wrappers[key] = gw
+    elif gw.generation != generation:
+        if q.is_cuda:  # let any pending copy out of the wrapper's pinned buffer finish first
+            torch.cuda.current_stream(q.device).synchronize()
+        _plan_graph_wrapper(gw, entry_q, entry_k)
+    out, lse = _empty_outputs(q, cfg.head_dim_vo)
+    _run(gw.wrapper, q, k, v, out, lse)
+    return out, lse
+
+
+# --- dispatch ---------------------------------------------------------------------------------------
+
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal self-attention when ``cu_k`` is ``None``, else non-causal attention over a chunk."""
+    num_tokens, num_heads, head_dim_qk = q.shape
+    cfg = _LayerConfig(num_heads, head_dim_qk, v.shape[-1], q.dtype, float(softmax_scale), cu_k is None)
+    if num_tokens == 0:
+        return _empty_outputs(q, cfg.head_dim_vo)
+    capturing = _is_capturing()
+    entry_q = _registered(cu_q)
+    if entry_q is not None:
+        entry_k = entry_q if cu_k is None else _registered(cu_k)
+        if entry_k is not None:
+            return _run_graph(q, k, v, cu_q, cu_k, entry_q, entry_k, cfg, capturing)
+        if capturing:
+            raise _capture_error("this context chunk's cu_seqlens_k is not registered for CUDA graphs")
+    elif capturing:
+        raise _capture_error(f"{'cu_seqlens' if cu_k is None else 'cu_seqlens_q'} is not registered for CUDA graphs")
+    return _run_eager(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, cfg)
+
+
+def reset_state() -> None:
+    """Drop every cached plan, wrapper, workspace and graph wrapper, and forget the import result.
+
+    Frees the memory they hold; the next call imports FlashInfer and plans again.
+    """
+    global _flashinfer, _import_error, _warned_unversioned
+    _batches.clear()
+    _wrapper_pool.clear()
+    _graph_wrappers.clear()
+    _workspaces.clear()
+    _capabilities.clear()
+    _built_modules.clear()
+    _flashinfer = None
+    _import_error = None
+    _warned_unversioned = False
+
+
+class FlashInferBackend(PrefillBackend):
+    """MLA prefill with FlashInfer's ragged-KV batch prefill wrapper (fa3 / cutlass / fa2 kernels)."""
+
+    name = "FLASHINFER"
+
+    @classmethod
+    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
+        # FlashInfer's bf16 kernels need Ampere (SM80) or newer.
+        return capability >= DeviceCapability(8, 0)
+
+    @classmethod
+    def mla_dimension_reasons(cls, dims: MLADimensions, capability: DeviceCapability | None) -> list[str]:
+        pair = (dims.qk_head_dim, dims.v_head_dim)
+        if pair in SUPPORTED_HEAD_DIMS:
+            return []
+        return [
+            f"head dims (Dqk, Dv) = {pair} have no FlashInfer ragged prefill kernel: fa2/fa3 are built for "
+            "Dqk == Dv in (64, 128, 256) and for DeepSeek's (192, 128)"
+        ]
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        try:
+            _import_flashinfer()
+        except RuntimeError:
+            return _import_error
+        except Exception as exc:  # never raise from an availability probe
+            return f"flashinfer availability check failed: {type(exc).__name__}: {exc}"
+        return None
+
+    @classmethod
+    def implementation(cls) -> str:
+        try:
+            reason = cls.unavailable_reason()
+            if reason is not None:
+                return f"unavailable: {reason}"
+            head = f"flashinfer {flashinfer_version()} BatchPrefillWithRaggedKVCacheWrapper"
+            if not torch.cuda.is_available():
+                return f"{head}; backend fa3 on SM90, cutlass on SM100 (heads {sorted(CUTLASS_HEAD_DIMS)}), else fa2"
+            device = torch.device("cuda", torch.cuda.current_device())
+            cap = _device_capability(device)
+            dqk, dv = 192, 128
+            eager = choose_kernel(cap, dqk, dv)
+            graph = choose_kernel(cap, dqk, dv, cuda_graph=True)
+            text = f"{head}, backend {eager} on this SM{cap.major}{cap.minor} device" if cap else head
+            return text + (f" ({graph} in CUDA graphs)" if graph != eager else "")
+        except Exception as exc:  # shown by `info`, which must not fail on one backend
+            return f"flashinfer (description failed: {type(exc).__name__}: {exc})"
+
+    @classmethod
+    def warmup(cls, device: torch.device, config: SelectorConfig, num_heads: int) -> None:
+        """Load or build FlashInfer's kernels for ``config`` (causal and not) with tiny inputs.
+
+        Builds the kernel used eagerly and, where it differs, the one used in CUDA graphs. Logs
+        progress on the ``mla_ops`` logger.
+        """
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # tensors name their index: share their workspace
+            device = torch.device("cuda", torch.cuda.current_device())
+        cap = _device_capability(device)
+        reasons = cls.validate_configuration(cap, config)
+        if reasons:
+            raise ValueError(f"FLASHINFER cannot serve {config!r} on {device}: {reasons}")
+        dqk, dv = config.mla_dimensions.qk_head_dim, config.mla_dimensions.v_head_dim
+        kernels = dict.fromkeys((choose_kernel(cap, dqk, dv), choose_kernel(cap, dqk, dv, cuda_graph=True)))
+        fi = _import_flashinfer()
+        lengths = torch.tensor([0, 3, 8], dtype=torch.int32)
+        gen = torch.Generator().manual_seed(0)
+        q, k = (torch.randn(8, num_heads, dqk, generator=gen).to(device, config.dtype) for _ in range(2))
+        v = torch.randn(8, num_heads, dv, generator=gen).to(device, config.dtype)
+        for kernel in kernels:
+            wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(_workspace(device), "NHD", backend=kernel)
+            for causal in (True, False):
+                logger.info(
+                    "warming up FlashInfer %s (%s, Dqk=%d, Dv=%d, causal=%s)", kernel, config.dtype, dqk, dv, causal
+                )
+                start = time.perf_counter()
+                cfg = _LayerConfig(num_heads, dqk, dv, config.dtype, 1.0 / math.sqrt(dqk), causal)
+                _plan(wrapper, kernel, lengths, lengths, cfg, warn_build=False)
+                out, lse = _empty_outputs(q, dv)
+                _run(wrapper, q, k, v, out, lse)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                logger.info("FlashInfer %s ready (causal=%s) in %.1f s", kernel, causal, time.perf_counter() - start)
+
+    @classmethod
+    def plan_cuda_graph(cls, new_tokens: GraphBuffer, chunks: Sequence[GraphBuffer]) -> None:
+        """Re-plan every graph wrapper that reads one of these buffers, with the offsets they now hold."""
+        planned = {entry.device_offsets.data_ptr() for entry in (new_tokens, *chunks)}
+        for gw in _graph_wrappers.values():
+            if gw.offsets_q.data_ptr() not in planned and gw.offsets_k.data_ptr() not in planned:
+                continue
+            entry_q, entry_k = _registered(gw.offsets_q), _registered(gw.offsets_k)
+            if entry_q is None or entry_k is None:
+                continue  # a buffer was released; the wrapper is dropped with release_cuda_graph_state
+            _plan_graph_wrapper(gw, entry_q, entry_k)
+
+    @classmethod
+    def release_cuda_graph_state(cls) -> None:
+        _graph_wrappers.clear()
+
+    @classmethod
+    def prefill(cls, q, k, v, cu_seqlens, max_seqlen, softmax_scale):
+        return _attention(q, k, v, cu_seqlens, None, max_seqlen, max_seqlen, softmax_scale)
+
+    @classmethod
+    def prefill_context_chunk(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
+        return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)

@@ -1,0 +1,136 @@
+"""TRITON: the package's own varlen flash-attention kernel (``mla_ops.kernels.attention``).
+
+It reads ``cu_seqlens`` on the device and never synchronises, so it runs unchanged under
+``torch.compile`` and inside captured CUDA graphs; :meth:`TritonBackend.warmup` compiles its kernels
+ahead of time so that capture never meets a just-in-time compile. Triton itself is imported only when
+the kernels are first used, so this module imports (and reports why it is unavailable) without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from ..config import DeviceCapability, MLADimensions, SelectorConfig
+from .base import PrefillBackend
+
+#: Head sizes the kernel is built for: the QK split and the Dv tile are powers of two up to 256.
+MAX_HEAD_DIM = 256
+HEAD_DIM_MULTIPLE = 16
+
+
+def _triton_version() -> str | None:
+    try:
+        return importlib.import_module("triton").__version__
+    except Exception:
+        return None
+
+
+class TritonBackend(PrefillBackend):
+    """Triton varlen attention: causal for new tokens, non-causal for context chunks, ``Dqk != Dv``."""
+
+    name = "TRITON"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        try:
+            importlib.import_module("triton")
+        except ImportError:
+            return "triton is not installed (pip install 'mla_ops[triton]')"
+        except Exception as exc:  # a broken install must be reported, not raised
+            return f"triton failed to import: {exc!r}"
+        return None
+
+    @classmethod
+    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
+        # tl.dot on 16-bit inputs needs the SM80+ tensor cores (mma.sync; wgmma on SM90).
+        return capability >= DeviceCapability(8, 0)
+
+    @classmethod
+    def mla_dimension_reasons(cls, dims: MLADimensions, capability: DeviceCapability | None) -> list[str]:
+        reasons = []
+        for label, size in (("qk head dim (qk_nope + qk_rope)", dims.qk_head_dim), ("v head dim", dims.v_head_dim)):
+            if size <= 0 or size % HEAD_DIM_MULTIPLE:
+                reasons.append(f"{label} {size} is not a positive multiple of {HEAD_DIM_MULTIPLE}")
+            elif size > MAX_HEAD_DIM:
+                reasons.append(f"{label} {size} exceeds {MAX_HEAD_DIM}")
+        return reasons
+
+    @classmethod
+    def implementation(cls) -> str:
+        version = _triton_version()
+        where = f"Triton {version}" if version else "Triton (not installed)"
+        return f"{where}: mla_ops varlen flash-attention forward, QK split into power-of-two dots (192 = 128 + 64)"
+
+    @classmethod
+    def prefill(
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        softmax_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from ..kernels.attention import attention_triton
+
+        return attention_triton(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, causal=True)
+
+    @classmethod
+    def prefill_context_chunk(
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        softmax_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from ..kernels.attention import attention_triton
+
+        return attention_triton(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal=False
+        )
+
+    @classmethod
+    def warmup(cls, device: torch.device, config: SelectorConfig, num_heads: int) -> None:
+        """Compile every kernel variant a model with ``config`` and ``num_heads`` heads will launch.
+
+        Tiny ragged batches run both paths (with contiguous and with strided ``v``, an empty chunk,
+        and padding rows), and the merge, so a later CUDA graph capture finds them compiled. Kernel
+        arguments that vary per batch (token counts, offsets) are not specialised on, so these
+        compilations serve every later batch.
+        """
+        from ..kernels.attention import attention_triton
+        from ..kernels.merge import merge_attn_states_triton
+
+        device = torch.device(device)
+        dims = config.mla_dimensions
+        dqk, dv = dims.qk_head_dim, dims.v_head_dim
+        reasons = cls.validate_configuration(DeviceCapability.of(device), config)
+        if reasons:
+            raise ValueError(f"cannot warm up {cls.name} for {config!r} on {device}: {reasons}")
+        scale = dqk**-0.5
+        gen = torch.Generator(device="cpu").manual_seed(0)
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen).to(device=device, dtype=config.dtype)
+
+        lengths = [3, 0, 5]
+        cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, 4, 4, 4], dtype=torch.int32, device=device)  # one empty chunk slice
+        q, k = rand(10, num_heads, dqk), rand(10, num_heads, dqk)  # 2 padding rows
+        kv = rand(10, num_heads, dqk + dv)
+        for v in (rand(10, num_heads, dv), kv[..., dqk:]):
+            out, lse = attention_triton(q, k, v, cu, cu, max(lengths), max(lengths), scale, causal=True)
+            out_c, lse_c = attention_triton(q, k[:4], v[:4], cu, cu_k, max(lengths), 4, scale, causal=False)
+            merge_attn_states_triton(out_c, lse_c, out, lse)
+        # An empty chunk tensor (no context in this chunk for any sequence) takes the pointer path.
+        empty_k, empty_v = k[:0], v[:0]
+        zeros = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
+        attention_triton(q, empty_k, empty_v, cu, zeros, max(lengths), 0, scale, causal=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)

@@ -1,0 +1,558 @@
+"""Varlen flash-attention forward for MLA prefill, in Triton.
+
+One program computes ``BLOCK_M`` query rows of one head of one sequence against all the keys that
+those rows see, with an online softmax in base 2 (``log2(e)`` is folded into the scale so the inner
+loop calls ``exp2``) and fp32 accumulators. Design points:
+
+- **Varlen, no host sync, a grid that does not grow with max_seqlen.** ``cu_seqlens`` are read on
+  the device. Query blocks are numbered in a packed "slot" space: sequence ``b`` owns the slots from
+  ``cu_seqlens_q[b] // BLOCK_M + b``, which is at least as many as it has blocks, so
+  ``Tq // BLOCK_M + B`` slots per head cover any batch that fits in ``q``. A grid sized from
+  ``B * cdiv(max_seqlen, BLOCK_M)`` instead would launch mostly empty programs when ``max_seqlen``
+  is a CUDA graph's token budget, and each of those holds a whole SM's shared memory while it
+  exits. Each program finds its sequence with one vectorised pass over ``cu_seqlens``.
+- **Dqk != Dv, no padding of 192 to 256.** The QK product is split into two ``tl.dot`` calls whose
+  widths are powers of two (192 = 128 + 64; other widths pad only the second part, with masks), and
+  both accumulate into one fp32 score tile.
+- **Mask-free main loop.** Key tiles that every row of the block sees in full run without any mask
+  or bounds code; only the causal diagonal and the ragged tail of a sequence take the masked loop.
+- **Heaviest blocks first, L2-friendly order.** Causal blocks near a sequence's end do the most
+  work, so each sequence's blocks are launched last-first and the light ones fill the tail.
+  Programs are grouped by sets of heads whose K/V fits in L2 (heads vary fastest), so the blocks
+  reading one head's K/V run close together in time.
+- **Empty rows.** A row that sees no key (an empty context chunk, a zero-length sequence) gets
+  ``out = 0`` and ``lse = -inf``, never NaN. Rows past ``cu_seqlens_q[-1]`` (the padding of a CUDA
+  graph's token budget) get ``lse = -inf`` from a few extra programs, so a later merge weighs them 0
+  and writes ``out = 0`` there; their ``out`` here is left unwritten (the package leaves padding
+  contents unspecified), because zeroing a large budget would cost as much as attending a small
+  batch. No valid row ever reads a padding row.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from .configs import CONFIG_ENV_VAR, AttentionConfig, attention_config, env_attention_config, shrink
+
+try:  # Triton >= 3.3
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: pointer loads only
+    TensorDescriptor = None
+
+__all__ = ["attention_triton", "head_dim_split", "tma_supported"]
+
+_LOG2E = 1.4426950408889634
+
+#: L2 bytes one group of heads may fill with K/V; H100/H200 have 50 MiB of L2, shared with Q/out
+#: traffic and split in two partitions, so about half of it is a safe working set.
+_L2_BUDGET_BYTES = 24 * 1024 * 1024
+
+#: Sequences scanned per vector pass when a program looks up its sequence.
+_SEQ_CHUNK = 256
+
+#: Extra programs that write lse = -inf into the padding rows past cu_seqlens_q[-1].
+_MAX_PAD_PROGRAMS = 64
+_PAD_FILL_BLOCK = 1024
+
+
+def head_dim_split(dqk: int) -> tuple[int, int]:
+    """How the QK product of a ``dqk``-channel head is split: ``(first, second)`` dot widths.
+
+    ``first`` is the largest power of two <= ``dqk``; ``second`` is the remainder rounded up to a power
+    of two (its padding is masked), or 0. DeepSeek's 192 gives ``(128, 64)``: no wasted work.
+    """
+    first = 1 << (dqk.bit_length() - 1)
+    rest = dqk - first
+    return first, (1 << (rest - 1).bit_length()) if rest else 0
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# --- kernel ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    # Under TRITON_INTERPRET=1, tl.dot runs in numpy, which has no bfloat16, and a bf16 dot there
+    # returns garbage; fp32 operands are exact there. On a GPU UPCAST is False and the tensor cores
+    # take the 16-bit operands directly.
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _attend_tiles(
+    acc,
+    l_i,
+    m_i,
+    q_a,
+    q_b,
+    K,
+    K2,
+    V,
+    k_tok0,
+    h,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    lo,
+    hi,
+    len_k,
+    q_pos,
+    qk_scale,
+    DQK: tl.constexpr,
+    DV: tl.constexpr,
+    D_A: tl.constexpr,
+    D_B: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SCALE_NONNEG: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Fold the key tiles ``[lo, hi)`` of one sequence into the running (acc, l_i, m_i)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_da = tl.arange(0, D_A)
+    offs_dv = tl.arange(0, D_V)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        tok = k_tok0 + start_n  # int64: the tile's first key token in the packed tensors
+        if MASKED:
+            n_ok = (start_n + offs_n) < len_k
+        # --- load K (and V below) ----------------------------------------------------------------
+        if USE_TMA:
+            k_a = K.load([tok.to(tl.int32), h * stride_kh])
+        else:
+            k_ptr = K + tok * stride_kt + h * stride_kh + offs_n[:, None] * stride_kt
+            if MASKED:
+                k_a = tl.load(k_ptr + offs_da[None, :], mask=n_ok[:, None], other=0.0)
+            else:
+                k_a = tl.load(k_ptr + offs_da[None, :])
+        qk = _dot(q_a, tl.trans(k_a), None, UPCAST)
+        if D_B > 0:
+            offs_db = D_A + tl.arange(0, D_B)
+            if USE_TMA:
+                k_b = K2.load([tok.to(tl.int32), h * stride_kh + D_A])
+            else:
+                if MASKED:
+                    kb_mask = n_ok[:, None]
+                    if D_A + D_B != DQK:
+                        kb_mask = kb_mask & (offs_db[None, :] < DQK)
+                    k_b = tl.load(k_ptr + offs_db[None, :], mask=kb_mask, other=0.0)
+                elif D_A + D_B != DQK:
+                    k_b = tl.load(k_ptr + offs_db[None, :], mask=offs_db[None, :] < DQK, other=0.0)
+                else:
+                    k_b = tl.load(k_ptr + offs_db[None, :])
+            qk = _dot(q_b, tl.trans(k_b), qk, UPCAST)
+        # --- online softmax, base 2 --------------------------------------------------------------
+        if MASKED:
+            visible = n_ok[None, :]
+            if CAUSAL:
+                visible = visible & ((start_n + offs_n)[None, :] <= q_pos[:, None])
+            s = tl.where(visible, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen no visible key yet keeps m = -inf; shifting it by 0 instead keeps
+            # exp2(-inf - -inf) = NaN out of p and alpha.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+        else:
+            if SCALE_NONNEG:
+                # max(qk) * scale == max(qk * scale) for scale >= 0, and the subtraction below fuses
+                # into one FMA per score.
+                m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+                p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+            else:
+                s = qk * qk_scale
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        # --- P @ V ---------------------------------------------------------------------------------
+        if USE_TMA:
+            v = V.load([tok.to(tl.int32), h * stride_vh])
+            if MASKED:
+                # Keys past the sequence are other sequences' rows or a budget's padding, which may
+                # hold NaN; p is 0 there but 0 * NaN is not, so zero them.
+                v = tl.where(n_ok[:, None], v, 0.0).to(q_a.dtype)
+        else:
+            v_ptr = V + tok * stride_vt + h * stride_vh + offs_n[:, None] * stride_vt + offs_dv[None, :]
+            if MASKED:
+                if D_V != DV:
+                    v = tl.load(v_ptr, mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+                else:
+                    v = tl.load(v_ptr, mask=n_ok[:, None], other=0.0)
+            elif D_V != DV:
+                v = tl.load(v_ptr, mask=offs_dv[None, :] < DV, other=0.0)
+            else:
+                v = tl.load(v_ptr)
+        acc = _dot(p.to(q_a.dtype), v, acc, UPCAST)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fill_padding_lse(
+    Lse,
+    cu_seqlens_q,
+    num_seqs,
+    num_tokens,
+    num_heads,
+    stride_lse_h,
+    pad_pid,
+    num_pad_programs,
+    FILL: tl.constexpr,
+):
+    """Write lse = -inf into the rows past cu_seqlens_q[-1], spread over ``num_pad_programs`` programs."""
+    total = tl.load(cu_seqlens_q + num_seqs)
+    npad = num_tokens - total
+    if npad > 0:
+        offs = tl.arange(0, FILL)
+        neg_inf = tl.full([FILL], float("-inf"), dtype=tl.float32)
+        count = num_heads * npad
+        for i in range(pad_pid, tl.cdiv(count, FILL), num_pad_programs):
+            idx = i * FILL + offs
+            hh = idx // npad
+            t = total + idx - hh * npad
+            tl.store(Lse + hh.to(tl.int64) * stride_lse_h + t, neg_inf, mask=idx < count)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "stride_lse_h",
+        "num_tokens_q",
+        "num_seqs",
+        "num_slots",
+        "heads_per_group",
+        "num_pad_programs",
+    ]
+)
+def _attn_fwd_kernel(
+    Q,
+    K,
+    K2,
+    V,
+    Out,
+    Lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lse_h,
+    num_tokens_q,
+    num_heads,
+    num_seqs,
+    num_slots,
+    heads_per_group,
+    num_pad_programs,
+    qk_scale,
+    DQK: tl.constexpr,
+    DV: tl.constexpr,
+    D_A: tl.constexpr,
+    D_B: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SCALE_NONNEG: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PAD_FILL: tl.constexpr,
+    SEQ_CHUNK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_main = num_heads * num_slots
+    if pid >= num_main:
+        _fill_padding_lse(
+            Lse,
+            cu_seqlens_q,
+            num_seqs,
+            num_tokens_q,
+            num_heads,
+            stride_lse_h,
+            pid - num_main,
+            num_pad_programs,
+            PAD_FILL,
+        )
+        return
+
+    # Program -> (head, slot). Heads form groups of `heads_per_group` whose K/V fits in L2; inside a
+    # group the slots run in order and the heads fastest.
+    group_size = heads_per_group * num_slots
+    group = pid // group_size
+    r = pid - group * group_size
+    heads_here = tl.minimum(heads_per_group, num_heads - group * heads_per_group)
+    slot = r // heads_here
+    h = group * heads_per_group + (r - slot * heads_here)
+
+    # Slot -> sequence: b is the last sequence whose first slot cu_seqlens_q[b] // BLOCK_M + b is
+    # <= slot. One vector pass per SEQ_CHUNK sequences (a single pass for typical batches).
+    hits = tl.zeros([SEQ_CHUNK], dtype=tl.int32)
+    for c in range(0, num_seqs, SEQ_CHUNK):
+        idx = c + tl.arange(0, SEQ_CHUNK)
+        starts = tl.load(cu_seqlens_q + idx, mask=idx < num_seqs, other=0)
+        hits += ((starts // BLOCK_M + idx <= slot) & (idx < num_seqs)).to(tl.int32)
+    b = tl.sum(hits, axis=0) - 1
+
+    q_start = tl.load(cu_seqlens_q + b)
+    q_end = tl.load(cu_seqlens_q + b + 1)
+    len_q = q_end - q_start
+    first_slot = q_start // BLOCK_M + b
+    num_own = q_end // BLOCK_M - q_start // BLOCK_M + 1  # slots of sequence b (>= its block count)
+    j = slot - first_slot
+    if j >= num_own:  # a slot past the last sequence's (only when q holds padding rows)
+        return
+    start_m = num_own - 1 - j  # last block first: in causal attention it has the most keys
+    m0 = start_m * BLOCK_M
+    if m0 >= len_q:
+        return
+    k_start = tl.load(cu_seqlens_k + b)
+    len_k = tl.load(cu_seqlens_k + b + 1) - k_start
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < len_q
+    rows = tl.arange(0, BLOCK_M)
+    offs_da = tl.arange(0, D_A)
+    q_ptr = Q + (q_start + m0).to(tl.int64) * stride_qt + h * stride_qh + rows[:, None] * stride_qt
+    q_a = tl.load(q_ptr + offs_da[None, :], mask=row_ok[:, None], other=0.0)
+    if D_B > 0:
+        offs_db = D_A + tl.arange(0, D_B)
+        if D_A + D_B != DQK:
+            q_b = tl.load(q_ptr + offs_db[None, :], mask=row_ok[:, None] & (offs_db[None, :] < DQK), other=0.0)
+        else:
+            q_b = tl.load(q_ptr + offs_db[None, :], mask=row_ok[:, None], other=0.0)
+    else:
+        q_b = q_a  # unused
+
+    # Key j is visible from query row i when j <= i + (len_k - len_q) (bottom-right causal
+    # alignment; for new tokens len_k == len_q) and j < len_k.
+    if CAUSAL:
+        shift = len_k - len_q
+        q_pos = offs_m + shift
+        hi = tl.maximum(tl.minimum(len_k, m0 + BLOCK_M + shift), 0)
+        full_hi = tl.maximum(tl.minimum(len_k, m0 + shift + 1), 0) // BLOCK_N * BLOCK_N
+    else:
+        q_pos = offs_m
+        hi = len_k
+        full_hi = len_k // BLOCK_N * BLOCK_N
+
+    k_tok0 = k_start.to(tl.int64)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_V], dtype=tl.float32)
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q_a, q_b, K, K2, V, k_tok0, h, stride_kt, stride_kh, stride_vt, stride_vh,
+        0, full_hi, len_k, q_pos, qk_scale,
+        DQK, DV, D_A, D_B, D_V, BLOCK_N, False, CAUSAL, SCALE_NONNEG, USE_TMA, UPCAST,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q_a, q_b, K, K2, V, k_tok0, h, stride_kt, stride_kh, stride_vt, stride_vh,
+        full_hi, hi, len_k, q_pos, qk_scale,
+        DQK, DV, D_A, D_B, D_V, BLOCK_N, True, CAUSAL, SCALE_NONNEG, USE_TMA, UPCAST,
+    )  # fmt: skip
+
+    # Rows that saw no key have l = 0: out = 0 and lse = -inf instead of 0/0.
+    empty = l_i == 0.0
+    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
+    out = acc * inv_l[:, None]
+    # m and log2(l) are in base 2; ln(2) turns the sum into the natural-log LSE of the contract.
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+
+    offs_dv = tl.arange(0, D_V)
+    o_ptr = Out + (q_start + m0).to(tl.int64) * stride_ot + h * stride_oh + rows[:, None] * stride_ot + offs_dv[None, :]
+    if D_V != DV:
+        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    else:
+        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(Lse + h.to(tl.int64) * stride_lse_h + q_start + offs_m, lse, mask=row_ok)
+
+
+# --- launcher -------------------------------------------------------------------------------------
+
+
+def tma_supported() -> bool:
+    """Whether this Triton has host-side TMA tensor descriptors (``triton.tools.tensor_descriptor``)."""
+    return TensorDescriptor is not None
+
+
+def _tma_descriptors(k: torch.Tensor, v: torch.Tensor, d_a: int, d_b: int, block_n: int):
+    """``(K, K2, V)`` descriptors over the packed ``[T, H*D]`` rows, or ``None`` if TMA cannot serve them.
+
+    Each descriptor views one tensor as 2-D ``[tokens, columns]`` with the token stride as its row
+    stride; head ``h`` starts at column ``h * stride_h``. That covers strided ``v`` views of a wider
+    ``kv`` tensor too. TMA needs 16-byte aligned bases and row strides, and the split widths must
+    tile Dqk exactly (a padded second part would read the next head's channels).
+    """
+    if TensorDescriptor is None or k.shape[0] == 0 or not (k.is_cuda or _interpreting()):
+        return None
+    dqk, dv = k.shape[-1], v.shape[-1]
+    if d_a + d_b != dqk or (1 << (dv - 1).bit_length()) != dv:
+        return None
+    elem = k.element_size()
+    for t in (k, v):
+        if t.data_ptr() % 16 or (t.stride(0) * elem) % 16 or (t.stride(1) * elem) % 16:
+            return None
+    heads = k.shape[1]
+    k_cols = (heads - 1) * k.stride(1) + dqk
+    v_cols = (heads - 1) * v.stride(1) + dv
+    desc_k = TensorDescriptor(k, [k.shape[0], k_cols], [k.stride(0), 1], [block_n, d_a])
+    desc_k2 = TensorDescriptor(k, [k.shape[0], k_cols], [k.stride(0), 1], [block_n, d_b]) if d_b else desc_k
+    desc_v = TensorDescriptor(v, [v.shape[0], v_cols], [v.stride(0), 1], [block_n, dv])
+    return desc_k, desc_k2, desc_v
+
+
+#: The table's configuration per (device, Dqk, Dv, causal, dtype), after any step-down forced by the
+#: compiler running out of shared memory or registers: one dict lookup per call.
+_table_configs: dict[tuple, AttentionConfig] = {}
+
+
+def attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    *,
+    config: AttentionConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged (varlen) attention forward with the Triton kernel.
+
+    Args:
+        q: ``[Tq, H, Dqk]``, bfloat16 or float16, any strides with a last-dimension stride of 1.
+        k: ``[Tk, H, Dqk]``, same dtype and strides rule.
+        v: ``[Tk, H, Dv]``, same dtype; typically a strided view of a wider ``kv`` tensor.
+        cu_seqlens_q: int32 ``[B+1]`` on q's device: sequence ``b`` is query rows
+            ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``; rows past ``cu_seqlens_q[-1]`` are padding.
+        cu_seqlens_k: int32 ``[B+1]``: its keys are rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of k/v.
+            For the new-tokens path pass ``cu_seqlens_q`` itself.
+        max_seqlen_q: an upper bound of the longest query slice (may be loose; the grid is sized from
+            Tq and B, so a loose bound costs nothing).
+        max_seqlen_k: an upper bound of the longest key slice (only orders the programs for L2).
+        softmax_scale: multiplier of ``q @ k^T``.
+        causal: mask key ``j`` from query ``i`` of a sequence when ``j > i + len_k - len_q``; with
+            ``cu_seqlens_k is cu_seqlens_q`` that is plain causal self-attention.
+        config: launch configuration; by default ``MLA_OPS_TRITON_CONFIG`` or the table in
+            :mod:`mla_ops.kernels.configs` for this device and ``(Dqk, Dv, causal, dtype)``.
+
+    Returns:
+        ``out`` ``[Tq, H, Dv]`` contiguous in q's dtype and ``lse`` float32 ``[H, Tq]`` contiguous,
+        natural log. Rows with no visible key get ``out = 0`` and ``lse = -inf``. Padding rows past
+        ``cu_seqlens_q[-1]`` get ``lse = -inf``; their ``out`` is not written (unspecified).
+
+    Nothing is read back to the host, so the call can be captured in a CUDA graph (once compiled).
+    """
+    num_tokens, num_heads, dqk = q.shape
+    dv = v.shape[-1]
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(
+            f"attention_triton: q, k, v must all be bfloat16 or float16, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    for name, d in (("Dqk", dqk), ("Dv", dv)):
+        if d % 16 or not 16 <= d <= 256:
+            raise ValueError(f"attention_triton: {name} must be a multiple of 16 from 16 to 256, got {d}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"attention_triton: {name} must have stride 1 in its last dimension, got {t.stride()}")
+
+    out = torch.empty((num_tokens, num_heads, dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=q.device)
+    if num_tokens == 0 or num_heads == 0:
+        return out, lse
+
+    key = None
+    if config is None:
+        config = env_attention_config()
+        if config is None:
+            key = (q.device, dqk, dv, causal, q.dtype)
+            config = _table_configs.get(key)
+            if config is None:
+                config = _table_configs[key] = attention_config(q.device, dqk, dv, causal, q.dtype)
+    while True:
+        try:
+            _launch(
+                q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, config
+            )
+            return out, lse
+        except OutOfResources as exc:
+            # The table is tuned for one GPU; on a smaller one, step down instead of failing. An
+            # explicitly requested configuration is reported, not silently replaced.
+            smaller = None if key is None else shrink(config)
+            if smaller is None:
+                raise RuntimeError(
+                    f"Triton attention config {config} (BLOCK_M,BLOCK_N,num_warps,num_stages) does not fit this "
+                    f"GPU for Dqk={dqk}, Dv={dv}: {exc}. Use a smaller BLOCK_N or num_stages (e.g. via "
+                    f"{CONFIG_ENV_VAR})"
+                ) from exc
+            config = _table_configs[key] = smaller
+
+
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    config: AttentionConfig,
+) -> None:
+    num_tokens, num_heads, dqk = q.shape
+    dv = v.shape[-1]
+    d_a, d_b = head_dim_split(dqk)
+    d_v = 1 << (dv - 1).bit_length()
+    block_m, block_n = config.block_m, config.block_n
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    # Slots per head: sequence b's blocks live in slots from cu_seqlens_q[b] // BLOCK_M + b on, so
+    # Tq // BLOCK_M + B of them cover any batch (see the module docstring). max_seqlen_q only
+    # bounds the work, it does not size the grid.
+    num_slots = num_tokens // block_m + num_seqs if num_seqs > 0 and max_seqlen_q > 0 else 0
+    kv_bytes = max(int(max_seqlen_k), 1) * (dqk + dv) * q.element_size()
+    heads_per_group = max(1, min(num_heads, _L2_BUDGET_BYTES // kv_bytes))
+    num_pad_programs = min(_MAX_PAD_PROGRAMS, triton.cdiv(num_tokens, 256))
+    grid = (num_heads * num_slots + num_pad_programs,)
+
+    descs = _tma_descriptors(k, v, d_a, d_b, block_n) if config.use_tma else None
+    if descs is not None:
+        k_arg, k2_arg, v_arg = descs
+    else:
+        k_arg, k2_arg, v_arg = k, k, v
+    _attn_fwd_kernel[grid](
+        q, k_arg, k2_arg, v_arg, out, lse, cu_seqlens_q, cu_seqlens_k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        num_tokens, num_heads, num_seqs, num_slots, heads_per_group, num_pad_programs,
+        float(softmax_scale) * _LOG2E,
+        DQK=dqk, DV=dv, D_A=d_a, D_B=d_b, D_V=d_v,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=bool(causal), SCALE_NONNEG=softmax_scale >= 0, USE_TMA=descs is not None,
+        UPCAST=_interpreting() and q.dtype == torch.bfloat16,
+        PAD_FILL=_PAD_FILL_BLOCK, SEQ_CHUNK=_SEQ_CHUNK,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip

@@ -1,0 +1,245 @@
+"""Launch configurations of the Triton kernels, chosen from tables rather than autotuned.
+
+Autotuning on first call would run benchmarks (and allocate, and synchronise) the first time a shape
+is seen, which can be in the middle of CUDA graph capture. The kernels therefore read a fixed table,
+keyed on the device's architecture and on ``(Dqk, Dv, causal, dtype)``. ``benchmarks/tune_triton.py``
+sweeps candidate configurations on a GPU and prints the best ones; copy them into the tables below.
+
+For experiments, ``MLA_OPS_TRITON_CONFIG="BLOCK_M,BLOCK_N,num_warps,num_stages[,tma]"`` overrides the
+attention table for every call (``tma`` is ``0`` or ``1``: load K/V through TMA tensor descriptors).
+
+This module does not import Triton, so the tables can be read (and tested) without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+#: Environment variable that overrides the attention launch configuration.
+CONFIG_ENV_VAR = "MLA_OPS_TRITON_CONFIG"
+
+_FORMAT = "BLOCK_M,BLOCK_N,num_warps,num_stages[,tma]"
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """How the attention kernel is launched.
+
+    Attributes:
+        block_m: query rows per program (a power of two, 16 to 256).
+        block_n: keys per inner-loop step (a power of two, 16 to 256).
+        num_warps: warps per program (1, 2, 4, 8 or 16). On Hopper, 8 warps = two warpgroups,
+            each owning 64 query rows of a 128-row block.
+        num_stages: software-pipelining depth of the K/V loads (1 to 8).
+        use_tma: load K and V through TMA tensor descriptors (Hopper and newer, Triton with
+            ``triton.tools.tensor_descriptor``). Inputs a descriptor cannot describe fall back to
+            plain pointer loads.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    use_tma: bool = False
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not _is_power_of_two(value) or not 16 <= value <= 256:
+                problems.append(f"{name} must be a power of two from 16 to 256, got {value!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            problems.append(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
+            problems.append(f"num_stages must be an integer from 1 to 8, got {self.num_stages!r}")
+        if problems:
+            raise ValueError("invalid Triton attention config: " + "; ".join(problems))
+
+    def __str__(self) -> str:
+        tma = ",tma" if self.use_tma else ""
+        return f"{self.block_m},{self.block_n},{self.num_warps},{self.num_stages}{tma}"
+
+    @classmethod
+    def parse(cls, text: str, source: str = CONFIG_ENV_VAR) -> AttentionConfig:
+        """Parse ``"BLOCK_M,BLOCK_N,num_warps,num_stages[,tma]"``; raises ``ValueError`` saying what is wrong."""
+        fields = [f.strip() for f in text.split(",")]
+        if len(fields) not in (4, 5):
+            raise ValueError(f"{source} must be {_FORMAT!r} (e.g. '128,64,8,3'), got {text!r}")
+        try:
+            numbers = [int(f) for f in fields[:4]]
+        except ValueError:
+            raise ValueError(
+                f"{source} must be {_FORMAT!r} with integer fields (e.g. '128,64,8,3'), got {text!r}"
+            ) from None
+        use_tma = False
+        if len(fields) == 5:
+            flag = fields[4].lower()
+            if flag not in ("0", "1", "tma", "ptr"):
+                raise ValueError(f"{source}: the fifth field must be 0/1 (or 'tma'/'ptr'), got {fields[4]!r}")
+            use_tma = flag in ("1", "tma")
+        try:
+            return cls(*numbers, use_tma=use_tma)
+        except ValueError as exc:
+            raise ValueError(f"{source}={text!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    """Launch configuration of the merge kernel: ``block_t`` tokens of one head per program."""
+
+    block_t: int
+    num_warps: int
+
+
+# --- tables ---------------------------------------------------------------------------------------
+#
+# Keys: (Dqk, Dv, causal) -> config, or (Dqk, Dv, causal, dtype) for a dtype-specific entry, which
+# wins over the dtype-free one. Edit these with the output of benchmarks/tune_triton.py.
+
+#: Hopper (SM90, H100/H200: 227 KiB shared memory per block). 8 warps = two warpgroups on a
+#: 128-row query block. For (192, 128) one K/V stage of 64 keys is 40 KiB next to a 48 KiB Q tile.
+SM90_ATTENTION: dict[tuple, AttentionConfig] = {
+    (192, 128, True): AttentionConfig(128, 64, 8, 3),
+    (192, 128, False): AttentionConfig(128, 64, 8, 3),
+    (128, 128, True): AttentionConfig(128, 64, 8, 3),
+    (128, 128, False): AttentionConfig(128, 128, 8, 2),
+    (64, 64, True): AttentionConfig(128, 64, 4, 3),
+    (64, 64, False): AttentionConfig(128, 64, 4, 3),
+}
+
+#: Ampere/Ada (SM80/SM86/SM89) and anything untuned: sized for 99-163 KiB of shared memory, and
+#: shrunk further by :func:`fit_shared_memory` where the device has less.
+GENERIC_ATTENTION: dict[tuple, AttentionConfig] = {
+    (192, 128, True): AttentionConfig(128, 64, 8, 2),
+    (192, 128, False): AttentionConfig(128, 64, 8, 2),
+    (64, 64, True): AttentionConfig(128, 64, 4, 2),
+    (64, 64, False): AttentionConfig(128, 64, 4, 2),
+}
+
+_ARCH_TABLES: dict[int, dict[tuple, AttentionConfig]] = {9: SM90_ATTENTION}
+
+#: Used for dimensions no table lists, scaled down by head size in :func:`default_attention_config`.
+_DEFAULT_LARGE_HEADS = AttentionConfig(128, 64, 8, 2)
+_DEFAULT_SMALL_HEADS = AttentionConfig(128, 64, 4, 2)
+
+#: Small blocks for Triton's CPU interpreter (tests), where program count, not tile size, is cheap.
+INTERPRETER_ATTENTION = AttentionConfig(16, 16, 4, 1)
+
+SM90_MERGE = MergeConfig(block_t=32, num_warps=4)
+GENERIC_MERGE = MergeConfig(block_t=32, num_warps=4)
+
+
+def _padded(d: int) -> int:
+    """The channels the kernel computes for a head of ``d``: a power of two, or 2^a + 2^b for Dqk."""
+    first = 1 << (d.bit_length() - 1)
+    rest = d - first
+    return first + (1 << (rest - 1).bit_length() if rest else 0)
+
+
+def shared_memory_estimate(config: AttentionConfig, dqk: int, dv: int, elem_bytes: int = 2) -> int:
+    """Bytes of shared memory the attention kernel needs, roughly: the Q tile plus the K/V stages."""
+    dqk_p, dv_p = _padded(dqk), 1 << (dv - 1).bit_length()
+    return elem_bytes * (config.block_m * dqk_p + config.num_stages * config.block_n * (dqk_p + dv_p))
+
+
+def fit_shared_memory(config: AttentionConfig, dqk: int, dv: int, limit: int) -> AttentionConfig:
+    """Shrink ``config`` (stages, then BLOCK_N, then BLOCK_M) until its estimate fits ``limit`` bytes."""
+    while shared_memory_estimate(config, dqk, dv) > limit:
+        if config.num_stages > 2:
+            config = replace(config, num_stages=config.num_stages - 1)
+        elif config.block_n > 32:
+            config = replace(config, block_n=config.block_n // 2)
+        elif config.block_m > 64:
+            config = replace(config, block_m=config.block_m // 2, num_warps=min(config.num_warps, 4))
+        elif config.num_stages > 1:
+            config = replace(config, num_stages=1)
+        else:
+            break
+    return config
+
+
+def shrink(config: AttentionConfig) -> AttentionConfig | None:
+    """The next smaller configuration to try after the compiler ran out of resources, or ``None``."""
+    if config.num_stages > 1:
+        return replace(config, num_stages=config.num_stages - 1)
+    if config.block_n > 16:
+        return replace(config, block_n=config.block_n // 2)
+    if config.block_m > 16:
+        return replace(config, block_m=config.block_m // 2, num_warps=min(config.num_warps, 4))
+    return None
+
+
+def _lookup(table: dict[tuple, AttentionConfig], dqk: int, dv: int, causal: bool, dtype: torch.dtype):
+    return table.get((dqk, dv, causal, dtype)) or table.get((dqk, dv, causal))
+
+
+def default_attention_config(dqk: int, dv: int) -> AttentionConfig:
+    """A configuration for dimensions no table lists: 8 warps for wide heads, 4 for narrow ones."""
+    return _DEFAULT_LARGE_HEADS if dqk + dv > 192 else _DEFAULT_SMALL_HEADS
+
+
+@functools.cache
+def _device_traits(device_index: int) -> tuple[int, int, int]:
+    """``(major, minor, shared memory per block in bytes)`` of a CUDA device."""
+    props = torch.cuda.get_device_properties(device_index)
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
+    return props.major, props.minor, smem
+
+
+def table_attention_config(
+    capability: tuple[int, int], dqk: int, dv: int, causal: bool, dtype: torch.dtype, shared_memory: int | None = None
+) -> AttentionConfig:
+    """The table's configuration for a device of ``capability`` (no environment override).
+
+    ``shared_memory`` (bytes per block) shrinks untuned configurations that would not fit.
+    """
+    table = _ARCH_TABLES.get(capability[0])
+    config = _lookup(table, dqk, dv, causal, dtype) if table is not None else None
+    if config is None:
+        config = _lookup(GENERIC_ATTENTION, dqk, dv, causal, dtype) or default_attention_config(dqk, dv)
+    if shared_memory is not None:
+        config = fit_shared_memory(config, dqk, dv, shared_memory)
+    return config
+
+
+@functools.cache
+def _parse_env(text: str) -> AttentionConfig:
+    return AttentionConfig.parse(text)
+
+
+def env_attention_config() -> AttentionConfig | None:
+    """The configuration forced by ``MLA_OPS_TRITON_CONFIG``, or ``None``; raises ``ValueError`` if malformed."""
+    text = os.environ.get(CONFIG_ENV_VAR, "").strip()
+    return _parse_env(text) if text else None
+
+
+def attention_config(device: torch.device, dqk: int, dv: int, causal: bool, dtype: torch.dtype) -> AttentionConfig:
+    """The configuration to launch the attention kernel with on ``device``.
+
+    ``MLA_OPS_TRITON_CONFIG`` wins; then the table of the device's architecture; CPU tensors (Triton's
+    interpreter) get small blocks.
+    """
+    forced = env_attention_config()
+    if forced is not None:
+        return forced
+    if device.type != "cuda":
+        return INTERPRETER_ATTENTION
+    major, minor, smem = _device_traits(device.index if device.index is not None else torch.cuda.current_device())
+    return table_attention_config((major, minor), dqk, dv, causal, dtype, smem)
+
+
+def merge_config(device: torch.device) -> MergeConfig:
+    """The merge kernel's configuration on ``device``."""
+    if device.type == "cuda":
+        major = _device_traits(device.index if device.index is not None else torch.cuda.current_device())[0]
+        if major == 9:
+            return SM90_MERGE
+    return GENERIC_MERGE

@@ -1,0 +1,132 @@
+"""Merge of two partial attention results through their log-sum-exp, in Triton.
+
+For each token ``t`` and head ``h``, with ``a = prefix_lse[h, t]`` and ``b = suffix_lse[h, t]``::
+
+    m   = max(a, b)
+    out = (prefix_out * exp(a - m) + suffix_out * exp(b - m)) / (exp(a - m) + exp(b - m))
+    lse = m + log(exp(a - m) + exp(b - m))
+
+``+inf`` and ``-inf`` both mark a side that attended to no key: it gets weight 0 and its output is
+not even read (so NaN there cannot leak). Both sides empty gives ``out = 0`` and ``lse = -inf``.
+
+The kernel is memory-bound: each program handles ``BLOCK_T`` tokens of one head, so its ``lse`` loads
+are contiguous along ``T`` and each output row is one contiguous ``Dv``-wide (256-byte for bf16
+``Dv = 128``) vector load and store.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import merge_config
+
+__all__ = ["merge_attn_states_triton"]
+
+
+@triton.jit(do_not_specialize=["num_tokens", "stride_pl_h", "stride_sl_h", "stride_l_h"])
+def _merge_kernel(
+    PrefixOut,
+    PrefixLse,
+    SuffixOut,
+    SuffixLse,
+    Out,
+    Lse,
+    num_tokens,
+    stride_po_t,
+    stride_po_h,
+    stride_so_t,
+    stride_so_h,
+    stride_pl_h,
+    stride_pl_t,
+    stride_sl_h,
+    stride_sl_t,
+    stride_o_t,
+    stride_o_h,
+    stride_l_h,
+    DV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    h = tl.program_id(1)
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < num_tokens
+    t64 = offs_t.to(tl.int64)
+    a = tl.load(PrefixLse + h * stride_pl_h + t64 * stride_pl_t, mask=t_ok, other=float("-inf"))
+    b = tl.load(SuffixLse + h * stride_sl_h + t64 * stride_sl_t, mask=t_ok, other=float("-inf"))
+    # +inf marks an empty side too (some kernels write it for rows without keys).
+    a = tl.where(a == float("inf"), float("-inf"), a)
+    b = tl.where(b == float("inf"), float("-inf"), b)
+    m = tl.maximum(a, b)
+    m = tl.where(m == float("-inf"), 0.0, m)  # both empty: exp(-inf - 0) = 0, not NaN
+    wa = tl.exp(a - m)
+    wb = tl.exp(b - m)
+    total = wa + wb
+    has_keys = total > 0.0
+    lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, total, 1.0)), float("-inf"))
+    inv = 1.0 / tl.where(has_keys, total, 1.0)
+    sa = wa * inv
+    sb = wb * inv
+    tl.store(Lse + h * stride_l_h + t64, lse, mask=t_ok)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    po_ptr = PrefixOut + t64[:, None] * stride_po_t + h * stride_po_h + offs_d[None, :]
+    so_ptr = SuffixOut + t64[:, None] * stride_so_t + h * stride_so_h + offs_d[None, :]
+    o_ptr = Out + t64[:, None] * stride_o_t + h * stride_o_h + offs_d[None, :]
+    # An empty side's rows are not loaded at all (they may hold NaN, and it saves their bandwidth).
+    use_a = (t_ok & (sa > 0.0))[:, None]
+    use_b = (t_ok & (sb > 0.0))[:, None]
+    store_ok = t_ok[:, None]
+    if BLOCK_D != DV:
+        # A channel mask only where Dv is not a power of two: a mask that varies along the row would
+        # stop the compiler from using 16-byte vector loads, and this kernel is bandwidth-bound.
+        d_ok = (offs_d < DV)[None, :]
+        use_a = use_a & d_ok
+        use_b = use_b & d_ok
+        store_ok = store_ok & d_ok
+    po = tl.load(po_ptr, mask=use_a, other=0.0)
+    so = tl.load(so_ptr, mask=use_b, other=0.0)
+    out = po.to(tl.float32) * sa[:, None] + so.to(tl.float32) * sb[:, None]
+    tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=store_ok)
+
+
+def merge_attn_states_triton(
+    prefix_out: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_out: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    *,
+    block_t: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attention results over disjoint key sets.
+
+    Args:
+        prefix_out, suffix_out: ``[T, H, Dv]``, bfloat16 or float16, last-dimension stride 1.
+        prefix_lse, suffix_lse: float32 ``[H, T]``, natural log, any strides. ``-inf`` or ``+inf``
+            marks a side with no keys; that side's output is ignored (it may hold NaN).
+        block_t, num_warps: launch overrides (tests and tuning); by default from
+            :func:`mla_ops.kernels.configs.merge_config`.
+
+    Returns:
+        ``out`` ``[T, H, Dv]`` contiguous in prefix_out's dtype and ``lse`` float32 ``[H, T]``
+        contiguous. Rows empty on both sides give ``out = 0``, ``lse = -inf``.
+    """
+    num_tokens, num_heads, dv = prefix_out.shape
+    out = torch.empty((num_tokens, num_heads, dv), dtype=prefix_out.dtype, device=prefix_out.device)
+    lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=prefix_out.device)
+    if num_tokens == 0 or num_heads == 0 or dv == 0:
+        return out, lse
+    config = merge_config(prefix_out.device)
+    block_t = block_t or config.block_t
+    grid = (triton.cdiv(num_tokens, block_t), num_heads)
+    _merge_kernel[grid](
+        prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse, num_tokens,
+        prefix_out.stride(0), prefix_out.stride(1), suffix_out.stride(0), suffix_out.stride(1),
+        prefix_lse.stride(0), prefix_lse.stride(1), suffix_lse.stride(0), suffix_lse.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        DV=dv, BLOCK_D=triton.next_power_of_2(dv), BLOCK_T=block_t,
+        num_warps=num_warps or config.num_warps,
+    )  # fmt: skip
+    return out, lse

@@ -1,0 +1,367 @@
+"""The TRITON backend on a CUDA GPU, through the public API (``pytest -m gpu``).
+
+Every result is checked against fp32 math with flash-attention-style tolerances
+(``utils.assert_attention_close``), on both paths, at awkward lengths, H = 16 and 128, in bf16 and
+fp16, and for the three head shapes the backend is meant for. The dense reference materialises
+``H * L * L`` fp32 scores per sequence (8.6 GB at L = 4097, H = 128), so the longest sequences run
+only for DeepSeek's (192, 128) dims.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from utils import assert_attention_close, cu_seqlens_of, make_batch, make_qkv
+
+import mla_ops
+from mla_ops.backends.reference import merge_attn_states_reference
+from mla_ops.config import SelectorConfig
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+DTYPES = [torch.bfloat16, torch.float16]
+SMALL_DIMS = [(64, 64), (128, 128)]
+
+
+def _dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@pytest.fixture(autouse=True)
+def _triton_backend():
+    with mla_ops.prefill_backend("TRITON"):
+        yield
+
+
+def _scale(dqk: int) -> float:
+    return dqk**-0.5
+
+
+def _check_padding(lse: torch.Tensor, valid: int) -> None:
+    """Rows past cu_seqlens_q[-1] are padding: lse -inf there (their out is unspecified)."""
+    assert torch.isneginf(lse[:, valid:]).all(), "padding rows must have lse -inf"
+
+
+def _check_empty_rows(out: torch.Tensor, lse: torch.Tensor, rows: slice) -> None:
+    """Rows that attend to no key: out = 0 and lse = -inf, never NaN."""
+    assert torch.equal(out[rows], torch.zeros_like(out[rows])), "rows without keys must be zero"
+    assert torch.isneginf(lse[:, rows]).all(), "rows without keys must have lse -inf"
+
+
+def _prefill_and_check(lengths, heads, dqk, dv, dtype, strided_v=False, padding=0, slack=0, seed=0):
+    batch = make_batch(lengths, heads, dqk, dv, dtype, DEVICE, strided_v=strided_v, padding=padding, seed=seed)
+    out, lse = mla_ops.prefill(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.max_seqlen + slack)
+    assert_attention_close(
+        out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, _scale(dqk), causal=True
+    )
+    _check_padding(lse, sum(lengths))
+    return batch, out, lse
+
+
+def _chunk_inputs(lengths_q, lengths_k, heads, dqk, dv, dtype, strided_v=False, padding=0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, _, _ = make_qkv(sum(lengths_q) + padding, heads, dqk, dv, dtype, DEVICE, generator=gen)
+    _, k, v = make_qkv(sum(lengths_k), heads, dqk, dv, dtype, DEVICE, strided_v=strided_v, generator=gen)
+    return q, k, v, cu_seqlens_of(lengths_q, DEVICE), cu_seqlens_of(lengths_k, DEVICE)
+
+
+def test_triton_is_selected():
+    from mla_ops.backends.triton import TritonBackend
+
+    batch = make_batch([4], 2, 192, 128, torch.bfloat16, DEVICE)
+    assert mla_ops.selector.backend_for(batch.q, batch.v) is TritonBackend
+
+
+# --- new tokens (causal) ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("length", [1, 17, 127, 1000, 4097])
+def test_prefill_single_sequence_deepseek_dims(length, heads, dtype):
+    _prefill_and_check([length], heads, 192, 128, dtype, seed=length)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("heads", [16, 128])
+def test_prefill_ragged_deepseek_dims(heads, dtype):
+    """A ragged mix with zero-length sequences, padding rows and a loose max_seqlen."""
+    _prefill_and_check([17, 0, 1000, 1, 127, 0, 4097], heads, 192, 128, dtype, padding=13, slack=500, seed=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("dims", SMALL_DIMS, ids=lambda d: f"{d[0]}x{d[1]}")
+def test_prefill_ragged_small_dims(dims, heads, dtype):
+    _prefill_and_check([1, 17, 0, 127, 1000], heads, *dims, dtype, padding=5, seed=2)
+
+
+def test_many_short_sequences():
+    """More sequences than one lookup pass covers (256), many empty, on both paths."""
+    gen = torch.Generator().manual_seed(11)
+    lengths_q = torch.randint(0, 40, (300,), generator=gen).tolist()
+    lengths_q[::7] = [0] * len(lengths_q[::7])
+    _prefill_and_check(lengths_q, 16, 192, 128, torch.bfloat16, padding=9, slack=1000, seed=12)
+    lengths_k = torch.randint(0, 60, (300,), generator=gen).tolist()
+    lengths_k[::5] = [0] * len(lengths_k[::5])
+    q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, 16, 192, 128, torch.bfloat16, padding=9, seed=13)
+    out, lse = mla_ops.prefill_context_chunk(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k))
+    assert_attention_close(out, lse, q, k, v, cu_q, cu_k, _scale(192), causal=False)
+    _check_padding(lse, sum(lengths_q))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_prefill_strided_v(dtype):
+    batch, _, _ = _prefill_and_check([127, 1000, 17], 16, 192, 128, dtype, strided_v=True, seed=3)
+    assert not batch.v.is_contiguous()
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
+def test_tma_variant(causal):
+    """The TMA-descriptor K/V loads (a tuning option) against the reference, whatever the table picks."""
+    from mla_ops.kernels.attention import attention_triton, tma_supported
+    from mla_ops.kernels.configs import AttentionConfig
+
+    if not tma_supported() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA descriptors need Triton >= 3.3 (triton.tools.tensor_descriptor) and an SM90+ GPU")
+    lengths_q = [17, 0, 1000, 127]
+    lengths_k = lengths_q if causal else [4097, 5, 0, 300]
+    q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, 16, 192, 128, torch.bfloat16, strided_v=True)
+    if causal:
+        cu_k = cu_q  # self-attention of the new tokens: the same offsets, as the backend passes them
+    for config in (AttentionConfig(128, 64, 8, 3, use_tma=True), AttentionConfig(128, 128, 8, 2, use_tma=True)):
+        out, lse = attention_triton(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), 0.07, causal, config=config)
+        assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.07, causal)
+
+
+def test_config_env_var_override(monkeypatch):
+    """MLA_OPS_TRITON_CONFIG replaces the table for every call, and gives the same numbers."""
+    from mla_ops.kernels.configs import CONFIG_ENV_VAR
+
+    batch = make_batch([300, 0, 77], 16, 192, 128, torch.bfloat16, DEVICE, seed=10)
+    for text in ("64,64,4,2", "128,32,8,4"):
+        monkeypatch.setenv(CONFIG_ENV_VAR, text)
+        out, lse = mla_ops.prefill(batch.q, batch.k, batch.v, batch.cu_seqlens, 300)
+        assert_attention_close(
+            out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, _scale(192), True
+        )
+    monkeypatch.setenv(CONFIG_ENV_VAR, "128,64")
+    with pytest.raises(ValueError, match="MLA_OPS_TRITON_CONFIG must be"):
+        mla_ops.prefill(batch.q, batch.k, batch.v, batch.cu_seqlens, 300)
+
+
+# --- context chunks (non-causal) --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("dims", [(192, 128), *SMALL_DIMS], ids=lambda d: f"{d[0]}x{d[1]}")
+def test_chunk_with_empty_slices(dims, heads, dtype):
+    dqk, dv = dims
+    lengths_q = [17, 1000, 0, 127, 1]
+    lengths_k = [4097, 0, 300, 1, 1000] if dims == (192, 128) else [1000, 0, 300, 1, 127]
+    q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, heads, dqk, dv, dtype, strided_v=True, padding=7)
+    out, lse = mla_ops.prefill_context_chunk(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k))
+    assert_attention_close(out, lse, q, k, v, cu_q, cu_k, _scale(dqk), causal=False)
+    _check_empty_rows(out, lse, slice(17, 1017))  # a sequence with no context in this chunk
+    _check_padding(lse, sum(lengths_q))
+
+
+def test_chunk_entirely_empty():
+    lengths_q = [5, 9]
+    q, k, v, cu_q, _ = _chunk_inputs(lengths_q, [], 16, 192, 128, torch.bfloat16)
+    out, lse = mla_ops.prefill_context_chunk(q, k, v, cu_q, cu_seqlens_of([0, 0], DEVICE), 9, 0)
+    _check_empty_rows(out, lse, slice(0, 14))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_lse_agrees_with_reference_backend(dtype):
+    """Natural log, [H, T]: the TRITON LSE must match the REFERENCE backend's closely."""
+    batch = make_batch([300, 0, 77], 16, 192, 128, dtype, DEVICE, seed=4)
+    _, lse = mla_ops.prefill(batch.q, batch.k, batch.v, batch.cu_seqlens, 300)
+    with mla_ops.prefill_backend("REFERENCE"):
+        _, ref_lse = mla_ops.prefill(batch.q, batch.k, batch.v, batch.cu_seqlens, 300)
+    n = sum(batch.lengths)
+    # Both accumulate fp32 scores of the same bf16/fp16 inputs; a base-2 LSE would be off by 44%.
+    torch.testing.assert_close(lse[:, :n], ref_lse[:, :n], rtol=1e-5, atol=1e-4)
+
+
+# --- split context == unsplit attention -------------------------------------------------------------
+
+
+def _split_context(ctx_lengths, pieces, gen):
+    """Split each sequence's context into ``pieces`` consecutive slices (some empty)."""
+    bounds = []
+    for n in ctx_lengths:
+        cuts = sorted(torch.randint(0, n + 1, (pieces - 1,), generator=gen).tolist())
+        if pieces > 1 and n > 0:
+            cuts[0] = 0  # one empty slice at least, to exercise empty chunk rows
+        bounds.append([0, *cuts, n])
+    return bounds
+
+
+def _unsplit(k_new, v_new, cu_new, k_ctx, v_ctx, cu_ctx):
+    """Each sequence's keys as one slice ``[context ; new tokens]``: ``(k, v, cu_seqlens_k)``."""
+    bn, bc = cu_new.tolist(), cu_ctx.tolist()
+    ks, vs, lengths = [], [], []
+    for b in range(len(bn) - 1):
+        ks += [k_ctx[bc[b] : bc[b + 1]], k_new[bn[b] : bn[b + 1]]]
+        vs += [v_ctx[bc[b] : bc[b + 1]], v_new[bn[b] : bn[b + 1]]]
+        lengths.append(bc[b + 1] - bc[b] + bn[b + 1] - bn[b])
+    return torch.cat(ks), torch.cat(vs), cu_seqlens_of(lengths, k_new.device)
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_prefill_with_context_equals_unsplit(pieces, dtype):
+    """Merging the new-token attention with 1, 2 or 3 context chunks == one causal attention over
+    ``[context ; new]`` (bottom-right aligned: new token i sees all its context and new tokens <= i)."""
+    heads, dqk, dv = 16, 192, 128
+    new_lengths = [17, 300, 1, 0, 128]
+    ctx_lengths = [1000, 0, 129, 40, 513]
+    gen = torch.Generator().manual_seed(5)
+    q, k_new, v_new = make_qkv(sum(new_lengths), heads, dqk, dv, dtype, DEVICE, generator=gen)
+    _, k_ctx, v_ctx = make_qkv(sum(ctx_lengths), heads, dqk, dv, dtype, DEVICE, strided_v=True, generator=gen)
+    cu_new, cu_ctx = cu_seqlens_of(new_lengths, DEVICE), cu_seqlens_of(ctx_lengths)
+    bounds = _split_context(ctx_lengths, pieces, gen)
+    chunks = []
+    for p in range(pieces):
+        ks, vs, lens = [], [], []
+        for b in range(len(new_lengths)):
+            lo, hi = int(cu_ctx[b]) + bounds[b][p], int(cu_ctx[b]) + bounds[b][p + 1]
+            ks.append(k_ctx[lo:hi])
+            vs.append(v_ctx[lo:hi])
+            lens.append(hi - lo)
+        chunks.append(mla_ops.ContextChunk(torch.cat(ks), torch.cat(vs), cu_seqlens_of(lens, DEVICE), max(lens)))
+    out, lse = mla_ops.prefill_with_context(q, k_new, v_new, cu_new, 300, chunks)
+    k_all, v_all, cu_all = _unsplit(k_new, v_new, cu_new, k_ctx, v_ctx, cu_ctx)
+    # Each merge rounds a partial output to the input dtype once more than one-piece attention does.
+    assert_attention_close(out, lse, q, k_all, v_all, cu_new, cu_all, _scale(dqk), True, factor=2.0 + pieces)
+
+
+# --- torch.compile and CUDA graphs ------------------------------------------------------------------
+
+
+def test_compile_fullgraph_equals_eager():
+    heads, dqk, dv = 16, 192, 128
+    batch = make_batch([17, 0, 300, 5], heads, dqk, dv, torch.bfloat16, DEVICE, padding=3, seed=6)
+    _, k_c, v_c, _, cu_k = _chunk_inputs([17, 0, 300, 5], [64, 9, 0, 200], heads, dqk, dv, torch.bfloat16, seed=7)
+    chunks = [mla_ops.ContextChunk(k_c, v_c, cu_k, 200)]
+
+    def layer(q, k, v, cu, chunk_k, chunk_v, chunk_cu):
+        return mla_ops.prefill_with_context(q, k, v, cu, 300, [(chunk_k, chunk_v, chunk_cu, 200)])
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    args = (batch.q, batch.k, batch.v, batch.cu_seqlens, k_c, v_c, cu_k)
+    eager_out, eager_lse = mla_ops.prefill_with_context(batch.q, batch.k, batch.v, batch.cu_seqlens, 300, chunks)
+    out, lse = compiled(*args)
+    assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+
+
+def test_cuda_graph_replay_with_new_lengths():
+    """Capture once with max_seqlen = token budget, then replay batches written into the same buffers."""
+    from mla_ops.backends.triton import TritonBackend
+
+    heads, dqk, dv, dtype = 16, 192, 128, torch.bfloat16
+    budget, max_batch, chunk_budget = 2048, 4, 1536
+    TritonBackend.warmup(torch.device(DEVICE), SelectorConfig(dtype), heads)
+    q = torch.zeros(budget, heads, dqk, device=DEVICE, dtype=dtype)
+    k = torch.zeros_like(q)
+    kv = torch.zeros(budget, heads, dqk + dv, device=DEVICE, dtype=dtype)
+    v = kv[..., dqk:]
+    cu = torch.zeros(max_batch + 1, dtype=torch.int32, device=DEVICE)
+    k_c = torch.zeros(chunk_budget, heads, dqk, device=DEVICE, dtype=dtype)
+    v_c = torch.zeros(chunk_budget, heads, dv, device=DEVICE, dtype=dtype)
+    cu_c = torch.zeros(max_batch + 1, dtype=torch.int32, device=DEVICE)
+
+    def step():
+        return mla_ops.prefill_with_context(q, k, v, cu, budget, [(k_c, v_c, cu_c, chunk_budget)])
+
+    batches = [
+        ([1000, 24, 0, 1], [1536, 0, 0, 0]),
+        ([2048, 0, 0, 0], [100, 0, 0, 0]),
+        ([17, 127, 1, 900], [0, 300, 1, 1000]),
+        ([0, 0, 0, 0], [0, 0, 0, 0]),
+        ([300, 300, 300, 300], [5, 0, 700, 64]),
+    ]
+    gen = torch.Generator().manual_seed(8)
+
+    def load(lengths, ctx_lengths):
+        cu.copy_(cu_seqlens_of(lengths, DEVICE))
+        cu_c.copy_(cu_seqlens_of(ctx_lengths, DEVICE))
+        for t in (q, k, kv, k_c, v_c):
+            t.copy_(torch.randn(t.shape, generator=gen).to(device=DEVICE, dtype=dtype))
+        mla_ops.plan_cuda_graph(cu, cu_seqlens_k=[cu_c])
+
+    load(*batches[0])
+    step()  # eager warm-up outside capture, as the package documents
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out, graph_lse = step()
+    for lengths, ctx_lengths in batches:
+        load(lengths, ctx_lengths)
+        graph.replay()
+        eager_out, eager_lse = step()
+        n = sum(lengths)
+        assert torch.equal(graph_out[:n], eager_out[:n]) and torch.equal(graph_lse[:, :n], eager_lse[:, :n])
+        # Padding rows: lse -inf from both kernels, so the merge leaves clean zeros there.
+        _check_empty_rows(graph_out, graph_lse, slice(n, None))
+        # And the replayed numbers are right, not only repeatable: one attention over [context ; new].
+        k_all, v_all, cu_all = _unsplit(k, v, cu, k_c, v_c, cu_c)
+        assert_attention_close(graph_out, graph_lse, q, k_all, v_all, cu, cu_all, _scale(dqk), True, factor=3.0)
+    mla_ops.release_cuda_graph_buffers()
+
+
+# --- merge -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("shape", [(16384, 16, 128), (1000, 128, 128), (37, 3, 64)])
+def test_merge_matches_reference(shape, dtype):
+    tokens, heads, dv = shape
+    gen = torch.Generator().manual_seed(9)
+    prefix_out = torch.randn(tokens, heads, dv, generator=gen).to(DEVICE, dtype)
+    suffix_out = torch.randn(tokens, heads, dv, generator=gen).to(DEVICE, dtype)
+    prefix_lse = (torch.randn(heads, tokens, generator=gen) * 5).to(DEVICE)
+    suffix_lse = (torch.randn(heads, tokens, generator=gen) * 5).to(DEVICE)
+    prefix_lse[0, ::5], prefix_lse[-1, 1::5] = -math.inf, math.inf
+    suffix_lse[0, ::3], suffix_lse[-1, ::4] = math.inf, -math.inf
+    prefix_out[::5, 0] = math.nan  # ignored: that side is empty there
+    suffix_out[::3, 0] = math.nan
+    out, lse = mla_ops.merge_attn_states(prefix_out, prefix_lse, suffix_out, suffix_lse)
+    ref_out, ref_lse = merge_attn_states_reference(prefix_out, prefix_lse, suffix_out, suffix_lse)
+    assert out.is_contiguous() and lse.is_contiguous() and out.dtype == dtype
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], rtol=1e-6, atol=1e-5)
+    ulp = torch.finfo(dtype).eps * ref_out.float().abs().max().item()
+    assert (out.float() - ref_out.float()).abs().max().item() <= ulp
+
+
+def test_merge_uses_triton_and_handles_zero_tokens():
+    from mla_ops.kernels.merge import merge_attn_states_triton
+
+    assert mla_ops.ops.merge_kernel() is merge_attn_states_triton
+    empty = torch.empty(0, 4, 128, device=DEVICE, dtype=torch.bfloat16)
+    lse = torch.empty(4, 0, device=DEVICE)
+    out, out_lse = mla_ops.merge_attn_states(empty, lse, empty, lse)
+    assert out.shape == (0, 4, 128) and out_lse.shape == (4, 0)
+
+
+# --- warm-up ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dims", [(192, 128), *SMALL_DIMS], ids=lambda d: f"{d[0]}x{d[1]}")
+def test_warmup_compiles_without_error(dims):
+    from mla_ops.backends.triton import TritonBackend
+    from mla_ops.config import MLADimensions
+
+    dqk, dv = dims
+    config = SelectorConfig(torch.bfloat16, MLADimensions.from_head_dims(dqk, dv))
+    TritonBackend.warmup(torch.device(DEVICE), config, num_heads=16)

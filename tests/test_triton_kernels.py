@@ -1,0 +1,540 @@
+"""The Triton kernels and the TRITON backend class, on CPU under ``TRITON_INTERPRET=1``.
+
+``tests/conftest.py`` turns the interpreter on when there is no CUDA device. The interpreter runs
+every program in numpy, so these tests use two heads, short sequences and small blocks (passed to
+the launcher explicitly); the tile logic they exercise is the same as with the GPU's large blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton", reason="the Triton kernels need triton installed (pip install 'mla_ops[triton]')")
+
+from utils import assert_attention_close, cu_seqlens_of, make_batch, make_qkv
+
+from mla_ops.backends.reference import merge_attn_states_reference
+from mla_ops.backends.triton import TritonBackend
+from mla_ops.config import DEEPSEEK_V3, DeviceCapability, MLADimensions, SelectorConfig
+from mla_ops.kernels import configs
+from mla_ops.kernels.attention import attention_triton, head_dim_split
+from mla_ops.kernels.configs import AttentionConfig
+from mla_ops.kernels.merge import merge_attn_states_triton
+
+# Kernel launches on CPU tensors need the interpreter; conftest enables it on machines without CUDA.
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="kernel launches on CPU tensors need TRITON_INTERPRET=1 (set by conftest when CUDA is absent); "
+    "on a GPU machine tests/test_gpu_triton.py covers the kernels",
+)
+
+HEADS = 2
+SMALL = AttentionConfig(16, 16, 4, 1)
+DIMS = [(192, 128), (64, 64), (128, 128)]
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_padding(lse: torch.Tensor, valid: int) -> None:
+    """Rows past cu_seqlens_q[-1] are padding: the kernel gives them lse = -inf (their out is unspecified)."""
+    assert torch.isneginf(lse[:, valid:]).all(), "padding rows must have lse -inf"
+
+
+def _check_empty_rows(out: torch.Tensor, lse: torch.Tensor, rows: slice) -> None:
+    """Rows that attend to no key: out = 0 and lse = -inf, never NaN."""
+    assert torch.equal(out[rows], torch.zeros_like(out[rows])), "rows without keys must be zero"
+    assert torch.isneginf(lse[:, rows]).all(), "rows without keys must have lse -inf"
+
+
+def _chunk_inputs(lengths_q, lengths_k, dqk, dv, dtype, seed=0, padding=0, strided_v=False):
+    gen = torch.Generator().manual_seed(seed)
+    q, _, _ = make_qkv(sum(lengths_q) + padding, HEADS, dqk, dv, dtype, generator=gen)
+    _, k, v = make_qkv(sum(lengths_k), HEADS, dqk, dv, dtype, strided_v=strided_v, generator=gen)
+    return q, k, v, cu_seqlens_of(lengths_q), cu_seqlens_of(lengths_k)
+
+
+# --- attention: new tokens (causal) -----------------------------------------------------------------
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"{d[0]}x{d[1]}")
+def test_causal_ragged_batch(dims, dtype):
+    dqk, dv = dims
+    lengths = [19, 0, 1, 33, 0, 16]
+    batch = make_batch(lengths, HEADS, dqk, dv, dtype, padding=5, seed=1)
+    scale = dqk**-0.5
+    out, lse = attention_triton(
+        batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen,
+        scale, causal=True, config=SMALL,
+    )  # fmt: skip
+    assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, scale, True)
+    _check_padding(lse, sum(lengths))
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "config",
+    [AttentionConfig(32, 16, 4, 1), AttentionConfig(16, 32, 4, 1), AttentionConfig(64, 64, 4, 2)],
+    ids=str,
+)
+def test_causal_block_shapes(config):
+    """BLOCK_M != BLOCK_N changes which key tiles are mask-free and which are diagonal."""
+    lengths = [70, 1, 31, 48]
+    batch = make_batch(lengths, HEADS, 192, 128, torch.float16, seed=2)
+    out, lse = attention_triton(
+        batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 70, 70, 0.1, causal=True, config=config
+    )
+    assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 0.1, True)
+
+
+@interpreted
+def test_causal_strided_v_and_loose_max_seqlen():
+    """v as a view of a wider kv tensor, and max_seqlen far above the longest sequence (a graph budget)."""
+    lengths = [23, 7]
+    batch = make_batch(lengths, HEADS, 192, 128, torch.bfloat16, strided_v=True, padding=9, seed=3)
+    assert not batch.v.is_contiguous()
+    out, lse = attention_triton(
+        batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 200, 200, 0.07, causal=True, config=SMALL
+    )
+    assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 0.07, True)
+    _check_padding(lse, sum(lengths))
+
+
+@interpreted
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
+def test_many_sequences_span_several_lookup_passes(monkeypatch, causal):
+    """Each program finds its sequence in passes of _SEQ_CHUNK offsets; make that 4 to cross passes."""
+    from mla_ops.kernels import attention
+
+    monkeypatch.setattr(attention, "_SEQ_CHUNK", 4)
+    lengths_q = [3, 0, 17, 1, 0, 0, 16, 5, 33, 2, 0]
+    lengths_k = lengths_q if causal else [9, 4, 0, 1, 0, 7, 16, 40, 3, 2, 0]
+    q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, 64, 64, torch.float16, seed=17, padding=6)
+    if causal:
+        q, k, v = make_qkv(q.shape[0], HEADS, 64, 64, torch.float16, generator=torch.Generator().manual_seed(18))
+        cu_k = cu_q
+    out, lse = attention_triton(q, k, v, cu_q, cu_k, 33, max(lengths_k), 0.125, causal, config=SMALL)
+    assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.125, causal)
+    _check_padding(lse, sum(lengths_q))
+
+
+@interpreted
+def test_grid_does_not_grow_with_max_seqlen(monkeypatch):
+    """A CUDA graph passes its token budget as max_seqlen: the launch must not scale with it."""
+    from mla_ops.kernels import attention
+
+    grids = []
+    real_kernel = attention._attn_fwd_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real_kernel[grid]
+
+    monkeypatch.setattr(attention, "_attn_fwd_kernel", Recorder())
+    batch = make_batch([30, 0, 7], HEADS, 64, 64, torch.float16, padding=4, seed=19)
+    for max_seqlen in (30, 1_000_000):
+        out, lse = attention_triton(
+            batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, max_seqlen, max_seqlen, 0.125, True,
+            config=SMALL,
+        )  # fmt: skip
+        assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 0.125, True)
+    assert grids[0] == grids[1]
+    # Tq // BLOCK_M + B slots per head, plus the programs that mark padding rows.
+    assert grids[0][0] == HEADS * (41 // 16 + 3) + 1
+
+
+@interpreted
+def test_causal_odd_head_dims():
+    """Dims that are not 2^a + 2^b pad the second QK part and the V tile, with masks."""
+    batch = make_batch([21, 9], HEADS, 80, 48, torch.float16, seed=4)
+    out, lse = attention_triton(
+        batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 21, 21, 0.2, causal=True, config=SMALL
+    )
+    assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 0.2, True)
+
+
+@interpreted
+def test_negative_scale():
+    """A negative scale flips which score is the row maximum; the mask-free loop must not assume scale >= 0."""
+    batch = make_batch([40], HEADS, 64, 64, torch.float16, seed=5)
+    for causal in (True, False):
+        out, lse = attention_triton(
+            batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 40, 40, -0.125, causal, config=SMALL
+        )
+        assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, -0.125, causal)
+
+
+@interpreted
+def test_all_sequences_empty_and_no_sequences():
+    q, k, v = make_qkv(6, HEADS, 64, 64, torch.float16)
+    for cu in (cu_seqlens_of([0, 0]), cu_seqlens_of([])):
+        _, lse = attention_triton(q, k, v, cu, cu, 0, 0, 0.125, causal=True, config=SMALL)
+        _check_padding(lse, 0)
+
+
+@interpreted
+def test_zero_tokens():
+    q, k, v = make_qkv(0, HEADS, 192, 128, torch.bfloat16)
+    cu = cu_seqlens_of([0])
+    out, lse = attention_triton(q, k, v, cu, cu, 0, 0, 0.1, causal=True, config=SMALL)
+    assert out.shape == (0, HEADS, 128) and lse.shape == (HEADS, 0)
+
+
+# --- attention: context chunks (non-causal) ---------------------------------------------------------
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"{d[0]}x{d[1]}")
+def test_chunk_with_empty_slices(dims, dtype):
+    dqk, dv = dims
+    lengths_q = [9, 17, 0, 5]
+    lengths_k = [40, 0, 12, 16]  # sequence 1 has no context in this chunk
+    q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, dqk, dv, dtype, seed=6, padding=3, strided_v=True)
+    scale = dqk**-0.5
+    out, lse = attention_triton(q, k, v, cu_q, cu_k, 17, 40, scale, causal=False, config=SMALL)
+    assert_attention_close(out, lse, q, k, v, cu_q, cu_k, scale, False)
+    _check_empty_rows(out, lse, slice(9, 26))
+    _check_padding(lse, sum(lengths_q))
+
+
+@interpreted
+def test_chunk_with_no_context_at_all():
+    """A chunk whose K/V tensors are empty: every row is out = 0, lse = -inf."""
+    lengths_q = [4, 6]
+    q, k, v, cu_q, _ = _chunk_inputs(lengths_q, [], 192, 128, torch.bfloat16)
+    cu_k = cu_seqlens_of([0, 0])
+    out, lse = attention_triton(q, k, v, cu_q, cu_k, 6, 0, 0.1, causal=False, config=SMALL)
+    _check_empty_rows(out, lse, slice(0, 10))
+
+
+@interpreted
+def test_chunk_nan_beyond_slices_does_not_leak():
+    """Keys outside a sequence's slice (another sequence's, or a budget's padding) may hold NaN."""
+    lengths_q, lengths_k = [7, 12], [13, 5]
+    q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, 64, 64, torch.float16, seed=7)
+    k = torch.cat([k, torch.full_like(k[:20], math.nan)])
+    v = torch.cat([v, torch.full_like(v[:20], math.nan)])
+    out, lse = attention_triton(q, k, v, cu_q, cu_k, 12, 13, 0.125, causal=False, config=SMALL)
+    assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.125, False)
+
+
+@interpreted
+def test_tma_path_matches_pointer_path():
+    """The TMA-descriptor variant (interpreted here) computes the same numbers as the pointer loads."""
+    pytest.importorskip("triton.tools.tensor_descriptor", reason="this Triton has no host TMA descriptors")
+    lengths_q, lengths_k = [9, 0, 21], [30, 7, 0]
+    q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, 192, 128, torch.float16, seed=8, strided_v=True)
+    tma = AttentionConfig(16, 16, 4, 1, use_tma=True)
+    out, lse = attention_triton(q, k, v, cu_q, cu_k, 21, 30, 0.1, causal=False, config=tma)
+    ref_out, ref_lse = attention_triton(q, k, v, cu_q, cu_k, 21, 30, 0.1, causal=False, config=SMALL)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.1, False)
+
+
+@interpreted
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    causal=st.booleans(),
+    dims=st.sampled_from([(192, 128), (64, 64)]),
+    dtype=st.sampled_from(DTYPES),
+    block=st.sampled_from([(16, 16), (32, 16), (16, 32)]),
+)
+def test_fuzz_ragged_batches(data, causal, dims, dtype, block):
+    dqk, dv = dims
+    lengths_q = data.draw(st.lists(st.integers(0, 24), min_size=1, max_size=4), label="lengths_q")
+    if causal:
+        lengths_k = lengths_q
+    else:
+        lengths_k = data.draw(
+            st.lists(st.integers(0, 24), min_size=len(lengths_q), max_size=len(lengths_q)), label="lengths_k"
+        )
+    padding = data.draw(st.integers(0, 3), label="padding")
+    slack = data.draw(st.integers(0, 20), label="max_seqlen slack")
+    if causal:
+        q, k, v = make_qkv(sum(lengths_q) + padding, HEADS, dqk, dv, dtype, generator=torch.Generator().manual_seed(9))
+        cu_q = cu_k = cu_seqlens_of(lengths_q)
+    else:
+        q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, dqk, dv, dtype, seed=9, padding=padding)
+    config = AttentionConfig(*block, 4, 1)
+    out, lse = attention_triton(
+        q, k, v, cu_q, cu_k, max(lengths_q) + slack, max(lengths_k) + slack, dqk**-0.5, causal, config=config
+    )
+    assert_attention_close(out, lse, q, k, v, cu_q, cu_k, dqk**-0.5, causal)
+    _check_padding(lse, sum(lengths_q))
+
+
+def test_head_dim_split():
+    assert head_dim_split(192) == (128, 64)
+    assert head_dim_split(128) == (128, 0)
+    assert head_dim_split(64) == (64, 0)
+    assert head_dim_split(80) == (64, 16)
+    assert head_dim_split(240) == (128, 128)
+
+
+def test_launcher_rejects_bad_inputs():
+    q, k, v = make_qkv(4, HEADS, 72, 64, torch.float16)
+    cu = cu_seqlens_of([4])
+    with pytest.raises(ValueError, match="Dqk must be a multiple of 16"):
+        attention_triton(q, k, v, cu, cu, 4, 4, 0.1, causal=True)
+    q, k, v = make_qkv(4, HEADS, 64, 64, torch.float32)
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        attention_triton(q, k, v, cu, cu, 4, 4, 0.1, causal=True)
+
+
+# --- merge ------------------------------------------------------------------------------------------
+
+
+def _assert_merge_close(got, want):
+    out, lse = got
+    ref_out, ref_lse = want
+    assert out.is_contiguous() and lse.is_contiguous() and out.dtype == ref_out.dtype and lse.dtype == torch.float32
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], rtol=1e-6, atol=1e-6)
+    # Both compute in fp32 and round once; they may differ by one ulp of the output dtype.
+    ulp = torch.finfo(out.dtype).eps * max(ref_out.float().abs().max().item(), 1.0)
+    assert (out.float() - ref_out.float()).abs().max().item() <= ulp
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+def test_merge_matches_reference_with_empty_sides(dtype):
+    num_tokens, heads, dv = 37, 3, 128
+    gen = torch.Generator().manual_seed(11)
+    prefix_out = torch.randn(num_tokens, heads, dv, generator=gen).to(dtype)
+    suffix_out = torch.randn(num_tokens, heads, dv, generator=gen).to(dtype)
+    prefix_lse = torch.randn(heads, num_tokens, generator=gen) * 4
+    suffix_lse = torch.randn(heads, num_tokens, generator=gen) * 4
+    # Empty prefix (-inf, and +inf as some kernels write), with NaN in its ignored output.
+    prefix_lse[0, :6], prefix_lse[1, :6] = -math.inf, math.inf
+    prefix_out[:6, :2] = math.nan
+    # Empty suffix on other rows; both empty (mixing -inf and +inf) on rows 4..5.
+    suffix_lse[0, 4:10], suffix_lse[1, 4:10] = math.inf, -math.inf
+    suffix_out[4:10, :2] = math.nan
+    # Very different magnitudes: one side's weight underflows to 0.
+    prefix_lse[2, 20], suffix_lse[2, 20] = 200.0, -200.0
+    got = merge_attn_states_triton(prefix_out, prefix_lse, suffix_out, suffix_lse, block_t=8)
+    want = merge_attn_states_reference(prefix_out, prefix_lse, suffix_out, suffix_lse)
+    _assert_merge_close(got, want)
+    out, lse = got
+    assert torch.isneginf(lse[:2, 4:6]).all() and torch.equal(out[4:6, :2], torch.zeros_like(out[4:6, :2]))
+    # +inf means empty, exactly like -inf.
+    assert torch.equal(out[:4, 1], suffix_out[:4, 1]) and torch.equal(lse[1, :4], suffix_lse[1, :4])
+
+
+@interpreted
+def test_merge_strided_inputs():
+    """Outputs that are views (unit last stride) and lse stored [T, H] and viewed as [H, T]."""
+    num_tokens, heads, dv = 21, 2, 64
+    gen = torch.Generator().manual_seed(12)
+    wide = torch.randn(num_tokens, heads, 2 * dv, generator=gen).to(torch.bfloat16)
+    prefix_out, suffix_out = wide[..., :dv], wide[..., dv:]
+    prefix_lse = torch.randn(num_tokens, heads, generator=gen).t()
+    suffix_lse = torch.randn(num_tokens, heads, generator=gen).t()
+    assert not prefix_lse.is_contiguous()
+    got = merge_attn_states_triton(prefix_out, prefix_lse, suffix_out, suffix_lse)
+    _assert_merge_close(got, merge_attn_states_reference(prefix_out, prefix_lse, suffix_out, suffix_lse))
+
+
+def test_merge_zero_tokens():
+    out, lse = merge_attn_states_triton(
+        torch.empty(0, 2, 64, dtype=torch.float16), torch.empty(2, 0),
+        torch.empty(0, 2, 64, dtype=torch.float16), torch.empty(2, 0),
+    )  # fmt: skip
+    assert out.shape == (0, 2, 64) and lse.shape == (2, 0)
+
+
+@interpreted
+def test_merge_reconstructs_unsplit_attention():
+    """Attention over keys [A; B] == merge(attention over A, attention over B): checks the LSE base."""
+    lengths_q, lengths_a, lengths_b = [11, 6], [9, 0], [14, 5]
+    gen = torch.Generator().manual_seed(13)
+    q, _, _ = make_qkv(sum(lengths_q) + 4, HEADS, 64, 64, torch.float16, generator=gen)  # 4 padding rows
+    _, k_a, v_a = make_qkv(sum(lengths_a), HEADS, 64, 64, torch.float16, generator=gen)
+    _, k_b, v_b = make_qkv(sum(lengths_b), HEADS, 64, 64, torch.float16, generator=gen)
+    cu_q, cu_a, cu_b = cu_seqlens_of(lengths_q), cu_seqlens_of(lengths_a), cu_seqlens_of(lengths_b)
+    part_a = attention_triton(q, k_a, v_a, cu_q, cu_a, 11, 9, 0.125, causal=False, config=SMALL)
+    part_b = attention_triton(q, k_b, v_b, cu_q, cu_b, 11, 14, 0.125, causal=False, config=SMALL)
+    out, lse = merge_attn_states_triton(*part_a, *part_b)
+    # Padding rows have lse -inf on both sides, so the merge writes clean zeros there.
+    _check_empty_rows(out, lse, slice(17, None))
+    k = torch.cat([k_a[:9], k_b[:14], k_a[9:], k_b[14:]])
+    v = torch.cat([v_a[:9], v_b[:14], v_a[9:], v_b[14:]])
+    cu_k = cu_seqlens_of([a + b for a, b in zip(lengths_a, lengths_b)])
+    # Two roundings to fp16 (each part, then the merge) against one: allow a factor of 3.
+    assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.125, False, factor=3.0)
+
+
+# --- configuration ----------------------------------------------------------------------------------
+
+
+def test_config_env_var(monkeypatch):
+    monkeypatch.setenv(configs.CONFIG_ENV_VAR, "64, 32, 4, 2")
+    assert configs.attention_config(torch.device("cpu"), 192, 128, True, torch.bfloat16) == AttentionConfig(
+        64, 32, 4, 2
+    )
+    monkeypatch.setenv(configs.CONFIG_ENV_VAR, "128,64,8,3,1")
+    assert configs.env_attention_config() == AttentionConfig(128, 64, 8, 3, use_tma=True)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("128,64,8", "must be 'BLOCK_M,BLOCK_N,num_warps,num_stages"),
+        ("128,64,eight,3", "integer fields"),
+        ("100,64,8,3", "block_m must be a power of two from 16 to 256, got 100"),
+        ("128,512,8,3", "block_n must be a power of two"),
+        ("128,64,6,3", "num_warps must be 1, 2, 4, 8 or 16, got 6"),
+        ("128,64,8,0", "num_stages must be an integer from 1 to 8"),
+        ("128,64,8,3,yes", "fifth field must be 0/1"),
+    ],
+)
+def test_config_env_var_errors(monkeypatch, text, message):
+    monkeypatch.setenv(configs.CONFIG_ENV_VAR, text)
+    with pytest.raises(ValueError, match="MLA_OPS_TRITON_CONFIG") as info:
+        q, k, v = make_qkv(4, HEADS, 64, 64, torch.float16)
+        cu = cu_seqlens_of([4])
+        attention_triton(q, k, v, cu, cu, 4, 4, 0.1, causal=True)
+    assert message in str(info.value)
+
+
+def test_config_tables():
+    sm90 = configs.table_attention_config((9, 0), 192, 128, True, torch.bfloat16)
+    assert sm90 == configs.SM90_ATTENTION[(192, 128, True)]
+    # A dtype-specific entry wins over the dtype-free one.
+    special = AttentionConfig(64, 64, 4, 2)
+    table = {(192, 128, True): sm90, (192, 128, True, torch.float16): special}
+    assert configs._lookup(table, 192, 128, True, torch.float16) == special
+    assert configs._lookup(table, 192, 128, True, torch.bfloat16) == sm90
+    # Untuned dims and GPUs get a default that fits the device's shared memory.
+    ada = configs.table_attention_config((8, 9), 256, 256, False, torch.float16, shared_memory=99 * 1024)
+    assert configs.shared_memory_estimate(ada, 256, 256) <= 99 * 1024
+    for config in (sm90, *configs.SM90_ATTENTION.values()):
+        assert configs.shared_memory_estimate(config, 192, 128) <= 227 * 1024
+
+
+def test_shrink_steps_down_to_smallest():
+    config, seen = AttentionConfig(128, 128, 8, 3), []
+    while config is not None:
+        seen.append(config)
+        config = configs.shrink(config)
+    assert seen[-1] == AttentionConfig(16, 16, 4, 1)
+    assert len(seen) == len(set(seen))
+
+
+# --- the backend class ------------------------------------------------------------------------------
+
+
+def test_backend_dimension_reasons():
+    hopper = DeviceCapability(9, 0)
+    assert TritonBackend.validate_configuration(hopper, SelectorConfig(torch.bfloat16, DEEPSEEK_V3)) == []
+    assert TritonBackend.validate_configuration(hopper, SelectorConfig(torch.float16, MLADimensions(64, 0, 64))) == []
+    reasons = TritonBackend.validate_configuration(hopper, SelectorConfig(torch.bfloat16, MLADimensions(128, 64, 100)))
+    assert reasons == ["v head dim 100 is not a positive multiple of 16"]
+    reasons = TritonBackend.validate_configuration(hopper, SelectorConfig(torch.bfloat16, MLADimensions(256, 64, 512)))
+    assert reasons == ["qk head dim (qk_nope + qk_rope) 320 exceeds 256", "v head dim 512 exceeds 256"]
+
+
+def test_backend_capability_and_device():
+    config = SelectorConfig(torch.bfloat16, DEEPSEEK_V3)
+    assert TritonBackend.supports_compute_capability(DeviceCapability(8, 0))
+    assert TritonBackend.supports_compute_capability(DeviceCapability(10, 0))
+    assert TritonBackend.validate_configuration(DeviceCapability(7, 5), config) == [
+        "compute capability 7.5 is not supported"
+    ]
+    assert TritonBackend.validate_configuration(None, config) == ["runs on CUDA devices only, not on CPU"]
+    reasons = TritonBackend.validate_configuration(DeviceCapability(9, 0), SelectorConfig(torch.float32, DEEPSEEK_V3))
+    assert reasons == ["dtype float32 is not supported (use bfloat16, float16)"]
+
+
+def test_backend_available_and_implementation():
+    import triton
+
+    assert TritonBackend.unavailable_reason() is None and TritonBackend.is_available()
+    assert f"Triton {triton.__version__}" in TritonBackend.implementation()
+
+
+def test_backend_unavailable_without_triton(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
+    assert TritonBackend.unavailable_reason() == "triton is not installed (pip install 'mla_ops[triton]')"
+    assert not TritonBackend.is_available()
+    reasons = TritonBackend.validate_configuration(DeviceCapability(9, 0), SelectorConfig(torch.bfloat16))
+    assert reasons == ["triton is not installed (pip install 'mla_ops[triton]')"]
+    assert "not installed" in TritonBackend.implementation()
+
+
+def test_backend_module_imports_without_triton():
+    """The registry imports the backend module to ask it why it is unavailable: that must not need triton."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "from mla_ops.backends.triton import TritonBackend\n"
+        "print(TritonBackend.unavailable_reason())\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "triton is not installed (pip install 'mla_ops[triton]')"
+
+
+@interpreted
+def test_backend_runs_both_paths():
+    """The class methods call the kernel (the op layer sends CUDA tensors here; CPU ones are interpreted)."""
+    batch = make_batch([12, 0, 5], HEADS, 64, 64, torch.float16, seed=14)
+    out, lse = TritonBackend.prefill(batch.q, batch.k, batch.v, batch.cu_seqlens, 12, 0.125)
+    assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 0.125, True)
+    q, k, v, cu_q, cu_k = _chunk_inputs([3, 4], [0, 9], 64, 64, torch.float16, seed=15)
+    out, lse = TritonBackend.prefill_context_chunk(q, k, v, cu_q, cu_k, 4, 9, 0.125)
+    assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.125, False)
+
+
+def test_backend_warmup_rejects_cpu():
+    with pytest.raises(ValueError, match="runs on CUDA devices only"):
+        TritonBackend.warmup(torch.device("cpu"), SelectorConfig(torch.bfloat16), num_heads=2)
+
+
+@interpreted
+def test_out_of_resources_steps_down_unless_explicit(monkeypatch):
+    """A table config too big for the GPU is shrunk (and remembered); an explicit one is reported."""
+    from triton.runtime.errors import OutOfResources
+
+    from mla_ops.kernels import attention
+
+    real_launch, tried = attention._launch, []
+
+    def launch(*args):
+        config = args[-1]
+        tried.append(config)
+        if config.block_n > 16:
+            raise OutOfResources(config.block_n * 1024, 16 * 1024, "shared memory")
+        return real_launch(*args)
+
+    monkeypatch.setattr(attention, "_launch", launch)
+    monkeypatch.setattr(attention, "_table_configs", {})
+    monkeypatch.setattr(attention, "attention_config", lambda *a: AttentionConfig(16, 64, 4, 2))
+    batch = make_batch([20], HEADS, 64, 64, torch.float16, seed=16)
+    args = (batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 20, 20, 0.125, True)
+    out, lse = attention_triton(*args)
+    assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 0.125, True)
+    assert tried == [AttentionConfig(16, 64, 4, 2), AttentionConfig(16, 64, 4, 1), AttentionConfig(16, 32, 4, 1),
+                     AttentionConfig(16, 16, 4, 1)]  # fmt: skip
+    tried.clear()
+    attention_triton(*args)
+    assert tried == [AttentionConfig(16, 16, 4, 1)], "the working config is remembered"
+    with pytest.raises(RuntimeError, match="does not fit this GPU"):
+        attention_triton(*args, config=AttentionConfig(16, 64, 4, 1))
