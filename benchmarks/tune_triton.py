@@ -301,7 +301,10 @@ def sweep_merge(args, device, writer, meta) -> None:
 
         out, lse = run()
         err = (out.float() - ref_out.float()).abs().max().item()
-        ok = err <= 2e-2 and torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+        # Two bf16 ulps at the outputs' magnitude: configs may round the fp32 weights differently.
+        ok = err <= 2 * 2**-8 * ref_out.float().abs().max().item() and torch.equal(
+            torch.isneginf(lse), torch.isneginf(ref_lse)
+        )
         ms = bench(run, args.warmup, args.rep)
         gbps = moved / ms / 1e6
         log(f"    block_t={block_t:<3} warps={warps}  {ms:7.3f} ms  {gbps:7.1f} GB/s{'' if ok else '  WRONG'}")

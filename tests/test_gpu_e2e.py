@@ -102,21 +102,6 @@ def test_compile_reduce_overhead(backend, layers) -> None:
                 _assert_close_to_truth(compiled(*_args(batch)).clone(), _truth(truth, batch))
 
 
-@torch.no_grad()
-def test_flashinfer_refuses_cudagraph_trees_clearly(layers) -> None:
-    # A tree replays without running Python, so FlashInfer's host plan could not follow a new
-    # batch; capture must fail with instructions instead of replaying a stale plan.
-    _require("FLASHINFER")
-    layer, _ = layers
-    torch._dynamo.reset()
-    with mla_ops.prefill_backend("FLASHINFER"):
-        compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
-        batch = next(_batches(layer, 1))
-        with pytest.raises(Exception, match="plan_cuda_graph"):
-            for _ in range(3):
-                compiled(*_args(batch))
-
-
 # --- manual CUDA graph over a token budget ---------------------------------------------------------
 
 BUDGET, MAX_SEQS, CHUNK_BUDGET = 8192, 16, 4096
@@ -199,7 +184,10 @@ def test_manual_cuda_graph_replays_new_lengths(backend, layers) -> None:
             want = _truth(truth, batch)
             _assert_close_to_truth(eager, want)
             _assert_close_to_truth(out, want, rows)
-            torch.testing.assert_close(out[:rows], eager, rtol=2e-2, atol=2e-2)
+            # Same kernels on the same rows; only the projections' GEMM algorithms may differ with the
+            # row count, so the replay must agree with eager far more closely than with float64.
+            diff = ((out[:rows].float() - eager.float()).norm() / eager.float().norm()).item()
+            assert diff <= 1e-2, f"replay differs from eager by {diff:.2e} (relative)"
     mla_ops.release_cuda_graph_buffers()
 
 
@@ -215,3 +203,18 @@ def test_capture_without_plan_fails_clearly_for_flashinfer(layers) -> None:
         graph = torch.cuda.CUDAGraph()
         with pytest.raises(RuntimeError, match="plan_cuda_graph"), torch.cuda.graph(graph):
             layer(*static.args())
+
+
+@torch.no_grad()
+def test_flashinfer_refuses_cudagraph_trees_clearly(layers) -> None:
+    # A tree replays without running Python, so FlashInfer's host plan could not follow a new
+    # batch; capture must fail with instructions instead of replaying a stale plan.
+    _require("FLASHINFER")
+    layer, _ = layers
+    torch._dynamo.reset()
+    with mla_ops.prefill_backend("FLASHINFER"):
+        compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+        batch = next(_batches(layer, 1))
+        with pytest.raises(Exception, match="plan_cuda_graph"):
+            for _ in range(3):
+                compiled(*_args(batch))
