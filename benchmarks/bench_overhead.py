@@ -62,10 +62,12 @@ def main(argv: list[str] | None = None) -> int:
         for op, raw in pairs:
             prepared = [op.prepare(problem), raw.prepare(problem)]
             times: list[list[float]] = [[], []]
+            # Prepared.context is single-use; the override is set once for the whole pair instead.
+            mla_ops.set_prefill_backend(op.name)
             for _ in range(args.rounds):
                 for i, p in enumerate(prepared):
-                    with p.context:
-                        times[i].append(C.time_ms(p.fn, device, warmup_ms=10.0, rep_ms=args.rep_ms))
+                    times[i].append(C.time_ms(p.fn, device, warmup_ms=10.0, rep_ms=args.rep_ms))
+            mla_ops.set_prefill_backend(None)
             ratios = [r / o for o, r in zip(*times)]
             ratio = statistics.median(ratios)
             op_ms, raw_ms = statistics.median(times[0]), statistics.median(times[1])
