@@ -33,8 +33,8 @@ ENV_VAR = "MLA_OPS_PREFILL_BACKEND"
 B = PrefillBackendEnum
 
 # Orders follow measurements where we have them; README's performance section cites the figures and a
-# benchmark that disagrees changes the order. SM90: benchmarks/results/h200/ (FlashInfer's fa3 kernel
-# ahead of the package's Triton kernel, both well ahead of the bundled FlashAttention-2 fallback).
+# benchmark that disagrees changes the order. SM90: benchmarks/results/h200/results.md, where on all 25
+# attention shapes FLASHINFER (fa3) beat TRITON, which beat FLASH_ATTN (bundled FlashAttention-2).
 _SM90 = [B.FLASHINFER, B.TRITON, B.FLASH_ATTN]
 # Not measured here: flash-attn's FA2 is the usual leader on Ampere/Ada, FlashInfer fa2 next.
 _SM80 = [B.FLASH_ATTN, B.FLASHINFER, B.TRITON]
