@@ -120,6 +120,7 @@ def test_cpu_run_writes_markdown_and_env(prefill_run):
 def test_from_csv_rerenders_the_report(prefill_run, tmp_path):
     out, _ = prefill_run
     _main(BP, ["--from-csv", str(out / "results.csv"), "--out", str(tmp_path)])
+
     # Without matplotlib the report's "No plot" note names its own folder; everything else must match.
     def normalised(path):
         return path.read_text().replace(str(tmp_path), "OUT").replace(str(out), "OUT")
