@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C
 import bench_prefill as B
 
-# The three shapes the backend issues name: 4x4096 at H=16, 2x8192 at H=128, and a mixed batch at H=128.
+# The three reference shapes: 4x4096 at H=16, 2x8192 at H=128, and a mixed batch at H=128.
 SHAPES = [
     B.Shape("causal", 16, (4096,) * 4),
     B.Shape("causal", 128, (8192,) * 2),
