@@ -40,7 +40,7 @@ class GraphBuffer:
 
     device_offsets: torch.Tensor
     host_offsets: torch.Tensor
-    version: int
+    version: int | None
     generation: int
 
 
@@ -48,12 +48,13 @@ _buffers: dict[int, GraphBuffer] = {}
 _generation = 0
 
 
-def _version_of(t: torch.Tensor) -> int:
-    """The tensor's version counter, or -1 for tensors made under ``torch.inference_mode`` (which have none)."""
+def version_of(t: torch.Tensor) -> int | None:
+    """The tensor's version counter, or ``None`` for tensors made under ``torch.inference_mode``
+    (which have none, so in-place writes to them cannot be detected)."""
     try:
         return t._version
     except RuntimeError:
-        return -1
+        return None
 
 
 def _host_offsets(name: str, cu: torch.Tensor) -> torch.Tensor:
@@ -88,7 +89,7 @@ def plan_cuda_graph(cu_seqlens: torch.Tensor, cu_seqlens_k: Sequence[torch.Tenso
     planned = []
     for name, cu in [("cu_seqlens", cu_seqlens)] + [(f"cu_seqlens_k[{i}]", c) for i, c in enumerate(cu_seqlens_k)]:
         host = _host_offsets(name, cu)
-        entry = GraphBuffer(cu, host, _version_of(cu), _generation)
+        entry = GraphBuffer(cu, host, version_of(cu), _generation)
         _buffers[cu.data_ptr()] = entry
         planned.append(entry)
     for backend in _loaded_backends():

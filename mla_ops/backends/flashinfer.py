@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..config import DeviceCapability, MLADimensions, SelectorConfig
-from ..graphs import GraphBuffer, graph_buffer
+from ..graphs import GraphBuffer, graph_buffer, version_of
 from ..meta.checks import check_cu_seqlens_values
 from .base import PrefillBackend
 
@@ -361,15 +361,8 @@ def _is_capturing() -> bool:
         return False
 
 
-def _version_of(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter
-        return None
-
-
 def _offsets_key(t: torch.Tensor) -> tuple[torch.device, int, int | None, int]:
-    return (t.device, t.data_ptr(), _version_of(t), t.numel())
+    return (t.device, t.data_ptr(), version_of(t), t.numel())
 
 
 # --- eager plans ----------------------------------------------------------------------------------
@@ -618,7 +611,7 @@ def _new_graph_wrapper(
 
 
 def _check_unchanged(name: str, cu: torch.Tensor, entry: GraphBuffer) -> None:
-    version = _version_of(cu)
+    version = version_of(cu)
     if version is not None and version != entry.version:
         raise RuntimeError(
             f"{name} was written after mla_ops.plan_cuda_graph(...) planned it; call mla_ops.plan_cuda_graph "
