@@ -48,6 +48,14 @@ _buffers: dict[int, GraphBuffer] = {}
 _generation = 0
 
 
+def is_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (``False`` on a CPU-only build of torch)."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:  # a CPU-only build of torch cannot capture
+        return False
+
+
 def version_of(t: torch.Tensor) -> int | None:
     """The tensor's version counter, or ``None`` for tensors made under ``torch.inference_mode``
     (which have none, so in-place writes to them cannot be detected)."""
@@ -80,7 +88,7 @@ def plan_cuda_graph(cu_seqlens: torch.Tensor, cu_seqlens_k: Sequence[torch.Tenso
         cu_seqlens_k: the static int32 ``[B+1]`` offsets of each context chunk the graph reads.
     """
     global _generation
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if is_capturing():
         raise RuntimeError(
             "mla_ops.plan_cuda_graph reads the offsets on the host and cannot run inside CUDA graph capture; "
             "call it before torch.cuda.graph(...) and before each replay"

@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..config import DeviceCapability, MLADimensions, SelectorConfig
-from ..graphs import GraphBuffer, graph_buffer, version_of
+from ..graphs import GraphBuffer, graph_buffer, is_capturing, version_of
 from ..meta.checks import check_cu_seqlens_values
 from .base import PrefillBackend
 
@@ -352,13 +352,6 @@ def _empty_outputs(q: torch.Tensor, head_dim_vo: int) -> tuple[torch.Tensor, tor
     out = torch.empty((num_tokens, num_heads, head_dim_vo), dtype=q.dtype, device=q.device)
     lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=q.device)
     return out, lse
-
-
-def _is_capturing() -> bool:
-    try:
-        return torch.cuda.is_current_stream_capturing()
-    except RuntimeError:  # a CPU-only build of torch cannot capture
-        return False
 
 
 def _offsets_key(t: torch.Tensor) -> tuple[torch.device, int, int | None, int]:
@@ -674,7 +667,7 @@ def _attention(
     cfg = _LayerConfig(num_heads, head_dim_qk, v.shape[-1], q.dtype, float(softmax_scale), cu_k is None)
     if num_tokens == 0:
         return _empty_outputs(q, cfg.head_dim_vo)
-    capturing = _is_capturing()
+    capturing = is_capturing()
     entry_q = _registered(cu_q)
     if entry_q is not None:
         entry_k = entry_q if cu_k is None else _registered(cu_k)

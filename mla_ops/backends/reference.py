@@ -11,6 +11,7 @@ import math
 import torch
 
 from ..config import DeviceCapability
+from ..graphs import is_capturing
 from ..meta.checks import check_cu_seqlens_values
 from .base import PrefillBackend
 
@@ -21,7 +22,7 @@ _MAX_SCORE_ELEMENTS = 1 << 26
 
 
 def _host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
-    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+    if cu_seqlens.is_cuda and is_capturing():
         raise RuntimeError(
             "the REFERENCE MLA prefill backend reads cu_seqlens on the host and cannot run inside CUDA "
             "graph capture; select a CUDA backend (TRITON, FLASH_ATTN or FLASHINFER) for captured graphs"
