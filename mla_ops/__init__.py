@@ -17,6 +17,7 @@ from .api import (
 )
 from .backends.registry import PrefillBackendEnum
 from .config import DEEPSEEK_V3, DeviceCapability, MLADimensions, SelectorConfig
+from .graph_trees import compile_options
 from .graphs import plan_cuda_graph, release_cuda_graph_buffers
 from .selector import clear_cache, prefill_backend, select_backend, set_prefill_backend
 
@@ -30,6 +31,7 @@ __all__ = [
     "PrefillBackendEnum",
     "SelectorConfig",
     "clear_cache",
+    "compile_options",
     "default_softmax_scale",
     "merge_attn_states",
     "plan_cuda_graph",

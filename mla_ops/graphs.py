@@ -19,6 +19,8 @@ host, so it must be told the lengths before capture and again before every repla
 
 Calling :func:`plan_cuda_graph` is cheap when the selected backend does not plan, so code can call
 it unconditionally.
+
+For ``torch.compile``'s CUDA-graph trees see :mod:`mla_ops.graph_trees`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ The ops are declared with ``torch.library.Library.define`` and given one kernel 
 10 us per call against 21 us for ``torch.library.custom_op``). The fake kernels come from
 ``mla_ops.meta``. They are forward-only: there is no autograd formula.
 
-- ``Meta``/fake: :mod:`mla_ops.meta` (shapes only).
+- ``Meta``/fake: :mod:`mla_ops.meta` (shapes), plus :func:`mla_ops.graph_trees.check_graph_trees`, which
+  refuses a host-planning backend inside CUDA-graph trees at compile time.
 - ``CPU``: the REFERENCE backend.
 - ``CUDA``: whichever backend :func:`mla_ops.selector.backend_for` picks for the device, dtype and dims.
 """
@@ -16,6 +17,7 @@ import torch
 
 from . import meta
 from .backends.reference import ReferenceBackend, merge_attn_states_reference
+from .graph_trees import check_graph_trees
 from .meta.checks import check_attention_inputs, check_merge_inputs
 from .selector import backend_for
 
@@ -36,9 +38,20 @@ SCHEMAS = {
     ),
 }
 
+#: Twins of the two attention ops: the same schemas and kernels, tagged ``cudagraph_unsafe``. Under
+#: CUDA-graph trees, the graph pass that :func:`mla_ops.compile_options` installs moves the calls whose
+#: backend plans on the host to these, and Inductor then runs them between the graphs. They are not
+#: part of the public contract; call the ops in ``SCHEMAS``.
+HOST_PLANNED_TWINS = {"prefill": "prefill_host_planned", "prefill_context_chunk": "prefill_context_chunk_host_planned"}
+
+# torch gained the tag in 2.8; without it the twins exist untagged and compile_options refuses to use them.
+GRAPH_UNSAFE_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
 _lib = torch.library.Library(NAMESPACE, "DEF")
 for _schema in SCHEMAS.values():
     _lib.define(_schema)
+for _name, _twin in HOST_PLANNED_TWINS.items():
+    _lib.define(_twin + SCHEMAS[_name].removeprefix(_name), tags=GRAPH_UNSAFE_TAGS)
 
 
 # --- CPU: the reference ---------------------------------------------------------------------------
@@ -101,11 +114,33 @@ def merge_kernel():
     return _merge_impl
 
 
+# --- fake: shapes from mla_ops.meta, plus the one check only compile time can make -----------------
+
+
+def _prefill_fake(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
+    check_graph_trees("mla::prefill", q, v)
+    return meta.prefill_fake(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
+
+
+def _prefill_context_chunk_fake(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale):
+    check_graph_trees("mla::prefill_context_chunk", q, v)
+    return meta.prefill_context_chunk_fake(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale)
+
+
 for _name, _cpu, _cuda, _fake in (
-    ("prefill", _prefill_cpu, _prefill_cuda, meta.prefill_fake),
-    ("prefill_context_chunk", _prefill_context_chunk_cpu, _prefill_context_chunk_cuda, meta.prefill_context_chunk_fake),
+    ("prefill", _prefill_cpu, _prefill_cuda, _prefill_fake),
+    ("prefill_context_chunk", _prefill_context_chunk_cpu, _prefill_context_chunk_cuda, _prefill_context_chunk_fake),
     ("merge_attn_states", _merge_cpu, _merge_cuda, meta.merge_attn_states_fake),
 ):
     _lib.impl(_name, _cpu, "CPU")
     _lib.impl(_name, _cuda, "CUDA")
     torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake, lib=_lib)
+
+for _name, _cpu, _cuda, _fake in (
+    ("prefill", _prefill_cpu, _prefill_cuda, meta.prefill_fake),
+    ("prefill_context_chunk", _prefill_context_chunk_cpu, _prefill_context_chunk_cuda, meta.prefill_context_chunk_fake),
+):
+    _twin = HOST_PLANNED_TWINS[_name]
+    _lib.impl(_twin, _cpu, "CPU")
+    _lib.impl(_twin, _cuda, "CUDA")
+    torch.library.register_fake(f"{NAMESPACE}::{_twin}", _fake, lib=_lib)

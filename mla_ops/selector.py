@@ -174,11 +174,17 @@ def backend_for(q: torch.Tensor, v: torch.Tensor) -> type[PrefillBackend]:
     A warm call is one dict lookup. The override and the environment variable are read when a
     configuration is first seen; :func:`clear_cache` makes the next call read them again.
     """
-    key = (q.device, q.dtype, q.shape[-1], v.shape[-1])
+    backend = _routes.get((q.device, q.dtype, q.shape[-1], v.shape[-1]))
+    return route(q.device, q.dtype, q.shape[-1], v.shape[-1]) if backend is None else backend
+
+
+def route(device: torch.device, dtype: torch.dtype, head_dim_qk: int, head_dim_v: int) -> type[PrefillBackend]:
+    """The backend the ops run for tensors on ``device`` of ``dtype`` with these head dims; cached."""
+    key = (device, dtype, head_dim_qk, head_dim_v)
     backend = _routes.get(key)
     if backend is None:
-        config = SelectorConfig(q.dtype, MLADimensions.from_head_dims(q.shape[-1], v.shape[-1]))
-        backend = _routes[key] = select_backend(DeviceCapability.of(q.device), config)
+        config = SelectorConfig(dtype, MLADimensions.from_head_dims(head_dim_qk, head_dim_v))
+        backend = _routes[key] = select_backend(DeviceCapability.of(device), config)
     return backend
 
 

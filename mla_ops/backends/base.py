@@ -38,6 +38,11 @@ class PrefillBackend:
     required_mla_dimensions: ClassVar[MLADimensions | None] = None
     #: Whether the backend runs on CPU tensors.
     supports_cpu: ClassVar[bool] = False
+    #: Whether the backend plans each batch on the host from ``cu_seqlens``. Such a backend needs
+    #: :func:`mla_ops.plan_cuda_graph` around manual CUDA graphs, and under CUDA-graph trees its ops
+    #: must run between the graphs (:func:`mla_ops.compile_options`), since a tree replays without
+    #: running any Python that could plan.
+    plans_on_host: ClassVar[bool] = False
 
     # --- capability and configuration -----------------------------------------------------------
 

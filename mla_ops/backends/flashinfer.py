@@ -546,7 +546,9 @@ def _capture_error(problem: str) -> RuntimeError:
         "capture forbids. Before capturing, call mla_ops.plan_cuda_graph(cu_seqlens, cu_seqlens_k=[...]) with "
         "the graph's static offset buffers (the new tokens' cu_seqlens and each context chunk's cu_seqlens_k), "
         "then make one eager warm-up call of the model with those buffers and the same shapes, then capture; "
-        "call mla_ops.plan_cuda_graph again after writing new offsets, before each replay"
+        "call mla_ops.plan_cuda_graph again after writing new offsets, before each replay. Under torch.compile's "
+        "CUDA-graph trees, compile with options=mla_ops.compile_options('reduce-overhead') instead of "
+        "mode='reduce-overhead', so that these ops run between the graphs"
     )
 
 
@@ -701,6 +703,7 @@ class FlashInferBackend(PrefillBackend):
     """MLA prefill with FlashInfer's ragged-KV batch prefill wrapper (fa3 / cutlass / fa2 kernels)."""
 
     name = "FLASHINFER"
+    plans_on_host = True
 
     @classmethod
     def supports_compute_capability(cls, capability: DeviceCapability) -> bool:

@@ -1,0 +1,171 @@
+"""The MLA ops under ``torch.compile``'s CUDA-graph trees (``mode="reduce-overhead"``).
+
+A tree replays its graphs without running any Python, so a backend that plans each batch on the host
+(FLASHINFER) cannot run inside them: its plan would be the one made when the graph was recorded.
+:func:`compile_options` returns the mode's Inductor options plus a graph pass that moves exactly those
+calls to ``cudagraph_unsafe``-tagged twins of the ops, and Inductor's graph partitioning, which then
+runs the twins (and the getitems that unpack their outputs) eagerly between graphs that replay
+everything else. TRITON and FLASH_ATTN read ``cu_seqlens`` on the device and stay in the graphs.
+
+.. code-block:: python
+
+    compiled = torch.compile(model, fullgraph=True, options=mla_ops.compile_options("reduce-overhead"))
+
+Without these options the ops' fake kernels refuse a host-planning backend at compile time
+(:func:`check_graph_trees`), instead of letting the tree fail at its first run.
+
+This module imports nothing of Inductor until :func:`compile_options` is called: importing Inductor
+takes seconds, and the fake kernels call :func:`check_graph_trees` in every compile.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+import torch
+
+#: Marks the graph pass's instances; :func:`check_graph_trees` looks for it in Inductor's config.
+_PASS_MARK = "_mla_ops_host_planned_ops_pass"
+
+
+@functools.cache
+def host_planned_ops_pass() -> type:
+    """The graph pass class, a ``torch._inductor.custom_graph_pass.CustomGraphPass`` (built on first use)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class HostPlannedOpsPass(CustomGraphPass):
+        """Moves each ``mla::prefill`` / ``mla::prefill_context_chunk`` call whose backend plans on the
+        host to its ``cudagraph_unsafe`` twin; runs ``previous`` (an already configured post-grad
+        pre-pass, or a list of them) first. The backend of a call is decided from its inputs' device,
+        dtype and head dims, as the op routes it at run time."""
+
+        def __init__(self, previous: Any = None) -> None:
+            self.previous = previous
+            setattr(self, _PASS_MARK, True)
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            from .ops import HOST_PLANNED_TWINS
+            from .selector import backend_for
+
+            for p in self.previous if isinstance(self.previous, (list, tuple)) else [self.previous]:
+                if p is not None:
+                    p(graph)
+            twins = {
+                getattr(torch.ops.mla, name).default: getattr(torch.ops.mla, twin).default
+                for name, twin in HOST_PLANNED_TWINS.items()
+            }
+            for node in graph.nodes:
+                if node.op != "call_function" or node.target not in twins:
+                    continue
+                q, v = (node.args[i].meta.get("val") for i in (0, 2))
+                if q is not None and v is not None and backend_for(q, v).plans_on_host:
+                    node.target = twins[node.target]
+
+        def uuid(self) -> Any:
+            # Inductor's cache key. What the pass does follows the backend selection, so the key holds
+            # the routes of DeepSeek's head dims on the current device (which reflect the override, the
+            # environment variable and the installed libraries). Other head dims are not in it: a stale
+            # entry for them only fails loudly (capture refuses to plan) or runs a call between graphs.
+            from . import __version__
+
+            previous = self.previous.uuid() if hasattr(self.previous, "uuid") else repr(self.previous)
+            return ("mla_ops.HostPlannedOpsPass", __version__, _selection_fingerprint(), previous)
+
+    return HostPlannedOpsPass
+
+
+def _selection_fingerprint() -> tuple[str, ...]:
+    from .config import DEEPSEEK_V3
+    from .selector import route
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    names = [str(device)]
+    for dtype in (torch.bfloat16, torch.float16):
+        try:
+            names.append(route(device, dtype, DEEPSEEK_V3.qk_head_dim, DEEPSEEK_V3.v_head_dim).name)
+        except ValueError as exc:  # no valid backend: the message says which, and so differs with the cause
+            names.append(str(exc))
+    return tuple(names)
+
+
+def compile_options(mode: str = "reduce-overhead") -> dict[str, Any]:
+    """Inductor options for ``torch.compile(model, options=...)``: those of ``mode`` and, when the mode
+    uses CUDA-graph trees, the graph pass and partitioning that let FLASHINFER's calls run between
+    the graphs (see the module docstring).
+
+    ``torch.compile`` takes ``mode`` or ``options``, not both; these replace ``mode``. A graph with no
+    host-planned call is compiled as under ``mode`` alone.
+
+    Args:
+        mode: a ``torch.compile`` mode, e.g. ``"reduce-overhead"``.
+
+    Returns:
+        A new ``dict`` of Inductor options.
+
+    Raises:
+        ValueError: for a mode ``torch.compile`` does not know.
+        RuntimeError: for a CUDA-graph mode when this torch cannot partition graphs around tagged ops.
+    """
+    from torch._inductor import config as inductor_config
+    from torch._inductor import list_mode_options
+
+    from .ops import GRAPH_UNSAFE_TAGS
+
+    modes = list_mode_options()
+    if mode not in modes:
+        raise ValueError(f"compile_options: unknown torch.compile mode {mode!r}; use one of {sorted(modes)}")
+    options: dict[str, Any] = dict(modes[mode])
+    if not options.get("triton.cudagraphs"):
+        return options
+    if not GRAPH_UNSAFE_TAGS or not hasattr(inductor_config, "graph_partition"):
+        raise RuntimeError(
+            f"torch {torch.__version__} cannot run ops between the CUDA graphs of a tree (it lacks the "
+            "cudagraph_unsafe op tag or Inductor's graph_partition), which a backend that plans on the host "
+            "(FLASHINFER) needs. Use torch 2.8 or newer, or capture torch.cuda.CUDAGraph yourself with "
+            "mla_ops.plan_cuda_graph, or select a backend that reads the offsets on the device "
+            "(MLA_OPS_PREFILL_BACKEND=TRITON) and compile with mode='reduce-overhead'"
+        )
+    options["graph_partition"] = True
+    options["post_grad_custom_pre_pass"] = host_planned_ops_pass()(inductor_config.post_grad_custom_pre_pass)
+    return options
+
+
+def _pass_installed(inductor_config: Any) -> bool:
+    configured = inductor_config.post_grad_custom_pre_pass
+    passes = configured if isinstance(configured, (list, tuple)) else [configured]
+    return bool(getattr(inductor_config, "graph_partition", False)) and any(
+        getattr(p, _PASS_MARK, False) for p in passes
+    )
+
+
+def check_graph_trees(op: str, q: torch.Tensor, v: torch.Tensor) -> None:
+    """Refuse, while ``torch.compile`` traces for CUDA-graph trees without :func:`compile_options`, a
+    call whose backend plans on the host.
+
+    Called by the ops' fake kernels, so the mistake surfaces at compile time with its remedy rather
+    than as an allocator-pool failure at the tree's first run. ``op`` is ``"mla::prefill"`` or
+    ``"mla::prefill_context_chunk"``; ``q``/``v`` are the op's (fake) inputs.
+    """
+    if q.device.type != "cuda":
+        return
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is None or not inductor_config.triton.cudagraphs or _pass_installed(inductor_config):
+        return
+    from torch._guards import TracingContext
+
+    if TracingContext.try_get() is None:  # not under torch.compile
+        return
+    from .selector import backend_for
+
+    backend = backend_for(q, v)
+    if backend.plans_on_host:
+        raise RuntimeError(
+            f"{op}: the {backend.name} backend plans each batch on the host, which a CUDA-graph tree "
+            "(torch.compile mode='reduce-overhead') cannot do before its replays. Compile with "
+            "torch.compile(model, options=mla_ops.compile_options('reduce-overhead')) instead: the same mode, with "
+            "these calls run between the graphs. Alternatively select a backend that reads the offsets "
+            "on the device (MLA_OPS_PREFILL_BACKEND=TRITON), or capture torch.cuda.CUDAGraph yourself with "
+            "mla_ops.plan_cuda_graph"
+        )

@@ -1,0 +1,197 @@
+"""CUDA-graph trees on CPU: the options :func:`mla_ops.compile_options` builds, the graph pass that
+moves host-planned calls to their ``cudagraph_unsafe`` twins, and the compile-time refusal of a
+host-planning backend without those options.
+
+Here the "host-planning" route is simulated by caching FLASHINFER as the route of a configuration
+(``selector._routes``); the CPU kernels always run REFERENCE, so results stay checkable.
+tests/test_gpu_e2e.py compiles the MLA layer with these options on a real device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch._guards import TracingContext, tracing
+from torch._inductor import config as inductor_config
+from torch._inductor.utils import run_and_get_code
+from torch._subclasses.fake_tensor import FakeTensorMode
+from utils import cu_seqlens_of, make_batch, make_qkv
+
+import mla_ops
+from mla_ops import ops, selector
+from mla_ops.backends.flashinfer import FlashInferBackend
+from mla_ops.backends.triton import TritonBackend
+from mla_ops.graph_trees import host_planned_ops_pass
+
+BF16 = torch.bfloat16
+
+
+@contextlib.contextmanager
+def routed(backend, device="cpu", dtype=BF16, dims=(192, 128)):
+    """Make the ops' router return ``backend`` for this configuration (what a GPU would cache)."""
+    selector.clear_cache()
+    selector._routes[(torch.device(device), dtype, *dims)] = backend
+    try:
+        yield
+    finally:
+        selector.clear_cache()
+
+
+def test_backends_that_plan_on_the_host() -> None:
+    planners = {m.name for m in mla_ops.PrefillBackendEnum if m.get_class().plans_on_host}
+    assert planners == {"FLASHINFER"}
+
+
+# --- the twins ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(ops.HOST_PLANNED_TWINS))
+def test_twins_have_the_ops_schema_and_the_unsafe_tag(name) -> None:
+    op, twin = getattr(torch.ops.mla, name).default, getattr(torch.ops.mla, ops.HOST_PLANNED_TWINS[name]).default
+    assert str(twin._schema).replace(ops.HOST_PLANNED_TWINS[name], name, 1) == str(op._schema)
+    assert torch.Tag.cudagraph_unsafe in twin.tags and torch.Tag.cudagraph_unsafe not in op.tags
+
+
+def test_twins_compute_what_the_ops_compute() -> None:
+    b = make_batch([5, 0, 9], 2, 192, 128, BF16, strided_v=True, seed=3)
+    _, k, v = make_qkv(7, 2, 192, 128, BF16, strided_v=True, generator=torch.Generator().manual_seed(4))
+    cu_k = cu_seqlens_of([3, 0, 4])
+    args = (b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen, 0.07)
+    for got, want in zip(torch.ops.mla.prefill_host_planned(*args), torch.ops.mla.prefill(*args)):
+        assert torch.equal(got, want)
+    args = (b.q, k, v, b.cu_seqlens, cu_k, b.max_seqlen, 4, 0.07)
+    for got, want in zip(
+        torch.ops.mla.prefill_context_chunk_host_planned(*args), torch.ops.mla.prefill_context_chunk(*args)
+    ):
+        assert torch.equal(got, want)
+
+
+def test_twins_pass_opcheck() -> None:
+    b = make_batch([5, 0, 9], 2, 192, 128, BF16, strided_v=True, seed=3)
+    torch.library.opcheck(torch.ops.mla.prefill_host_planned, (b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen, 0.07))
+
+
+# --- compile_options ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs"])
+def test_modes_without_cuda_graphs_are_returned_unchanged(mode) -> None:
+    assert mla_ops.compile_options(mode) == torch._inductor.list_mode_options(mode)
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_cuda_graph_modes_get_partitioning_and_the_pass(mode) -> None:
+    options = mla_ops.compile_options(mode)
+    graph_pass = options.pop("post_grad_custom_pre_pass")
+    assert options == {**torch._inductor.list_mode_options(mode), "graph_partition": True}
+    assert isinstance(graph_pass, host_planned_ops_pass()) and graph_pass.previous is None
+    assert graph_pass.uuid() is not None  # so that Inductor caches the compile
+
+
+def test_an_existing_post_grad_pass_is_kept_and_runs_first() -> None:
+    seen = []
+    with inductor_config.patch(post_grad_custom_pre_pass=lambda graph: seen.append(graph)):
+        graph_pass = mla_ops.compile_options()["post_grad_custom_pre_pass"]
+    graph = torch.fx.Graph()
+    graph_pass(graph)
+    assert seen == [graph]
+
+
+def test_the_cache_key_follows_the_selection() -> None:
+    graph_pass = mla_ops.compile_options()["post_grad_custom_pre_pass"]
+    automatic = graph_pass.uuid()
+    with mla_ops.prefill_backend("TRITON"):
+        assert graph_pass.uuid() != automatic
+    with routed(FlashInferBackend):
+        host_planned = graph_pass.uuid()
+    with routed(TritonBackend):
+        assert graph_pass.uuid() not in (host_planned, automatic)
+
+
+def test_the_options_are_accepted_by_torch_compile() -> None:
+    # torch.compile validates option names when it is called, so a renamed Inductor knob fails here.
+    torch.compile(lambda x: x + 1, options=mla_ops.compile_options())
+
+
+def test_unknown_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"unknown torch.compile mode 'fast'; use one of \[.*'reduce-overhead'"):
+        mla_ops.compile_options("fast")
+
+
+def test_a_torch_without_the_tag_is_explained(monkeypatch) -> None:
+    monkeypatch.setattr(ops, "GRAPH_UNSAFE_TAGS", ())
+    with pytest.raises(RuntimeError, match=r"cannot run ops between the CUDA graphs of a tree .* torch 2.8 or newer"):
+        mla_ops.compile_options()
+    assert mla_ops.compile_options("default") == {}
+
+
+# --- the graph pass, compiled end to end on CPU ---------------------------------------------------------
+
+
+def _compile_and_run(options):
+    torch._dynamo.reset()
+    b = make_batch([5, 0, 9], 2, 192, 128, BF16, strided_v=True, seed=1)
+    _, k, v = make_qkv(7, 2, 192, 128, BF16, strided_v=True, generator=torch.Generator().manual_seed(2))
+    chunks = [mla_ops.ContextChunk(k, v, cu_seqlens_of([3, 0, 4]), 4)]
+
+    def attend(q, k, v, cu, max_seqlen, chunks):
+        return mla_ops.prefill_with_context(q, k, v, cu, max_seqlen, chunks)
+
+    compiled = torch.compile(attend, fullgraph=True, options=options)
+    (out, lse), code = run_and_get_code(compiled, b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen, chunks)
+    want_out, want_lse = attend(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen, chunks)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    return "\n".join(code)
+
+
+def test_the_pass_moves_host_planned_calls_to_the_twins() -> None:
+    with routed(FlashInferBackend):
+        code = _compile_and_run(mla_ops.compile_options())
+    assert "mla.prefill_host_planned.default" in code
+    assert "mla.prefill_context_chunk_host_planned.default" in code
+    assert "mla.merge_attn_states.default" in code  # the merge never plans; it stays
+
+
+def test_the_pass_leaves_device_side_backends_alone() -> None:
+    with routed(TritonBackend):
+        code = _compile_and_run(mla_ops.compile_options())
+    assert "mla.prefill.default" in code and "mla.prefill_context_chunk.default" in code
+    assert "host_planned" not in code
+
+
+# --- the fake kernels' compile-time check ------------------------------------------------------------
+
+
+def _trace_prefill(backend, cudagraphs: bool, with_options: bool = False, under_compile: bool = True):
+    """Run ``mla.prefill``'s fake kernel on fake CUDA tensors, as AOT tracing would."""
+    mode = FakeTensorMode()
+    with mode:
+        q = torch.empty(6, 2, 192, device="cuda", dtype=BF16)
+        v = torch.empty(6, 2, 128, device="cuda", dtype=BF16)
+        cu = torch.empty(3, device="cuda", dtype=torch.int32)
+    patches = {"triton.cudagraphs": cudagraphs}
+    if with_options:
+        patches.update({k: v for k, v in mla_ops.compile_options().items() if k != "triton.cudagraphs"})
+    with routed(backend, device=q.device), inductor_config.patch(patches), mode:
+        if not under_compile:
+            return torch.ops.mla.prefill(q, q, v, cu, 4, 0.1)
+        with tracing(TracingContext(mode)):
+            return torch.ops.mla.prefill(q, q, v, cu, 4, 0.1)
+
+
+def test_graph_trees_refuse_a_host_planner_without_the_options() -> None:
+    with pytest.raises(RuntimeError) as info:
+        _trace_prefill(FlashInferBackend, cudagraphs=True)
+    message = str(info.value)
+    assert message.startswith("mla::prefill: the FLASHINFER backend plans each batch on the host")
+    assert "options=mla_ops.compile_options('reduce-overhead')" in message
+
+
+def test_graph_trees_accept_what_can_be_replayed() -> None:
+    out, lse = _trace_prefill(TritonBackend, cudagraphs=True)
+    assert out.shape == (6, 2, 128) and lse.shape == (2, 6)
+    _trace_prefill(FlashInferBackend, cudagraphs=True, with_options=True)
+    _trace_prefill(FlashInferBackend, cudagraphs=False)
+    _trace_prefill(FlashInferBackend, cudagraphs=True, under_compile=False)
