@@ -123,7 +123,7 @@ def compile_options(mode: str = "reduce-overhead") -> dict[str, Any]:
         raise RuntimeError(
             f"torch {torch.__version__} cannot run ops between the CUDA graphs of a tree (it lacks the "
             "cudagraph_unsafe op tag or Inductor's graph_partition), which a backend that plans on the host "
-            "(FLASHINFER) needs. Use torch 2.8 or newer, or capture torch.cuda.CUDAGraph yourself with "
+            "(FLASHINFER) needs. Use torch 2.11 or newer, or capture torch.cuda.CUDAGraph yourself with "
             "mla_ops.plan_cuda_graph, or select a backend that reads the offsets on the device "
             "(MLA_OPS_PREFILL_BACKEND=TRITON) and compile with mode='reduce-overhead'"
         )

@@ -44,7 +44,7 @@ SCHEMAS = {
 #: part of the public contract; call the ops in ``SCHEMAS``.
 HOST_PLANNED_TWINS = {"prefill": "prefill_host_planned", "prefill_context_chunk": "prefill_context_chunk_host_planned"}
 
-# torch gained the tag in 2.8; without it the twins exist untagged and compile_options refuses to use them.
+# Older torch has no such tag; without it the twins exist untagged and compile_options refuses to use them.
 GRAPH_UNSAFE_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 _lib = torch.library.Library(NAMESPACE, "DEF")

@@ -10,6 +10,8 @@ tests/test_gpu_e2e.py compiles the MLA layer with these options on a real device
 from __future__ import annotations
 
 import contextlib
+import re
+from unittest import mock
 
 import pytest
 import torch
@@ -122,7 +124,7 @@ def test_unknown_mode_is_refused() -> None:
 
 def test_a_torch_without_the_tag_is_explained(monkeypatch) -> None:
     monkeypatch.setattr(ops, "GRAPH_UNSAFE_TAGS", ())
-    with pytest.raises(RuntimeError, match=r"cannot run ops between the CUDA graphs of a tree .* torch 2.8 or newer"):
+    with pytest.raises(RuntimeError, match=r"cannot run ops between the CUDA graphs of a tree .* torch 2.11 or newer"):
         mla_ops.compile_options()
     assert mla_ops.compile_options("default") == {}
 
@@ -195,3 +197,63 @@ def test_graph_trees_accept_what_can_be_replayed() -> None:
     _trace_prefill(FlashInferBackend, cudagraphs=True, with_options=True)
     _trace_prefill(FlashInferBackend, cudagraphs=False)
     _trace_prefill(FlashInferBackend, cudagraphs=True, under_compile=False)
+
+
+# --- where Inductor puts the partition boundaries ------------------------------------------------------
+
+
+def _partition_bodies(code: str) -> list[str]:
+    """The bodies of the ``partition_N`` functions in Inductor's output code (what CUDA graphs replay)."""
+    bodies = []
+    for head in re.finditer(r"^def partition_\d+\(args\):\n", code, flags=re.M):
+        end = re.compile(r"^\S", flags=re.M).search(code, head.end())
+        bodies.append(code[head.end() : end.start() if end else len(code)])
+    return bodies
+
+
+def _partitioned_code(options) -> str:
+    """Compile a small function around ``mla.prefill`` as Inductor compiles it for a GPU.
+
+    Partitioning only splits GPU nodes, so every scheduler node claims to be on a GPU here; the CPU
+    kernels still run (and CUDA graphs are skipped for CPU inputs), which is enough to read where
+    the partition boundaries fall in the output code.
+    """
+    from torch._inductor.scheduler import BaseSchedulerNode
+
+    def attend(q, k, v, cu, max_seqlen):
+        out, lse = torch.ops.mla.prefill(q * 2, k, v, cu, max_seqlen, 0.1)
+        return out * 4, lse * 2  # scaling by powers of two is exact, so compiled and eager agree
+
+    b = make_batch([5, 0, 9], 2, 192, 128, BF16, seed=1)
+    torch._dynamo.reset()
+    with mock.patch.object(BaseSchedulerNode, "is_gpu", lambda self: True), routed(FlashInferBackend):
+        compiled = torch.compile(attend, fullgraph=True, options=options)
+        (out, lse), code = run_and_get_code(compiled, b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen)
+    want_out, want_lse = attend(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    return "\n".join(code)
+
+
+GETITEM = re.compile(r"buf\d+ = buf\d+\[\d\]")
+
+
+@pytest.mark.skipif(not hasattr(inductor_config, "graph_partition"), reason="this torch has no graph partitioning")
+def test_partitions_around_the_twin_receive_tensors() -> None:
+    code = _partitioned_code(mla_ops.compile_options())
+    bodies = _partition_bodies(code)
+    assert len(bodies) == 2, "one graph before the attention call and one after it"
+    assert not any("mla." in body for body in bodies), "the host-planned call runs between the graphs"
+    assert not any(GETITEM.search(body) for body in bodies), "its (out, lse) is unpacked between the graphs too"
+    assert "torch.ops.mla.prefill_host_planned.default(" in code
+
+
+@pytest.mark.skipif(
+    not hasattr(inductor_config, "custom_should_partition_ops"), reason="this torch has no custom_should_partition_ops"
+)
+def test_partitioning_by_op_name_would_hand_a_tuple_to_the_next_graph() -> None:
+    # Why compile_options does not use custom_should_partition_ops: Inductor then leaves the getitems
+    # that unpack the op's (out, lse) in the next partition, whose input is the tuple; CUDA-graph trees
+    # assert on it when they record (seen on an H200 with torch 2.11).
+    options = {"triton.cudagraphs": True, "graph_partition": True, "custom_should_partition_ops": ["mla::prefill"]}
+    bodies = _partition_bodies(_partitioned_code(options))
+    assert any(GETITEM.search(body) for body in bodies)
