@@ -90,9 +90,18 @@ def machine_table(capability: DeviceCapability | None, config: SelectorConfig, s
     override = current_override()
     lines.append(f"  override: {override.name if override else f'none ({ENV_VAR} unset)'}")
     try:
-        lines.append(f"  selected: {select_backend(capability, config).name}")
+        selected = select_backend(capability, config)
     except ValueError as exc:
         lines.append(f"  selected: none ({exc})")
+        return "\n".join(lines)
+    lines.append(f"  selected: {selected.name}")
+    if capability is not None:
+        trees = (
+            "torch.compile(..., options=mla_ops.compile_options('reduce-overhead')): it plans on the host"
+            if selected.plans_on_host
+            else "torch.compile(..., mode='reduce-overhead'): it reads the offsets on the device"
+        )
+        lines.append(f"  CUDA-graph trees: {trees}")
     return "\n".join(lines)
 
 

@@ -718,3 +718,17 @@ def test_graph_wrappers_on_sm100_use_fa2(fake, monkeypatch):
     out, lse = FlashInferBackend.prefill(q, k, v, cu, 16, SCALE)
     assert [w.backend for w in fake.created] == ["fa2"]
     assert_attention_close(out, lse, q, k, v, cu, cu, SCALE, True)
+
+
+def test_info_points_flashinfer_users_to_compile_options(fake) -> None:
+    from mla_ops.info import machine_table
+
+    mla_ops.clear_cache()
+    try:
+        table = machine_table(DeviceCapability(9, 0), SelectorConfig(torch.bfloat16, DEEPSEEK_V3), True)
+    finally:
+        mla_ops.clear_cache()
+    assert "  selected: FLASHINFER\n" in table
+    assert table.endswith(
+        "CUDA-graph trees: torch.compile(..., options=mla_ops.compile_options('reduce-overhead')): it plans on the host"
+    )
