@@ -59,7 +59,7 @@ def host_planned_ops_pass() -> type:
             for node in graph.nodes:
                 if node.op != "call_function" or node.target not in twins:
                     continue
-                q, v = (node.args[i].meta.get("val") for i in (0, 2))
+                q, v = (_argument(node, i, name) for i, name in ((0, "q"), (2, "v")))
                 if q is not None and v is not None and backend_for(q, v).plans_on_host:
                     node.target = twins[node.target]
 
@@ -74,6 +74,13 @@ def host_planned_ops_pass() -> type:
             return ("mla_ops.HostPlannedOpsPass", __version__, _selection_fingerprint(), previous)
 
     return HostPlannedOpsPass
+
+
+def _argument(node: torch.fx.Node, index: int, name: str) -> torch.Tensor | None:
+    """The traced (fake) value of an op call's tensor argument, or ``None`` where the graph lacks it."""
+    arg = node.args[index] if len(node.args) > index else node.kwargs.get(name)
+    value = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
 
 
 def _selection_fingerprint() -> tuple[str, ...]:
@@ -164,8 +171,9 @@ def check_graph_trees(op: str, q: torch.Tensor, v: torch.Tensor) -> None:
         raise RuntimeError(
             f"{op}: the {backend.name} backend plans each batch on the host, which a CUDA-graph tree "
             "(torch.compile mode='reduce-overhead') cannot do before its replays. Compile with "
-            "torch.compile(model, options=mla_ops.compile_options('reduce-overhead')) instead: the same mode, with "
-            "these calls run between the graphs. Alternatively select a backend that reads the offsets "
+            "torch.compile(model, options=mla_ops.compile_options('reduce-overhead')) instead (or with the "
+            "compile_options of the CUDA-graph mode you use): the same mode, with these calls run between the "
+            "graphs. Alternatively select a backend that reads the offsets "
             "on the device (MLA_OPS_PREFILL_BACKEND=TRITON), or capture torch.cuda.CUDAGraph yourself with "
             "mla_ops.plan_cuda_graph"
         )

@@ -257,3 +257,21 @@ def test_partitioning_by_op_name_would_hand_a_tuple_to_the_next_graph() -> None:
     options = {"triton.cudagraphs": True, "graph_partition": True, "custom_should_partition_ops": ["mla::prefill"]}
     bodies = _partition_bodies(_partitioned_code(options))
     assert any(GETITEM.search(body) for body in bodies)
+
+
+def test_the_pass_reads_keyword_arguments_and_skips_calls_it_cannot_type() -> None:
+    graph = torch.fx.Graph()
+    q, k, v, cu = (graph.placeholder(name) for name in ("q", "k", "v", "cu"))
+    with FakeTensorMode():
+        q.meta["val"] = torch.empty(6, 2, 192, dtype=BF16)
+        v.meta["val"] = torch.empty(6, 2, 128, dtype=BF16)
+    by_keyword = graph.call_function(
+        torch.ops.mla.prefill.default,
+        (),
+        {"q": q, "k": k, "v": v, "cu_seqlens": cu, "max_seqlen": 4, "softmax_scale": 0.1},
+    )
+    untyped = graph.call_function(torch.ops.mla.prefill.default, (k, k, k, cu, 4, 0.1))  # k has no traced value
+    with routed(FlashInferBackend):
+        mla_ops.compile_options()["post_grad_custom_pre_pass"](graph)
+    assert by_keyword.target is torch.ops.mla.prefill_host_planned.default
+    assert untyped.target is torch.ops.mla.prefill.default
