@@ -10,6 +10,12 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
+
+# CI replays the same examples on every run, so a submission fails only for what it changed; local
+# runs draw new examples each time and keep exploring. `.ci/run` sets MLA_OPS_HYPOTHESIS_PROFILE=ci.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.load_profile(os.environ.get("MLA_OPS_HYPOTHESIS_PROFILE", "default"))
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
