@@ -49,9 +49,8 @@ def host_planned_ops_pass() -> type:
             from .ops import HOST_PLANNED_TWINS
             from .selector import backend_for
 
-            for p in self.previous if isinstance(self.previous, (list, tuple)) else [self.previous]:
-                if p is not None:
-                    p(graph)
+            for p in self._previous():
+                p(graph)
             twins = {
                 getattr(torch.ops.mla, name).default: getattr(torch.ops.mla, twin).default
                 for name, twin in HOST_PLANNED_TWINS.items()
@@ -70,8 +69,13 @@ def host_planned_ops_pass() -> type:
             # entry for them only fails loudly (capture refuses to plan) or runs a call between graphs.
             from . import __version__
 
-            previous = self.previous.uuid() if hasattr(self.previous, "uuid") else repr(self.previous)
+            # A pass without a uuid is keyed by its repr, which holds its address: never a stale hit.
+            previous = tuple(p.uuid() if hasattr(p, "uuid") else repr(p) for p in self._previous())
             return ("mla_ops.HostPlannedOpsPass", __version__, _selection_fingerprint(), previous)
+
+        def _previous(self) -> list[Any]:
+            passes = self.previous if isinstance(self.previous, (list, tuple)) else [self.previous]
+            return [p for p in passes if p is not None]
 
     return HostPlannedOpsPass
 

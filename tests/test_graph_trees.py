@@ -101,6 +101,28 @@ def test_an_existing_post_grad_pass_is_kept_and_runs_first() -> None:
     assert seen == [graph]
 
 
+def test_a_list_of_existing_passes_runs_in_order_and_keys_the_cache() -> None:
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    seen = []
+
+    class Named(CustomGraphPass):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            seen.append(self.name)
+
+        def uuid(self) -> str:
+            return f"named-{self.name}"
+
+    with inductor_config.patch(post_grad_custom_pre_pass=[Named("a"), Named("b")]):
+        graph_pass = mla_ops.compile_options()["post_grad_custom_pre_pass"]
+    graph_pass(torch.fx.Graph())
+    assert seen == ["a", "b"]
+    assert graph_pass.uuid()[-1] == ("named-a", "named-b")
+
+
 def test_the_cache_key_follows_the_selection() -> None:
     graph_pass = mla_ops.compile_options()["post_grad_custom_pre_pass"]
     automatic = graph_pass.uuid()
