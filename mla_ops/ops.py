@@ -127,20 +127,21 @@ def _prefill_context_chunk_fake(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale
     return meta.prefill_context_chunk_fake(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale)
 
 
-for _name, _cpu, _cuda, _fake in (
-    ("prefill", _prefill_cpu, _prefill_cuda, _prefill_fake),
-    ("prefill_context_chunk", _prefill_context_chunk_cpu, _prefill_context_chunk_cuda, _prefill_context_chunk_fake),
-    ("merge_attn_states", _merge_cpu, _merge_cuda, meta.merge_attn_states_fake),
+# Each row: the op, its CPU and CUDA kernels, its fake, and the fake of its host-planned twin (which
+# needs no graph-tree check: it exists to run between the graphs).
+for _name, _cpu, _cuda, _fake, _twin_fake in (
+    ("prefill", _prefill_cpu, _prefill_cuda, _prefill_fake, meta.prefill_fake),
+    (
+        "prefill_context_chunk",
+        _prefill_context_chunk_cpu,
+        _prefill_context_chunk_cuda,
+        _prefill_context_chunk_fake,
+        meta.prefill_context_chunk_fake,
+    ),
+    ("merge_attn_states", _merge_cpu, _merge_cuda, meta.merge_attn_states_fake, None),
 ):
-    _lib.impl(_name, _cpu, "CPU")
-    _lib.impl(_name, _cuda, "CUDA")
-    torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake, lib=_lib)
-
-for _name, _cpu, _cuda, _fake in (
-    ("prefill", _prefill_cpu, _prefill_cuda, meta.prefill_fake),
-    ("prefill_context_chunk", _prefill_context_chunk_cpu, _prefill_context_chunk_cuda, meta.prefill_context_chunk_fake),
-):
-    _twin = HOST_PLANNED_TWINS[_name]
-    _lib.impl(_twin, _cpu, "CPU")
-    _lib.impl(_twin, _cuda, "CUDA")
-    torch.library.register_fake(f"{NAMESPACE}::{_twin}", _fake, lib=_lib)
+    for _op, _op_fake in ((_name, _fake), (HOST_PLANNED_TWINS.get(_name), _twin_fake)):
+        if _op is not None:
+            _lib.impl(_op, _cpu, "CPU")
+            _lib.impl(_op, _cuda, "CUDA")
+            torch.library.register_fake(f"{NAMESPACE}::{_op}", _op_fake, lib=_lib)
