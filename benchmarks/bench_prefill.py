@@ -1070,7 +1070,9 @@ def write_outputs(rows: list[dict[str, Any]], env: dict[str, Any], out_dir: Path
     out_dir.mkdir(parents=True, exist_ok=True)
     C.write_csv(out_dir / "results.csv", CSV_FIELDS, rows)
     C.write_json(out_dir / "results.env.json", env)
-    return write_report(rows, env, out_dir)
+    # The report is rendered from the CSV as written, so a later --from-csv re-render gives the same
+    # figures; rendering the unrounded rows could round a derived column differently in its last digit.
+    return write_report(load_rows(out_dir / "results.csv"), env, out_dir)
 
 
 def write_report(rows: list[dict[str, Any]], env: dict[str, Any], out_dir: Path) -> list[str]:
