@@ -11,6 +11,10 @@ everything else. TRITON and FLASH_ATTN read ``cu_seqlens`` on the device and sta
 
     compiled = torch.compile(model, fullgraph=True, options=mla_ops.compile_options("reduce-overhead"))
 
+Under these options a host-planned call's offsets must enter the compiled function as inputs: the
+backend recognises a batch by the offsets tensor's address and version counter, and a tensor that a
+replayed graph computes is rewritten in place by every replay. The pass refuses such a call.
+
 Without these options the ops' fake kernels refuse a host-planning backend at compile time
 (:func:`check_graph_trees`), instead of letting the tree fail at its first run.
 
@@ -37,9 +41,10 @@ def host_planned_ops_pass() -> type:
 
     class HostPlannedOpsPass(CustomGraphPass):
         """Moves each ``mla::prefill`` / ``mla::prefill_context_chunk`` call whose backend plans on the
-        host to its ``cudagraph_unsafe`` twin; runs ``previous`` (an already configured post-grad
-        pre-pass, or a list of them) first. The backend of a call is decided from its inputs' device,
-        dtype and head dims, as the op routes it at run time."""
+        host to its ``cudagraph_unsafe`` twin, and raises ``RuntimeError`` when such a call's offsets are
+        computed inside the graph (see :func:`_check_offsets_come_from_outside`). Runs ``previous`` (an
+        already configured post-grad pre-pass, or a list of them) first. The backend of a call is
+        decided from its inputs' device, dtype and head dims, as the op routes it at run time."""
 
         def __init__(self, previous: Any = None) -> None:
             self.previous = previous
@@ -59,7 +64,11 @@ def host_planned_ops_pass() -> type:
                 if node.op != "call_function" or node.target not in twins:
                     continue
                 q, v = (_argument(node, i, name) for i, name in ((0, "q"), (2, "v")))
-                if q is not None and v is not None and backend_for(q, v).plans_on_host:
+                if q is None or v is None:
+                    continue
+                backend = backend_for(q, v)
+                if backend.plans_on_host:
+                    _check_offsets_come_from_outside(node, backend.name)
                     node.target = twins[node.target]
 
         def uuid(self) -> Any:
@@ -85,6 +94,42 @@ def _argument(node: torch.fx.Node, index: int, name: str) -> torch.Tensor | None
     arg = node.args[index] if len(node.args) > index else node.kwargs.get(name)
     value = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
     return value if isinstance(value, torch.Tensor) else None
+
+
+#: The offsets arguments of each op that plans on the host: (position, name).
+_OFFSETS_ARGUMENTS = {
+    "prefill": ((3, "cu_seqlens"),),
+    "prefill_context_chunk": ((3, "cu_seqlens_q"), (4, "cu_seqlens_k")),
+}
+
+
+def _check_offsets_come_from_outside(node: torch.fx.Node, backend: str) -> None:
+    """Refuse a host-planned call whose offsets are computed inside the compiled graph.
+
+    A host-planning backend recognises a batch by its offsets tensor's address and version counter.
+    Offsets that a replayed graph computes live in the tree's memory pool: every replay rewrites the
+    same address with no version bump, so a new batch would match the previous batch's plan. Offsets
+    that enter the graph as inputs (or views of them, or constants) keep their own identity.
+    """
+    op_name = node.target._opname  # type: ignore[union-attr]
+    for index, name in _OFFSETS_ARGUMENTS[op_name]:
+        arg = node.args[index] if len(node.args) > index else node.kwargs.get(name)
+        source = arg
+        while isinstance(source, torch.fx.Node) and source.op == "call_function" and _is_view(source.target):
+            source = source.args[0]
+        if not isinstance(source, torch.fx.Node) or source.op in ("placeholder", "get_attr"):
+            continue
+        raise RuntimeError(
+            f"mla::{op_name}: {name} is computed inside the compiled function (by {source.format_node()}), "
+            f"and {backend} plans on the host from it. Under CUDA-graph trees each replay rewrites such a "
+            "tensor in place, at the same address, so a new batch could not be told from the last one and "
+            f"would reuse its plan. Compute {name} outside the compiled function and pass it in, or select "
+            "a backend that reads the offsets on the device (MLA_OPS_PREFILL_BACKEND=TRITON)"
+        )
+
+
+def _is_view(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and bool(getattr(target, "is_view", False))
 
 
 def _selection_fingerprint() -> tuple[str, ...]:

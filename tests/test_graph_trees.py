@@ -297,3 +297,76 @@ def test_the_pass_reads_keyword_arguments_and_skips_calls_it_cannot_type() -> No
         mla_ops.compile_options()["post_grad_custom_pre_pass"](graph)
     assert by_keyword.target is torch.ops.mla.prefill_host_planned.default
     assert untyped.target is torch.ops.mla.prefill.default
+
+
+# --- offsets a replayed graph computes ------------------------------------------------------------------
+
+
+def _graph_with_offsets(make_offsets, op: str = "prefill"):
+    """An FX graph calling ``op`` with offsets built from a placeholder by ``make_offsets(graph, node)``."""
+    graph = torch.fx.Graph()
+    q, k, v, cu = (graph.placeholder(name) for name in ("q", "k", "v", "cu"))
+    with FakeTensorMode():
+        q.meta["val"] = torch.empty(6, 2, 192, dtype=BF16)
+        v.meta["val"] = torch.empty(6, 2, 128, dtype=BF16)
+    offsets = make_offsets(graph, cu)
+    if op == "prefill":
+        call = graph.call_function(torch.ops.mla.prefill.default, (q, k, v, offsets, 4, 0.1))
+    else:
+        call = graph.call_function(torch.ops.mla.prefill_context_chunk.default, (q, k, v, cu, offsets, 4, 4, 0.1))
+    return graph, call
+
+
+def _run_pass(graph, backend=FlashInferBackend) -> None:
+    with routed(backend):
+        mla_ops.compile_options()["post_grad_custom_pre_pass"](graph)
+
+
+def _cumsum(graph, cu):
+    return graph.call_function(torch.ops.aten.cumsum.default, (cu, 0))
+
+
+@pytest.mark.parametrize(
+    "make_offsets",
+    [
+        pytest.param(lambda graph, cu: cu, id="input"),
+        pytest.param(lambda graph, cu: graph.call_function(torch.ops.aten.slice.Tensor, (cu, 0, 0, 3)), id="view"),
+        pytest.param(lambda graph, cu: graph.get_attr("offsets_constant"), id="constant"),
+    ],
+)
+def test_offsets_from_outside_the_graph_are_planned_between_the_graphs(make_offsets) -> None:
+    graph, call = _graph_with_offsets(make_offsets)
+    _run_pass(graph)
+    assert call.target is torch.ops.mla.prefill_host_planned.default
+
+
+@pytest.mark.parametrize("op, name", [("prefill", "cu_seqlens"), ("prefill_context_chunk", "cu_seqlens_k")])
+def test_offsets_computed_in_the_graph_are_refused_for_a_host_planner(op, name) -> None:
+    graph, call = _graph_with_offsets(_cumsum, op)
+    with pytest.raises(RuntimeError) as info:
+        _run_pass(graph)
+    message = str(info.value)
+    assert message.startswith(f"mla::{op}: {name} is computed inside the compiled function (by %cumsum")
+    assert f"Compute {name} outside the compiled function and pass it in" in message
+    assert "MLA_OPS_PREFILL_BACKEND=TRITON" in message
+    assert call.target is getattr(torch.ops.mla, op).default
+
+
+def test_offsets_computed_in_the_graph_are_fine_for_a_device_side_backend() -> None:
+    graph, call = _graph_with_offsets(_cumsum)
+    _run_pass(graph, TritonBackend)
+    assert call.target is torch.ops.mla.prefill.default
+
+
+def test_torch_compile_reports_offsets_computed_inside() -> None:
+    torch._dynamo.reset()
+    b = make_batch([5, 0, 9], 2, 192, 128, BF16, seed=1)
+    lengths = torch.tensor([5, 0, 9], dtype=torch.int32)
+
+    def attend(q, k, v, lengths):
+        cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+        return mla_ops.prefill(q, k, v, cu, 9)
+
+    compiled = torch.compile(attend, fullgraph=True, options=mla_ops.compile_options())
+    with routed(FlashInferBackend), pytest.raises(Exception, match=r"mla::prefill: cu_seqlens is computed inside"):
+        compiled(b.q, b.k, b.v, lengths)
