@@ -89,18 +89,16 @@ def host_planned_ops_pass() -> type:
     return HostPlannedOpsPass
 
 
+def _argument_node(node: torch.fx.Node, index: int, name: str) -> Any:
+    """What an op call passes for its argument ``name`` (at ``index``), positionally or by keyword."""
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name)
+
+
 def _argument(node: torch.fx.Node, index: int, name: str) -> torch.Tensor | None:
     """The traced (fake) value of an op call's tensor argument, or ``None`` where the graph lacks it."""
-    arg = node.args[index] if len(node.args) > index else node.kwargs.get(name)
+    arg = _argument_node(node, index, name)
     value = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
     return value if isinstance(value, torch.Tensor) else None
-
-
-#: The offsets arguments of each op that plans on the host: (position, name).
-_OFFSETS_ARGUMENTS = {
-    "prefill": ((3, "cu_seqlens"),),
-    "prefill_context_chunk": ((3, "cu_seqlens_q"), (4, "cu_seqlens_k")),
-}
 
 
 def _check_offsets_come_from_outside(node: torch.fx.Node, backend: str) -> None:
@@ -112,9 +110,9 @@ def _check_offsets_come_from_outside(node: torch.fx.Node, backend: str) -> None:
     that enter the graph as inputs (or views of them, or constants) keep their own identity.
     """
     op_name = node.target._opname  # type: ignore[union-attr]
-    for index, name in _OFFSETS_ARGUMENTS[op_name]:
-        arg = node.args[index] if len(node.args) > index else node.kwargs.get(name)
-        source = arg
+    schema = node.target._schema  # type: ignore[union-attr]
+    for index, name in ((i, a.name) for i, a in enumerate(schema.arguments) if a.name.startswith("cu_seqlens")):
+        source = _argument_node(node, index, name)
         while isinstance(source, torch.fx.Node) and source.op == "call_function" and _is_view(source.target):
             source = source.args[0]
         if not isinstance(source, torch.fx.Node) or source.op in ("placeholder", "get_attr"):
