@@ -229,18 +229,24 @@ def check_argument_types(op: str, tensors: dict[str, object], ints: dict[str, ob
         _check_max_seqlen(op, name, value)
 
 
+def check_offsets_start_and_order(op: str, name: str, cu_seqlens: torch.Tensor) -> list[int]:
+    """Check that offsets start at 0 and never decrease; returns them as a list. Reads the values."""
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0:
+        raise ValueError(f"{op}: {name} must start at 0, got {bounds[0]}")
+    if any(b < a for a, b in itertools.pairwise(bounds)):
+        raise ValueError(f"{op}: {name} must be non-decreasing, got {bounds}")
+    return bounds
+
+
 def check_cu_seqlens_values(op: str, cu_seqlens: torch.Tensor, num_tokens: int, max_seqlen: int, name: str) -> None:
     """Validate the values of ``cu_seqlens``: this reads them, so call it only where they are on the host.
 
     Requires ``cu_seqlens[0] == 0``, non-decreasing offsets, ``cu_seqlens[-1] <= num_tokens`` (tokens
     past the last offset are padding) and every length ``<= max_seqlen``.
     """
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0:
-        raise ValueError(f"{op}: {name} must start at 0, got {bounds[0]}")
+    bounds = check_offsets_start_and_order(op, name, cu_seqlens)
     lengths = [b - a for a, b in itertools.pairwise(bounds)]
-    if any(n < 0 for n in lengths):
-        raise ValueError(f"{op}: {name} must be non-decreasing, got {bounds}")
     if bounds[-1] > num_tokens:
         raise ValueError(
             f"{op}: {name} ends at {bounds[-1]} but the tensor holds only {num_tokens} tokens; "

@@ -20,8 +20,7 @@ from .config import DEEPSEEK_V3, DeviceCapability, MLADimensions, SelectorConfig
 from .graph_trees import compile_options
 from .graphs import plan_cuda_graph, release_cuda_graph_buffers
 from .selector import clear_cache, prefill_backend, select_backend, set_prefill_backend
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "DEEPSEEK_V3",
@@ -30,6 +29,7 @@ __all__ = [
     "MLADimensions",
     "PrefillBackendEnum",
     "SelectorConfig",
+    "__version__",
     "clear_cache",
     "compile_options",
     "default_softmax_scale",

@@ -79,10 +79,24 @@ DEEPSEEK_V3 = MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_di
 
 
 class SelectorConfig(NamedTuple):
-    """What backend selection depends on, besides the device: the dtype and the MLA dimensions."""
+    """What backend selection depends on, besides the device: the dtype and the MLA dimensions.
+
+    Selection reads only what a tensor shows, ``(dtype, Dqk, Dv)``: two configurations that split the
+    same ``Dqk`` differently select the same backend.
+    """
 
     dtype: torch.dtype
     mla_dimensions: MLADimensions = DEEPSEEK_V3
+
+    @property
+    def head_dim_qk(self) -> int:
+        """``Dqk``, the channel count of a ``q``/``k`` head: what a tensor shows of the QK split."""
+        return self.mla_dimensions.qk_head_dim
+
+    @property
+    def head_dim_v(self) -> int:
+        """``Dv``, the channel count of a ``v`` head."""
+        return self.mla_dimensions.v_head_dim
 
     def __repr__(self) -> str:
         return f"SelectorConfig(dtype={self.dtype}, mla_dimensions={self.mla_dimensions})"

@@ -16,8 +16,9 @@ from collections.abc import Sequence
 import torch
 
 from .api import ContextChunk
+from .config import DeviceCapability, SelectorConfig
 from .model import MLAAttention, MLABatch, MLAConfig, random_batch
-from .selector import backend_for
+from .selector import route
 
 # bf16 activations between the projections already cost ~0.4% relative error; an attention kernel
 # that is wrong by even one masked row or a wrong LSE base lands far above this.
@@ -123,10 +124,10 @@ def run_demo(
     truth.attention = attention_fp64
     compiled = torch.compile(layer, fullgraph=True, dynamic=True) if compile else None
 
-    probe = torch.empty(1, 1, config.qk_head_dim, device=device, dtype=dtype)
-    backend = backend_for(probe, probe.new_empty(1, 1, config.v_head_dim))
+    selector_config = SelectorConfig(dtype, config.mla_dimensions)
+    backend = route(device, dtype, config.qk_head_dim, config.v_head_dim)
     print(f"mla_ops demo: MLA layer H={config.num_heads}, dims {tuple(config.mla_dimensions)}, {dtype}, on {device}")
-    print(f"backend: {backend.name} ({backend.implementation()})")
+    print(f"backend: {backend.name} ({backend.describe(DeviceCapability.of(device), selector_config)})")
     tolerance = REL_TOLERANCE[dtype]
     failures = 0
     for i, (new_lengths, context_lengths, chunk_size) in enumerate(demo_batches(device)):

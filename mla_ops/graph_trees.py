@@ -30,8 +30,20 @@ from typing import Any
 
 import torch
 
+from .config import DEEPSEEK_V3
+from .selector import backend_for, route
+from .version import __version__
+
 #: Marks the graph pass's instances; :func:`check_graph_trees` looks for it in Inductor's config.
 _PASS_MARK = "_mla_ops_host_planned_ops_pass"
+
+#: Twins of the two attention ops, which :mod:`mla_ops.ops` defines with the same schemas and kernels
+#: and tagged ``cudagraph_unsafe``. The graph pass moves the calls whose backend plans on the host to
+#: these, and Inductor then runs them between the graphs. They are not part of the public contract.
+HOST_PLANNED_TWINS = {"prefill": "prefill_host_planned", "prefill_context_chunk": "prefill_context_chunk_host_planned"}
+
+#: Older torch has no such tag; without it the twins exist untagged and compile_options refuses to use them.
+GRAPH_UNSAFE_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
 @functools.cache
@@ -51,9 +63,6 @@ def host_planned_ops_pass() -> type:
             setattr(self, _PASS_MARK, True)
 
         def __call__(self, graph: torch.fx.Graph) -> None:
-            from .ops import HOST_PLANNED_TWINS
-            from .selector import backend_for
-
             for p in self._previous():
                 p(graph)
             twins = {
@@ -76,8 +85,6 @@ def host_planned_ops_pass() -> type:
             # the routes of DeepSeek's head dims on the current device (which reflect the override, the
             # environment variable and the installed libraries). Other head dims are not in it: a stale
             # entry for them only fails loudly (capture refuses to plan) or runs a call between graphs.
-            from . import __version__
-
             # A pass without a uuid is keyed by its repr, which holds its address: never a stale hit.
             previous = tuple(p.uuid() if hasattr(p, "uuid") else repr(p) for p in self._previous())
             return ("mla_ops.HostPlannedOpsPass", __version__, _selection_fingerprint(), previous)
@@ -131,9 +138,6 @@ def _is_view(target: Any) -> bool:
 
 
 def _selection_fingerprint() -> tuple[str, ...]:
-    from .config import DEEPSEEK_V3
-    from .selector import route
-
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     names = [str(device)]
     for dtype in (torch.bfloat16, torch.float16):
@@ -164,8 +168,6 @@ def compile_options(mode: str = "reduce-overhead") -> dict[str, Any]:
     """
     from torch._inductor import config as inductor_config
     from torch._inductor import list_mode_options
-
-    from .ops import GRAPH_UNSAFE_TAGS
 
     modes = list_mode_options()
     if mode not in modes:
@@ -211,8 +213,6 @@ def check_graph_trees(op: str, q: torch.Tensor, v: torch.Tensor) -> None:
 
     if TracingContext.try_get() is None:  # not under torch.compile
         return
-    from .selector import backend_for
-
     backend = backend_for(q, v)
     if backend.plans_on_host:
         raise RuntimeError(

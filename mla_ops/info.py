@@ -12,9 +12,9 @@ import importlib.metadata
 
 import torch
 
-from . import __version__
 from .backends.registry import PrefillBackendEnum
 from .config import DEEPSEEK_V3, DeviceCapability, MLADimensions, SelectorConfig
+from .merge import merge_kernel
 from .selector import (
     ENV_VAR,
     backend_priorities,
@@ -23,6 +23,7 @@ from .selector import (
     unsupported_platform_reason,
     validate_backend,
 )
+from .version import __version__
 
 _LIBRARIES = {
     "torch": "torch",
@@ -56,7 +57,7 @@ def selection_rules(capability: DeviceCapability | None, config: SelectorConfig)
     Ignores what is installed: the same arguments print the same table on every machine.
     """
     lines = [f"Selection rules for {_device_name(capability)} and {config!r}"]
-    priorities = backend_priorities(capability, config.mla_dimensions)
+    priorities = backend_priorities(capability, config)
     if not priorities:
         assert capability is not None
         lines.append(f"  {unsupported_platform_reason(capability)}")
@@ -66,9 +67,9 @@ def selection_rules(capability: DeviceCapability | None, config: SelectorConfig)
     rest = [b for b in PrefillBackendEnum if b not in priorities]
     for rank, backend in [(str(i + 1), b) for i, b in enumerate(priorities)] + [("-", b) for b in rest]:
         try:
-            reasons = backend.get_class().configuration_reasons(capability, config)
-        except ImportError:
-            reasons = ["ImportError"]
+            reasons = backend.backend().rule_reasons(capability, config)
+        except ImportError as exc:
+            reasons = [f"ImportError: {exc}"]
         verdict = "yes" if not reasons else "no: " + "; ".join(reasons)
         if rank == "-":
             verdict += " (explicit override only)" if not reasons else ""
@@ -85,7 +86,7 @@ def machine_table(capability: DeviceCapability | None, config: SelectorConfig, s
     lines = [f"On this machine ({where})", f"  {'backend':<11} {'valid':<6} implementation or reasons"]
     for backend in PrefillBackendEnum:
         cls, reasons = validate_backend(backend, capability, config)
-        detail = cls.implementation() if not reasons and cls is not None else "; ".join(reasons)
+        detail = cls.describe(capability, config) if not reasons and cls is not None else "; ".join(reasons)
         lines.append(f"  {backend.name:<11} {'yes' if not reasons else 'no':<6} {detail}")
     override = current_override()
     lines.append(f"  override: {override.name if override else f'none ({ENV_VAR} unset)'}")
@@ -107,8 +108,6 @@ def machine_table(capability: DeviceCapability | None, config: SelectorConfig, s
 
 def dispatch_table(capability: DeviceCapability | None, config: SelectorConfig) -> str:
     """What each dispatch key of the ``mla`` ops runs for ``config``."""
-    from .ops import merge_kernel
-
     if capability is None:
         cuda = "no CUDA device visible (pass --capability to see a GPU's rules)"
     else:
@@ -116,7 +115,7 @@ def dispatch_table(capability: DeviceCapability | None, config: SelectorConfig) 
             cuda = f"{select_backend(capability, config).name} for prefill and prefill_context_chunk"
         except ValueError:
             cuda = "no valid backend (see above): the ops raise ValueError"
-        merge = merge_kernel()
+        merge = merge_kernel(torch.device("cuda"))
         cuda += f"; merge_attn_states: {'Triton kernel' if merge.__module__.endswith('merge') else 'PyTorch math'}"
     return "\n".join(
         [

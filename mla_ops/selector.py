@@ -1,12 +1,14 @@
 """Device-capability selector for MLA prefill backends.
 
-Selection works in three steps:
+Selection, for tensors on a device of some capability with some ``(dtype, Dqk, Dv)``:
 
-1. an explicit override (``set_prefill_backend``, the ``prefill_backend`` context manager, or the
-   ``MLA_OPS_PREFILL_BACKEND`` environment variable) is validated and used, or it raises;
-2. otherwise the priority list of the device's capability family is walked and the first valid
-   backend wins; this is cached on ``(capability, config)``;
-3. the ops cache the result per ``(device, dtype, Dqk, Dv)``, so a warm call costs one dict lookup.
+1. CPU tensors always run REFERENCE (the only backend with CPU kernels). An override is still read,
+   so a misspelt name fails here too, but it concerns CUDA devices only;
+2. on CUDA, an explicit override (``set_prefill_backend``, the ``prefill_backend`` context manager,
+   or the ``MLA_OPS_PREFILL_BACKEND`` environment variable) is validated and used, or it raises;
+3. otherwise the priority list of the device's capability family is walked and the first valid
+   backend wins; this is cached on ``(capability, dtype, Dqk, Dv)``;
+4. the ops cache the result per ``(device, dtype, Dqk, Dv)``, so a warm call costs one dict lookup.
 
 The capability is an argument everywhere, so tests can simulate any GPU on a CPU-only machine.
 """
@@ -22,12 +24,12 @@ from collections.abc import Iterator
 import torch
 
 from .backends.base import PrefillBackend
-from .backends.registry import PrefillBackendEnum
+from .backends.registry import PrefillBackendEnum, replace_backend
 from .config import DeviceCapability, MLADimensions, SelectorConfig
 
 logger = logging.getLogger("mla_ops")
 
-#: Environment variable naming a backend to use instead of automatic selection.
+#: Environment variable naming a backend to use instead of automatic selection (on CUDA devices).
 ENV_VAR = "MLA_OPS_PREFILL_BACKEND"
 
 B = PrefillBackendEnum
@@ -39,24 +41,25 @@ _SM90 = [B.FLASHINFER, B.TRITON, B.FLASH_ATTN]
 # Not measured here: flash-attn's FA2 is the usual leader on Ampere/Ada, FlashInfer fa2 next.
 _SM80 = [B.FLASH_ATTN, B.FLASHINFER, B.TRITON]
 # Not measured here. FlashInfer's CUTLASS kernel serves DeepSeek's (192, 128) heads on Blackwell; for
-# the (256, 256) heads of the (192, 64, 256) configuration FlashAttention is preferred, as in the seed.
+# (256, 256) heads (the (192, 64, 256) configuration of the seed) FlashAttention is preferred.
 _SM100 = [B.FLASHINFER, B.FLASH_ATTN, B.TRITON]
 _SM100_WIDE_HEADS = [B.FLASH_ATTN, B.FLASHINFER, B.TRITON]
-_WIDE_HEAD_DIMS = MLADimensions(qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256)
+_WIDE_HEAD_DIMS = (256, 256)
 
 _FAMILIES = "SM80/SM86/SM89 (Ampere, Ada), SM90 (Hopper) and SM100 (Blackwell)"
 
 
-def backend_priorities(capability: DeviceCapability | None, dims: MLADimensions) -> list[PrefillBackendEnum]:
-    """The backends to try, best first, for a device (``None`` for CPU) and MLA dimensions.
+def backend_priorities(capability: DeviceCapability | None, config: SelectorConfig) -> list[PrefillBackendEnum]:
+    """The backends to try, best first, for a device (``None`` for CPU) and ``config``.
 
-    Returns an empty list for a CUDA capability outside the supported families;
-    :func:`unsupported_platform_reason` says why.
+    Only ``(Dqk, Dv)`` of the dimensions matter. Returns an empty list for a CUDA capability outside
+    the supported families; :func:`unsupported_platform_reason` says why.
     """
     if capability is None:
         return [B.REFERENCE]
     if capability.major == 10:
-        return list(_SM100_WIDE_HEADS if dims == _WIDE_HEAD_DIMS else _SM100)
+        wide = (config.head_dim_qk, config.head_dim_v) == _WIDE_HEAD_DIMS
+        return list(_SM100_WIDE_HEADS if wide else _SM100)
     if capability == DeviceCapability(9, 0):
         return list(_SM90)
     if capability.major == 8:
@@ -73,14 +76,14 @@ def unsupported_platform_reason(capability: DeviceCapability) -> str:
 
 
 def validate_backend(
-    backend: PrefillBackendEnum, capability: DeviceCapability | None, config: SelectorConfig
-) -> tuple[type[PrefillBackend] | None, list[str]]:
-    """Load ``backend`` and validate it; returns ``(class or None, reasons)``; empty reasons mean valid."""
+    member: PrefillBackendEnum, capability: DeviceCapability | None, config: SelectorConfig
+) -> tuple[PrefillBackend | None, list[str]]:
+    """Load ``member`` and validate it: ``(instance or None, reasons)``; empty reasons mean valid."""
     try:
-        cls = backend.get_class()
-        return cls, cls.validate_configuration(capability, config)
-    except ImportError:
-        return None, ["ImportError"]
+        backend = member.backend()
+    except ImportError as exc:
+        return None, [f"ImportError: {exc}"]
+    return backend, backend.reasons(capability, config)
 
 
 # --- explicit override --------------------------------------------------------------------------
@@ -93,18 +96,26 @@ def _coerce(name: str | PrefillBackendEnum) -> PrefillBackendEnum:
 
 
 def current_override() -> PrefillBackendEnum | None:
-    """The backend forced by the Python API or, failing that, by ``MLA_OPS_PREFILL_BACKEND``."""
+    """The backend forced by the Python API or, failing that, by ``MLA_OPS_PREFILL_BACKEND``.
+
+    Raises ``ValueError`` naming the choices when the environment variable names no backend.
+    """
     if _override is not None:
         return _override
     name = os.environ.get(ENV_VAR, "").strip()
-    return PrefillBackendEnum.from_name(name) if name else None
+    if not name:
+        return None
+    try:
+        return PrefillBackendEnum.from_name(name)
+    except ValueError as exc:
+        raise ValueError(f"{ENV_VAR}={name!r}: {exc}") from None
 
 
 def set_prefill_backend(name: str | PrefillBackendEnum | None) -> None:
-    """Force every later call onto backend ``name`` (``None`` returns to automatic selection).
+    """Force every later call on a CUDA device onto backend ``name`` (``None``: automatic selection).
 
     The backend is validated when an op first meets a configuration; if it is invalid there the op
-    raises ``ValueError`` rather than falling back.
+    raises ``ValueError`` rather than falling back. CPU tensors run REFERENCE whatever is forced.
     """
     global _override
     _override = None if name is None else _coerce(name)
@@ -122,53 +133,72 @@ def prefill_backend(name: str | PrefillBackendEnum) -> Iterator[None]:
         set_prefill_backend(previous)
 
 
+@contextlib.contextmanager
+def backend_installed(backend: PrefillBackend) -> Iterator[PrefillBackend]:
+    """Make ``backend`` the process's instance of its registry entry for the ``with`` block.
+
+    How tests run a backend around a stand-in library: ``backend_installed(FlashInferBackend(fake))``.
+    """
+    member = PrefillBackendEnum[backend.name]
+    previous = replace_backend(member, backend)
+    clear_cache()
+    try:
+        yield backend
+    finally:
+        replace_backend(member, previous)
+        clear_cache()
+
+
 # --- selection ----------------------------------------------------------------------------------
 
 
-def select_backend(capability: DeviceCapability | None, config: SelectorConfig) -> type[PrefillBackend]:
-    """The backend class to run ``config`` on a device of ``capability`` (``None`` for CPU).
+def select_backend(capability: DeviceCapability | None, config: SelectorConfig) -> PrefillBackend:
+    """The backend to run ``config`` on a device of ``capability`` (``None`` for CPU).
 
-    Raises ``ValueError`` if an explicit override is invalid here, or if no backend is valid.
+    Raises ``ValueError`` if an explicit override is invalid or misspelt, or if no backend is valid.
     """
     override = current_override()
-    if override is not None:
-        cls, reasons = validate_backend(override, capability, config)
+    if capability is not None and override is not None:
+        backend, reasons = validate_backend(override, capability, config)
         if reasons:
             raise ValueError(
                 f"Selected MLA prefill backend {override.name} is not valid for this configuration. Reason: {reasons}"
             )
-        assert cls is not None
+        assert backend is not None
         logger.info("Using %s MLA prefill backend (explicit override).", override.name)
-        return cls
-    return _auto_select(capability, config)
+        return backend
+    return _auto_select(capability, config.dtype, config.head_dim_qk, config.head_dim_v)
 
 
 @functools.cache
-def _auto_select(capability: DeviceCapability | None, config: SelectorConfig) -> type[PrefillBackend]:
-    priorities = backend_priorities(capability, config.mla_dimensions)
+def _auto_select(
+    capability: DeviceCapability | None, dtype: torch.dtype, head_dim_qk: int, head_dim_v: int
+) -> PrefillBackend:
+    config = SelectorConfig(dtype, MLADimensions.from_head_dims(head_dim_qk, head_dim_v))
+    priorities = backend_priorities(capability, config)
     if not priorities:
         assert capability is not None
         raise ValueError(
             f"No valid MLA prefill backend found with {config!r}: {unsupported_platform_reason(capability)}."
         )
     all_reasons: dict[str, list[str]] = {}
-    for backend in priorities:
-        cls, reasons = validate_backend(backend, capability, config)
+    for member in priorities:
+        backend, reasons = validate_backend(member, capability, config)
         if not reasons:
-            assert cls is not None
-            logger.info("Using %s MLA prefill backend.", backend.name)
-            return cls
-        all_reasons[backend.name] = reasons
+            assert backend is not None
+            logger.info("Using %s MLA prefill backend.", member.name)
+            return backend
+        all_reasons[member.name] = reasons
     reasons_str = "{" + ", ".join(f"{name}: [{', '.join(r)}]" for name, r in all_reasons.items()) + "}"
     raise ValueError(f"No valid MLA prefill backend found with {config!r}. Reasons: {reasons_str}.")
 
 
 # --- per-call routing ---------------------------------------------------------------------------
 
-_routes: dict[tuple[torch.device, torch.dtype, int, int], type[PrefillBackend]] = {}
+_routes: dict[tuple[torch.device, torch.dtype, int, int], PrefillBackend] = {}
 
 
-def backend_for(q: torch.Tensor, v: torch.Tensor) -> type[PrefillBackend]:
+def backend_for(q: torch.Tensor, v: torch.Tensor) -> PrefillBackend:
     """The backend that runs an op whose inputs are ``q`` ``[T, H, Dqk]`` and ``v`` ``[T, H, Dv]``.
 
     A warm call is one dict lookup. The override and the environment variable are read when a
@@ -178,7 +208,7 @@ def backend_for(q: torch.Tensor, v: torch.Tensor) -> type[PrefillBackend]:
     return route(q.device, q.dtype, q.shape[-1], v.shape[-1]) if backend is None else backend
 
 
-def route(device: torch.device, dtype: torch.dtype, head_dim_qk: int, head_dim_v: int) -> type[PrefillBackend]:
+def route(device: torch.device, dtype: torch.dtype, head_dim_qk: int, head_dim_v: int) -> PrefillBackend:
     """The backend the ops run for tensors on ``device`` of ``dtype`` with these head dims; cached."""
     key = (device, dtype, head_dim_qk, head_dim_v)
     backend = _routes.get(key)

@@ -1,156 +1,127 @@
 """The interface every MLA prefill backend implements.
 
-A backend is a class with class methods only: it holds no per-call state, so the selector can hand
-out the class itself and the op's dispatch costs one dict lookup. Backends that keep device state
-(FlashInfer's planned wrappers) keep it in module-level caches behind these methods.
+A backend is an object. The registry creates one per process (``PrefillBackendEnum.X.backend()``), the
+selector hands it to the ops, and whatever state it keeps (FlashInfer's plans and workspaces, the
+FlashAttention implementations it found) lives on it. A test builds its own instance around a
+stand-in library and installs it with :func:`mla_ops.selector.backend_installed`.
+
+A backend writes:
+
+- the class attributes below;
+- :meth:`PrefillBackend.attention`, one method for both paths (``causal`` tells them apart);
+- where the defaults do not fit, the reason hooks :meth:`~PrefillBackend.capability_reasons`,
+  :meth:`~PrefillBackend.head_dim_reasons` and :meth:`~PrefillBackend.library_reasons`, each returning
+  a list of reasons a user can act on (empty: fine). Only this base class composes them;
+- :meth:`~PrefillBackend.describe`, and :meth:`~PrefillBackend.warmup`,
+  :meth:`~PrefillBackend.plan_cuda_graph`, :meth:`~PrefillBackend.release_cuda_graph_state` where it
+  compiles just in time or plans on the host.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
-from ..config import SUPPORTED_DTYPES, DeviceCapability, MLADimensions, SelectorConfig
+from ..config import SUPPORTED_DTYPES, DeviceCapability, SelectorConfig
 
-if TYPE_CHECKING:
-    from ..graphs import GraphBuffer
+_SM80 = DeviceCapability(8, 0)
 
 
-class PrefillBackend:
-    """Base class of the MLA prefill backends.
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
 
-    Subclasses set the class attributes and implement :meth:`prefill`, :meth:`prefill_context_chunk`,
-    and, where the defaults do not fit, :meth:`supports_compute_capability`,
-    :meth:`mla_dimension_reasons` and :meth:`unavailable_reason`.
 
-    Execution methods receive validated tensors in the package's conventions (see README) and must
-    return ``(out, lse)``: ``out`` ``[T, H, Dv]`` contiguous in the dtype of ``q``; ``lse`` float32,
-    natural log, ``[H, T]`` contiguous, ``-inf`` for rows that attend to no key.
-    """
+class PrefillBackend(abc.ABC):
+    """Base class of the MLA prefill backends."""
 
     #: The name used in the registry, in ``MLA_OPS_PREFILL_BACKEND`` and in messages.
     name: ClassVar[str] = ""
     #: The dtypes the backend computes in.
-    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = SUPPORTED_DTYPES
-    #: When set, the only MLA dimensions the backend serves (the seed's "requires R1 dimensions").
-    required_mla_dimensions: ClassVar[MLADimensions | None] = None
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = SUPPORTED_DTYPES
     #: Whether the backend runs on CPU tensors.
-    supports_cpu: ClassVar[bool] = False
+    runs_on_cpu: ClassVar[bool] = False
     #: Whether the backend plans each batch on the host from ``cu_seqlens``. Such a backend needs
-    #: :func:`mla_ops.plan_cuda_graph` around manual CUDA graphs, and under CUDA-graph trees its ops
-    #: must run between the graphs (:func:`mla_ops.compile_options`), since a tree replays without
-    #: running any Python that could plan.
+    #: :func:`mla_ops.plan_cuda_graph` around manual CUDA graphs, and cannot follow a new batch inside
+    #: a CUDA-graph tree, which replays without running Python (see :mod:`mla_ops.graph_trees`).
     plans_on_host: ClassVar[bool] = False
 
-    # --- capability and configuration -----------------------------------------------------------
+    # --- reason hooks: override what differs -----------------------------------------------------
 
-    @classmethod
-    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
-        """Whether the backend has kernels for a CUDA device of this capability."""
-        return capability >= DeviceCapability(8, 0)
-
-    @classmethod
-    def mla_dimension_reasons(cls, dims: MLADimensions, capability: DeviceCapability | None) -> list[str]:
-        """Reasons the backend cannot serve these head dimensions on this device (empty: it can)."""
+    def capability_reasons(self, capability: DeviceCapability) -> list[str]:
+        """Why the backend has no kernels for a CUDA device of ``capability`` (default: SM80 or newer)."""
+        if capability < _SM80:
+            return [f"compute capability {capability} is not supported (needs 8.0 or newer)"]
         return []
 
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        """Why the backend's library cannot be used here, or ``None`` when it can. Never raises."""
-        return None
+    def head_dim_reasons(self, head_dim_qk: int, head_dim_v: int, capability: DeviceCapability | None) -> list[str]:
+        """Why the backend's kernels do not serve ``(Dqk, Dv)`` heads on ``capability`` (``None``: CPU)."""
+        return []
 
-    @classmethod
-    def is_available(cls) -> bool:
-        """Whether the backend's library is importable and usable here. Never raises."""
-        try:
-            return cls.unavailable_reason() is None
-        except Exception:  # an availability probe must never take the caller down with it
-            return False
+    def library_reasons(self, capability: DeviceCapability | None, config: SelectorConfig) -> list[str]:
+        """Why what is installed on this machine cannot serve ``config`` (empty: it can).
 
-    @classmethod
-    def implementation(cls) -> str:
-        """A short description of what the backend runs, shown by ``python -m mla_ops info``."""
-        return cls.name.lower()
+        Import the library lazily here. The base class catches anything this raises and reports it.
+        """
+        return []
 
-    @classmethod
-    def configuration_reasons(cls, capability: DeviceCapability | None, config: SelectorConfig) -> list[str]:
+    # --- composed here only ------------------------------------------------------------------------
+
+    def rule_reasons(self, capability: DeviceCapability | None, config: SelectorConfig) -> list[str]:
         """Why the backend's kernels do not cover ``config`` on ``capability``, whatever is installed.
 
         A pure function of its arguments: the selection rules that ``info --capability`` prints.
         """
         reasons: list[str] = []
         if capability is None:
-            if not cls.supports_cpu:
+            if not self.runs_on_cpu:
                 reasons.append("runs on CUDA devices only, not on CPU")
-        elif not cls.supports_compute_capability(capability):
-            reasons.append(f"compute capability {capability} is not supported")
-        if config.dtype not in cls.supported_dtypes:
-            names = ", ".join(str(d).removeprefix("torch.") for d in cls.supported_dtypes)
-            reasons.append(f"dtype {str(config.dtype).removeprefix('torch.')} is not supported (use {names})")
-        dims = config.mla_dimensions
-        if cls.required_mla_dimensions is not None and dims != cls.required_mla_dimensions:
-            reasons.append(f"requires MLA dimensions {tuple(cls.required_mla_dimensions)}, got {tuple(dims)}")
         else:
-            reasons.extend(cls.mla_dimension_reasons(dims, capability))
+            reasons += self.capability_reasons(capability)
+        if config.dtype not in self.dtypes:
+            names = ", ".join(dtype_name(d) for d in self.dtypes)
+            reasons.append(f"dtype {dtype_name(config.dtype)} is not supported (use {names})")
+        reasons += self.head_dim_reasons(config.head_dim_qk, config.head_dim_v, capability)
         return reasons
 
-    @classmethod
-    def validate_configuration(cls, capability: DeviceCapability | None, config: SelectorConfig) -> list[str]:
+    def reasons(self, capability: DeviceCapability | None, config: SelectorConfig) -> list[str]:
         """Every reason this backend cannot serve ``config`` on ``capability`` here; empty means valid.
 
-        ``capability`` is ``None`` for a CPU. This is :meth:`configuration_reasons` plus whether the
-        backend's library is usable on this machine.
+        :meth:`rule_reasons` plus what this machine's libraries say. Never raises.
         """
         try:
-            why = cls.unavailable_reason()
+            library = self.library_reasons(capability, config)
         except Exception as exc:  # an availability probe reports, never raises
-            why = f"availability check failed: {exc!r}"
-        reasons = [why] if why is not None else []
-        return reasons + cls.configuration_reasons(capability, config)
+            library = [f"availability check failed: {type(exc).__name__}: {exc}"]
+        return library + self.rule_reasons(capability, config)
 
-    @classmethod
-    def warmup(cls, device: torch.device, config: SelectorConfig, num_heads: int) -> None:
-        """Compile or load whatever the backend builds on first use, so the first real call is fast.
+    # --- description and lifecycle -------------------------------------------------------------------
+    # The three hooks below are optional no-ops (hence noqa B027): most backends compile nothing ahead
+    # of time and plan nothing on the host.
 
-        Called by ``python -m mla_ops warmup``; backends without a just-in-time step keep this no-op.
-        """
+    def describe(self, capability: DeviceCapability | None, config: SelectorConfig) -> str:
+        """What the backend runs for ``config`` on ``capability``: one line for ``python -m mla_ops info``."""
+        return self.name.lower()
 
-    @classmethod
-    def plan_cuda_graph(cls, new_tokens: GraphBuffer, chunks: Sequence[GraphBuffer]) -> None:
-        """Re-plan host-side state for graphs that read these static offset buffers.
+    def warmup(self, device: torch.device, config: SelectorConfig, num_heads: int) -> None:  # noqa: B027
+        """Compile or load whatever the backend builds on first use, so that neither the first call
+        nor a CUDA-graph capture meets a just-in-time build. Backends without one keep this no-op."""
 
-        Called by :func:`mla_ops.plan_cuda_graph` before capture and before every replay, with the
-        offsets now in the buffers. Backends that read ``cu_seqlens`` on the device keep this no-op.
-        """
+    def plan_cuda_graph(self, cu_seqlens: torch.Tensor, cu_seqlens_k: Sequence[torch.Tensor]) -> None:  # noqa: B027
+        """Plan host-side state for CUDA graphs that read these static offset buffers, with the offsets
+        they now hold. Called by :func:`mla_ops.plan_cuda_graph`, before capture and every replay."""
 
-    @classmethod
-    def release_cuda_graph_state(cls) -> None:
+    def release_cuda_graph_state(self) -> None:  # noqa: B027
         """Drop whatever :meth:`plan_cuda_graph` built."""
 
-    # --- execution ------------------------------------------------------------------------------
+    # --- execution ---------------------------------------------------------------------------------
 
-    @classmethod
-    def prefill(
-        cls,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        max_seqlen: int,
-        softmax_scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Causal attention of each packed sequence over itself.
-
-        Shapes: ``q``/``k`` ``[T, H, Dqk]``, ``v`` ``[T, H, Dv]``, ``cu_seqlens`` int32 ``[B+1]``.
-        Returns ``out`` ``[T, H, Dv]`` and ``lse`` float32 ``[H, T]``.
-        """
-        raise NotImplementedError(f"{cls.name} does not implement prefill")
-
-    @classmethod
-    def prefill_context_chunk(
-        cls,
+    @abc.abstractmethod
+    def attention(
+        self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -159,11 +130,19 @@ class PrefillBackend:
         max_seqlen_q: int,
         max_seqlen_k: int,
         softmax_scale: float,
+        causal: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Non-causal attention of each sequence's new tokens over its chunk of cached context.
+        """Ragged attention of ``q`` over ``k``/``v``, on validated inputs.
 
-        Shapes: ``q`` ``[Tq, H, Dqk]``, ``k`` ``[Tk, H, Dqk]``, ``v`` ``[Tk, H, Dv]``,
-        ``cu_seqlens_q``/``cu_seqlens_k`` int32 ``[B+1]``. Returns ``out`` ``[Tq, H, Dv]`` and
-        ``lse`` float32 ``[H, Tq]``.
+        ``causal=True`` is the new-tokens path: ``k``/``v`` are the new tokens themselves and
+        ``cu_seqlens_k`` is ``cu_seqlens_q`` (the same tensor). ``causal=False`` is a context chunk:
+        ``k``/``v`` hold the chunk, packed as ``cu_seqlens_k`` says, and a sequence may have no keys.
+
+        Shapes: ``q`` ``[Tq, H, Dqk]``, ``k`` ``[Tk, H, Dqk]``, ``v`` ``[Tk, H, Dv]`` (bf16 or fp16,
+        last-dimension stride 1), offsets int32 ``[B+1]``; ``max_seqlen_*`` are upper bounds.
+
+        Returns ``(out, lse)`` in the package's conventions: ``out`` ``[Tq, H, Dv]`` contiguous in the
+        dtype of ``q``; ``lse`` float32 ``[H, Tq]`` contiguous, natural log, ``-inf`` for a row that
+        attends to no key. Convert the library's LSE base, layout and empty-row value here, never in
+        callers. Rows past ``cu_seqlens_q[-1]`` are padding: their ``out`` is unspecified.
         """
-        raise NotImplementedError(f"{cls.name} does not implement prefill_context_chunk")

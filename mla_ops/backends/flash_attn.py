@@ -2,12 +2,19 @@
 
 The chain, best first (the first one that is importable *and* serves the device and head dims wins):
 
-1. ``flash_attn_interface`` (FlashAttention-3, built from flash-attention's ``hopper/``), SM90 only.
+1. ``flash_attn.cute`` (FlashAttention-4, pip ``flash-attn-4``: CuTe DSL kernels compiled just in
+   time), on SM90 and SM100/SM110, the architectures whose head dims its own validation checks.
+   ``Dv != Dqk`` natively, LSE already float32 ``[H, T]`` in natural log: nothing is padded or copied.
+2. ``flash_attn_interface`` (FlashAttention-3, built from flash-attention's ``hopper/``), SM90 only.
    Its kernels take ``Dv != Dqk`` natively, so nothing is padded.
-2. ``flash_attn`` (FlashAttention-2), SM80 and newer. Its kernels need one head dim for q, k and v,
+3. ``flash_attn`` (FlashAttention-2), SM80 and newer. Its kernels need one head dim for q, k and v,
    so ``v`` is widened to ``Dqk`` and the output is sliced back to ``Dv``.
-3. PyTorch's bundled FlashAttention-2, ``torch.ops.aten._flash_attention_forward`` (present in CUDA
+4. PyTorch's bundled FlashAttention-2, ``torch.ops.aten._flash_attention_forward`` (present in CUDA
    builds of torch), widened the same way.
+
+FlashAttention-4 compiles each kernel variant on first use, which must not happen inside CUDA-graph
+capture: :meth:`FlashAttnBackend.warmup` (``python -m mla_ops warmup``) compiles the variants the ops
+use, and a call under capture that would still compile raises ``RuntimeError`` saying so.
 
 Widening ``v`` without copying it. Attention is linear in the columns of ``v``: output column ``c``
 is ``P @ v[:, c]``, where ``P`` depends on ``q`` and ``k`` only. The columns added to reach ``Dqk``
@@ -24,17 +31,19 @@ captured in a CUDA graph with ``max_seqlen`` set to the token budget.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import importlib
+import importlib.metadata
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..config import DEEPSEEK_V3, DeviceCapability, MLADimensions, SelectorConfig
+from ..capture import is_capturing
+from ..config import DeviceCapability, SelectorConfig
 from .base import PrefillBackend
 
 _SM80 = DeviceCapability(8, 0)
@@ -48,6 +57,86 @@ _ALIGN_BYTES = 16
 # --- what each implementation serves ------------------------------------------------------------
 
 
+def _fa4_capability(capability: DeviceCapability) -> str | None:
+    # flash_attn/cute/interface.py validates head dims for SM90 and SM100/SM110 only
+    # (_validate_head_dims); its SM80 and SM120 paths check nothing and are not used here.
+    if capability.major in (9, 10, 11):
+        return None
+    return f"FlashAttention-4 (flash_attn.cute) is used on compute capability 9.x, 10.x and 11.x, got {capability}"
+
+
+def _fa4_dims(capability: DeviceCapability | None, dqk: int, dv: int) -> list[str]:
+    # _validate_head_dims (flash-attn-4 4.0.0b36), with 16-bit inputs (alignment 8): SM90 takes both
+    # dims in [8, 256]; SM100/SM110 take both in [8, 128], DeepSeek's (192, 128), (256, 256), and
+    # Dv = 512 with Dqk = 64 or 512.
+    if dqk % 8 or dv % 8:
+        return ["FlashAttention-4 (flash_attn.cute) needs head dims that are multiples of 8"]
+    if capability is None or capability.major == 9:
+        if 8 <= dqk <= 256 and 8 <= dv <= 256:
+            return []
+        return ["FlashAttention-4 (flash_attn.cute) on SM90 supports head dims from 8 to 256"]
+    if (
+        (8 <= dqk <= 128 and 8 <= dv <= 128)
+        or (dqk, dv) in ((192, 128), (256, 256))
+        or (dv == 512 and dqk in (64, 512))
+    ):
+        return []
+    return [
+        "FlashAttention-4 (flash_attn.cute) on SM100 supports head dims up to 128, (192, 128), (256, 256), "
+        "and Dv = 512 with Dqk in (64, 512)"
+    ]
+
+
+def _fa3_capability(capability: DeviceCapability) -> str | None:
+    # flash-attention hopper/flash_api.cpp: "Only Hopper supports different V headdim".
+    if capability != _SM90:
+        return f"FlashAttention-3 (flash_attn_interface) needs compute capability 9.0 (Hopper), got {capability}"
+    return None
+
+
+def _fa3_dims(capability: DeviceCapability | None, dqk: int, dv: int) -> list[str]:
+    # flash-attention hopper/flash_api.cpp (mha_fwd, FlashAttention-3 3.0.x): head_size and
+    # head_size_v must be multiples of 8 (16-bit dtypes), head_size <= 256, and "If V headdim is
+    # different from Q/K dim, we only support Q/K headdim in (128, 192] and V headdim in (96, 128],
+    # or (Q/K <= 64 and V <= 512)".
+    label = "FlashAttention-3 (flash_attn_interface)"
+    reasons = []
+    if dqk % 8 or dv % 8:
+        reasons.append(f"{label} needs head dims that are multiples of 8")
+    if dqk > 256:
+        reasons.append(f"{label} supports Dqk up to 256")
+    elif dv != dqk and not ((128 < dqk <= 192 and 96 < dv <= 128) or (dqk <= 64 and dv <= 512)):
+        reasons.append(
+            f"{label} supports Dv != Dqk only for Dqk in (128, 192] with Dv in (96, 128], or Dqk <= 64 with Dv <= 512"
+        )
+    return reasons
+
+
+def _fa2_capability(label: str) -> Callable[[DeviceCapability], str | None]:
+    def rule(capability: DeviceCapability) -> str | None:
+        if capability < _SM80:
+            return f"{label} needs compute capability 8.0 or newer, got {capability}"
+        return None
+
+    return rule
+
+
+def _fa2_dims(label: str) -> Callable[[DeviceCapability | None, int, int], list[str]]:
+    # FlashAttention-2 (flash-attn csrc/flash_attn/flash_api.cpp and PyTorch's copy in
+    # aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp, mha_varlen_fwd): one head size
+    # for q, k and v, "head_size must be a multiple of 8" and "at most 256". The narrower side is
+    # padded up to the wider one.
+    def rule(capability: DeviceCapability | None, dqk: int, dv: int) -> list[str]:
+        width = max(dqk, dv)
+        if width > 256:
+            return [f"{label} supports head dims up to 256, and the padded head dim max(Dqk, Dv) is {width}"]
+        if width % 8:
+            return [f"{label} needs the padded head dim max(Dqk, Dv) = {width} to be a multiple of 8"]
+        return []
+
+    return rule
+
+
 @dataclass(frozen=True)
 class _Kind:
     """One link of the chain: its name, and the devices and head dims its kernels serve."""
@@ -55,56 +144,31 @@ class _Kind:
     name: str
     label: str
     pads_v: bool
+    capability_rule: Callable[[DeviceCapability], str | None]
+    dims_rule: Callable[[DeviceCapability | None, int, int], list[str]]
 
     def capability_reason(self, capability: DeviceCapability) -> str | None:
         """Why this implementation has no kernels for ``capability``, or ``None`` when it has."""
-        if not self.pads_v:
-            # flash-attention hopper/flash_api.cpp: "Only Hopper supports different V headdim".
-            if capability != _SM90:
-                return f"{self.label} needs compute capability 9.0 (Hopper), got {capability}"
-            return None
-        if capability < _SM80:
-            return f"{self.label} needs compute capability 8.0 or newer, got {capability}"
-        return None
+        return self.capability_rule(capability)
 
-    def dim_reasons(self, dqk: int, dv: int) -> list[str]:
-        """Why this implementation cannot serve ``(Dqk, Dv)`` heads (empty when it can)."""
-        if not self.pads_v:
-            # flash-attention hopper/flash_api.cpp (mha_fwd, FlashAttention-3 3.0.x): head_size and
-            # head_size_v must be multiples of 8 (16-bit dtypes), head_size <= 256, and
-            # "If V headdim is different from Q/K dim, we only support Q/K headdim in (128, 192] and V
-            # headdim in (96, 128], or (Q/K <= 64 and V <= 512)".
-            reasons = []
-            if dqk % 8 or dv % 8:
-                reasons.append(f"{self.label} needs head dims that are multiples of 8")
-            if dqk > 256:
-                reasons.append(f"{self.label} supports Dqk up to 256")
-            elif dv != dqk and not ((128 < dqk <= 192 and 96 < dv <= 128) or (dqk <= 64 and dv <= 512)):
-                reasons.append(
-                    f"{self.label} supports Dv != Dqk only for Dqk in (128, 192] with Dv in (96, 128], "
-                    "or Dqk <= 64 with Dv <= 512"
-                )
-            return reasons
-        # FlashAttention-2 (flash-attn csrc/flash_attn/flash_api.cpp and PyTorch's copy in
-        # aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp, mha_varlen_fwd): one head
-        # size for q, k and v, "head_size must be a multiple of 8" and "at most 256". The narrower
-        # side is padded up to the wider one.
-        width = max(dqk, dv)
-        if width > 256:
-            return [f"{self.label} supports head dims up to 256, and the padded head dim max(Dqk, Dv) is {width}"]
-        if width % 8:
-            return [f"{self.label} needs the padded head dim max(Dqk, Dv) = {width} to be a multiple of 8"]
-        return []
+    def dim_reasons(self, capability: DeviceCapability | None, dqk: int, dv: int) -> list[str]:
+        """Why this implementation cannot serve ``(Dqk, Dv)`` heads on ``capability`` (empty when it can)."""
+        return self.dims_rule(capability, dqk, dv)
 
 
-_FA3 = _Kind("flash_attn_interface", "FlashAttention-3 (flash_attn_interface)", pads_v=False)
-_FA2 = _Kind("flash_attn", "FlashAttention-2 (flash_attn)", pads_v=True)
+_FA2_LABEL = "FlashAttention-2 (flash_attn)"
+_BUNDLED_LABEL = "PyTorch's bundled FlashAttention-2 (torch.ops.aten._flash_attention_forward)"
+_FA4 = _Kind("flash_attn.cute", "FlashAttention-4 (flash_attn.cute)", False, _fa4_capability, _fa4_dims)
+_FA3 = _Kind("flash_attn_interface", "FlashAttention-3 (flash_attn_interface)", False, _fa3_capability, _fa3_dims)
+_FA2 = _Kind("flash_attn", _FA2_LABEL, True, _fa2_capability(_FA2_LABEL), _fa2_dims(_FA2_LABEL))
 _BUNDLED = _Kind(
     "torch.ops.aten._flash_attention_forward",
-    "PyTorch's bundled FlashAttention-2 (torch.ops.aten._flash_attention_forward)",
-    pads_v=True,
+    _BUNDLED_LABEL,
+    True,
+    _fa2_capability(_BUNDLED_LABEL),
+    _fa2_dims(_BUNDLED_LABEL),
 )
-_KINDS = (_FA3, _FA2, _BUNDLED)
+_KINDS = (_FA4, _FA3, _FA2, _BUNDLED)
 
 
 # --- shared tensor plumbing -----------------------------------------------------------------------
@@ -284,6 +348,63 @@ class _Adapter:
         raise NotImplementedError
 
 
+class _FA4Adapter(_Adapter):
+    """``flash_attn.cute.flash_attn_varlen_func`` (FlashAttention-4, pip ``flash-attn-4``).
+
+    flash-attn-4 4.0.0b36 (flash_attn/cute/interface.py): ``flash_attn_varlen_func(q, k, v, qv=None,
+    cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, ..., softmax_scale=None,
+    causal=False, ..., return_lse=False, ...)``. With ``return_lse=True`` it returns ``(out, lse)``:
+    ``out`` ``[total_q, H, Dv]`` and ``lse`` float32 ``[H, total_q]``, natural log, which are the
+    package's conventions already. A kernel variant is compiled by ``cutlass.cute.compile`` when its
+    just-in-time cache misses; ``jit`` is that ``cutlass.cute`` module, so that a compile under CUDA-graph
+    capture can be refused before it starts.
+    """
+
+    kind = _FA4
+
+    def __init__(self, function: Callable[..., Any], version: str | None, jit: Any = None) -> None:
+        super().__init__(function, version)
+        self.jit = jit
+
+    def _call(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        def run():
+            return self.function(
+                q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, return_lse=True,
+            )  # fmt: skip
+
+        if self.jit is None or not is_capturing():
+            out, lse = run()
+        else:
+            variant = (
+                f"{str(q.dtype).removeprefix('torch.')}, Dqk={q.shape[-1]}, Dv={v.shape[-1]}, causal={causal}, "
+                f"{cu_seqlens_q.shape[0] - 1} sequences, max_seqlen_q={max_seqlen_q}"
+            )
+            with _compile_refused(self.jit, variant):
+                out, lse = run()
+        return out, lse
+
+
+@contextlib.contextmanager
+def _compile_refused(jit: Any, variant: str) -> Iterator[None]:
+    """Within the block, a just-in-time compile through ``jit.compile`` raises ``RuntimeError``."""
+    original = jit.compile
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"FlashAttention-4 would compile a kernel ({variant}) inside CUDA-graph capture, which cannot "
+            "load new code. Compile it before capturing: run `python -m mla_ops warmup --backend FLASH_ATTN` "
+            "(with --dtype/--dims/--heads of your model), or make one eager call with the same dtype, head "
+            "dims, number of sequences and max_seqlen bound as the captured call"
+        )
+
+    jit.compile = refuse
+    try:
+        yield
+    finally:
+        jit.compile = original
+
+
 class _FA3Adapter(_Adapter):
     """``flash_attn_interface.flash_attn_varlen_func`` (FlashAttention-3, hopper/).
 
@@ -382,16 +503,6 @@ class _BundledAdapter(_Adapter):
 # --- loading the chain ------------------------------------------------------------------------------
 
 
-def _load_fa3() -> _Adapter:
-    module = importlib.import_module("flash_attn_interface")
-    return _FA3Adapter(module.flash_attn_varlen_func, getattr(module, "__version__", None))
-
-
-def _load_fa2() -> _Adapter:
-    module = importlib.import_module("flash_attn")
-    return _FA2Adapter(module.flash_attn_varlen_func, getattr(module, "__version__", None))
-
-
 def _bundled_forward_op() -> Callable[..., Any]:
     """PyTorch's bundled FlashAttention forward op; raises when this torch build has none."""
     if torch.version.cuda is None:
@@ -402,67 +513,31 @@ def _bundled_forward_op() -> Callable[..., Any]:
     return torch.ops.aten._flash_attention_forward.default
 
 
-def _load_bundled() -> _Adapter:
-    return _BundledAdapter(_bundled_forward_op(), f"torch {torch.__version__}")
+def _import(kind: _Kind) -> Any:
+    """The installed library of ``kind``: a module, or the bundled op."""
+    if kind is _BUNDLED:
+        return _bundled_forward_op()
+    return importlib.import_module(kind.name)
+
+
+def _adapter(kind: _Kind, library: Any) -> _Adapter:
+    if kind is _BUNDLED:
+        return _BundledAdapter(library, f"torch {torch.__version__}")
+    if kind is _FA4:
+        interface = getattr(library, "interface", None)
+        try:
+            version = importlib.metadata.version("flash-attn-4")
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        return _FA4Adapter(library.flash_attn_varlen_func, version, getattr(interface, "cute", None))
+    adapter_class = _FA3Adapter if kind is _FA3 else _FA2Adapter
+    return adapter_class(library.flash_attn_varlen_func, getattr(library, "__version__", None))
 
 
 @dataclass(frozen=True)
 class _Chain:
     present: tuple[_Adapter, ...]
     absent: dict[str, str]  # implementation name -> why it could not be loaded
-
-
-@functools.cache
-def _chain() -> _Chain:
-    present: list[_Adapter] = []
-    absent: dict[str, str] = {}
-    # The loaders are looked up here, at call time, so that tests can substitute them.
-    for kind, load in ((_FA3, _load_fa3), (_FA2, _load_fa2), (_BUNDLED, _load_bundled)):
-        try:
-            present.append(load())
-        except Exception as exc:  # a broken install (bad CUDA library, ABI mismatch) is "absent" too
-            absent[kind.name] = f"{type(exc).__name__}: {exc}"
-    return _Chain(tuple(present), absent)
-
-
-_routes: dict[tuple[torch.device, int, int], _Adapter] = {}
-
-
-def reset_implementation_cache() -> None:
-    """Forget which FlashAttention implementations were found (e.g. after installing one)."""
-    _chain.cache_clear()
-    _routes.clear()
-
-
-def _choose(capability: DeviceCapability | None, dqk: int, dv: int) -> tuple[_Adapter | None, list[str]]:
-    """The first present implementation that serves the device and dims, and why earlier ones did not."""
-    skipped: list[str] = []
-    chain = _chain()
-    for kind in _KINDS:
-        adapter = next((a for a in chain.present if a.kind is kind), None)
-        if adapter is None:
-            skipped.append(f"{kind.name}: not available ({chain.absent.get(kind.name, 'not loaded')})")
-            continue
-        why = kind.capability_reason(capability) if capability is not None else None
-        reasons = [why] if why else kind.dim_reasons(dqk, dv)
-        if not reasons:
-            return adapter, skipped
-        skipped.append(f"{kind.name}: {'; '.join(reasons)}")
-    return None, skipped
-
-
-def _adapter_for(q: torch.Tensor, v: torch.Tensor) -> _Adapter:
-    key = (q.device, q.shape[-1], v.shape[-1])
-    adapter = _routes.get(key)
-    if adapter is None:
-        adapter, skipped = _choose(DeviceCapability.of(q.device), q.shape[-1], v.shape[-1])
-        if adapter is None:
-            raise ValueError(
-                f"FLASH_ATTN has no implementation for head dims (Dqk={q.shape[-1]}, Dv={v.shape[-1]}) on "
-                f"{q.device}: {'; '.join(skipped)}. Select another backend with MLA_OPS_PREFILL_BACKEND"
-            )
-        _routes[key] = adapter
-    return adapter
 
 
 def _no_keys(q: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -473,110 +548,156 @@ def _no_keys(q: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def _attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
-    # Host-side ints and shapes alone decide these cases (no sync): no tokens, no sequences (the
-    # kernels reject a batch of 0), no query rows (a grid of 0 blocks is a launch error), no keys.
-    if q.shape[0] == 0 or cu_seqlens_q.shape[0] == 1 or k.shape[0] == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
-        return _no_keys(q, v.shape[-1])
-    return _adapter_for(q, v).forward(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), causal
-    )
+_NOTHING = (
+    "none of flash_attn.cute, flash_attn_interface, flash_attn, or a CUDA build of torch with FlashAttention is "
+    "available; install flash-attn-4 (pip install 'mla_ops[flash-attn]'), flash-attn, or a CUDA build of torch"
+)
 
 
 # --- the backend ----------------------------------------------------------------------------------------
 
 
 class FlashAttnBackend(PrefillBackend):
-    """FlashAttention (FA3, FA2, or PyTorch's bundled FA2), whichever is present; see the module docstring."""
+    """FlashAttention (FA4, FA3, FA2, or PyTorch's bundled FA2), whichever is present; see the module docstring.
+
+    Args:
+        libraries: what to use instead of importing, by implementation name (``"flash_attn.cute"``,
+            ``"flash_attn_interface"``, ``"flash_attn"``, ``"torch.ops.aten._flash_attention_forward"``):
+            a module with ``flash_attn_varlen_func``, or the bundled op; a missing or ``None`` entry is
+            absent. Tests install stand-ins this way. By default each implementation is imported when the
+            backend is first asked about (``flash_attn.cute`` takes seconds to import).
+    """
 
     name = "FLASH_ATTN"
 
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        try:
-            if _chain().present:
-                return None
-        except Exception as exc:  # never raise from an availability probe
-            return f"probing FlashAttention failed: {exc!r}"
-        return (
-            "none of flash_attn_interface, flash_attn, or a CUDA build of torch with FlashAttention is available; "
-            "install flash-attn or a CUDA build of torch"
-        )
+    def __init__(self, libraries: Mapping[str, Any] | None = None) -> None:
+        self._libraries = libraries
+        self._chain: _Chain | None = None
+        self._routes: dict[tuple[torch.device, int, int], _Adapter] = {}
 
-    # The selection rules judge the whole chain, whatever is installed (configuration_reasons is a pure
-    # function of its arguments); validate_configuration then checks what is installed here.
+    def chain(self) -> _Chain:
+        """The implementations found (loaded once), and why the others are absent."""
+        if self._chain is None:
+            present: list[_Adapter] = []
+            absent: dict[str, str] = {}
+            for kind in _KINDS:
+                try:
+                    if self._libraries is None:
+                        library = _import(kind)
+                    else:
+                        library = self._libraries.get(kind.name)
+                        if library is None:
+                            raise ImportError(f"{kind.name} is not installed")
+                    present.append(_adapter(kind, library))
+                except Exception as exc:  # a broken install (bad CUDA library, ABI mismatch) is "absent" too
+                    absent[kind.name] = f"{type(exc).__name__}: {exc}"
+            self._chain = _Chain(tuple(present), absent)
+        return self._chain
 
-    @classmethod
-    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
-        return any(kind.capability_reason(capability) is None for kind in _KINDS)
+    def choose(self, capability: DeviceCapability | None, dqk: int, dv: int) -> tuple[_Adapter | None, list[str]]:
+        """The first present implementation that serves the device and dims, and why earlier ones did not."""
+        skipped: list[str] = []
+        chain = self.chain()
+        for kind in _KINDS:
+            adapter = next((a for a in chain.present if a.kind is kind), None)
+            if adapter is None:
+                skipped.append(f"{kind.name}: not available ({chain.absent.get(kind.name, 'not loaded')})")
+                continue
+            why = kind.capability_reason(capability) if capability is not None else None
+            reasons = [why] if why else kind.dim_reasons(capability, dqk, dv)
+            if not reasons:
+                return adapter, skipped
+            skipped.append(f"{kind.name}: {'; '.join(reasons)}")
+        return None, skipped
 
-    @classmethod
-    def mla_dimension_reasons(cls, dims: MLADimensions, capability: DeviceCapability | None) -> list[str]:
+    # The rules judge the whole chain, whatever is installed (rule_reasons is a pure function of its
+    # arguments); library_reasons then checks what is installed here.
+
+    def capability_reasons(self, capability: DeviceCapability) -> list[str]:
+        details = [r for r in (kind.capability_reason(capability) for kind in _KINDS) if r is not None]
+        if len(details) < len(_KINDS):
+            return []
+        return [f"compute capability {capability} is not supported: {'; '.join(details)}"]
+
+    def head_dim_reasons(self, head_dim_qk: int, head_dim_v: int, capability: DeviceCapability | None) -> list[str]:
         kinds = _KINDS
         if capability is not None:
             kinds = tuple(k for k in kinds if k.capability_reason(capability) is None) or kinds
-        dqk, dv = dims.qk_head_dim, dims.v_head_dim
-        per_kind = [kind.dim_reasons(dqk, dv) for kind in kinds]
+        per_kind = [kind.dim_reasons(capability, head_dim_qk, head_dim_v) for kind in kinds]
         if any(not reasons for reasons in per_kind):
             return []
         details = "; ".join(r for reasons in per_kind for r in reasons)
-        return [f"head dims (Dqk={dqk}, Dv={dv}) are not supported: {details}"]
+        return [f"head dims (Dqk={head_dim_qk}, Dv={head_dim_v}) are not supported: {details}"]
 
-    @classmethod
-    def configuration_reasons(cls, capability: DeviceCapability | None, config: SelectorConfig) -> list[str]:
-        reasons = super().configuration_reasons(capability, config)
-        if capability is not None and not cls.supports_compute_capability(capability):
-            # Say which implementation wants what, instead of the base class's bare sentence.
-            generic = f"compute capability {capability} is not supported"
-            details = "; ".join(r for r in (kind.capability_reason(capability) for kind in _KINDS) if r is not None)
-            reasons = [f"{generic}: {details}" if r == generic else r for r in reasons]
-        return reasons
+    def library_reasons(self, capability: DeviceCapability | None, config: SelectorConfig) -> list[str]:
+        if not self.chain().present:
+            return [_NOTHING]
+        if capability is None or self.rule_reasons(capability, config):
+            return []  # the rules already say why, or there is no device to pick a link for
+        adapter, skipped = self.choose(capability, config.head_dim_qk, config.head_dim_v)
+        if adapter is not None:
+            return []
+        return [
+            f"no installed FlashAttention implementation serves compute capability {capability} with head dims "
+            f"(Dqk={config.head_dim_qk}, Dv={config.head_dim_v}): {'; '.join(skipped)}"
+        ]
 
-    @classmethod
-    def validate_configuration(cls, capability: DeviceCapability | None, config: SelectorConfig) -> list[str]:
-        reasons = super().validate_configuration(capability, config)
-        if reasons or capability is None:
-            return reasons
-        # The chain covers this configuration and something is installed; is it the right link?
-        dims = config.mla_dimensions
-        try:
-            adapter, skipped = _choose(capability, dims.qk_head_dim, dims.v_head_dim)
-        except Exception as exc:  # validation reports, never raises
-            return [f"probing FlashAttention failed: {exc!r}"]
-        if adapter is None:
-            reasons.append(
-                f"no installed FlashAttention implementation serves compute capability {capability} with head dims "
-                f"(Dqk={dims.qk_head_dim}, Dv={dims.v_head_dim}): {'; '.join(skipped)}"
-            )
-        return reasons
-
-    @classmethod
-    def implementation(cls, capability: DeviceCapability | None = None, dims: MLADimensions = DEEPSEEK_V3) -> str:
-        """Which implementation runs ``dims`` on ``capability`` (default: this machine's GPU), and why."""
+    def describe(self, capability: DeviceCapability | None, config: SelectorConfig) -> str:
+        """Which implementation runs ``config`` on ``capability`` (default: this machine's GPU), and why."""
         try:
             if capability is None and torch.cuda.is_available():
                 capability = DeviceCapability(*torch.cuda.get_device_capability())
-            adapter, skipped = _choose(capability, dims.qk_head_dim, dims.v_head_dim)
+            adapter, skipped = self.choose(capability, config.head_dim_qk, config.head_dim_v)
         except Exception as exc:
             return f"unknown (probing FlashAttention failed: {exc!r})"
         chosen = adapter.describe() if adapter is not None else "none usable"
         return f"{chosen} [skipped: {'; '.join(skipped)}]" if skipped else chosen
 
-    @classmethod
-    def prefill(cls, q, k, v, cu_seqlens, max_seqlen, softmax_scale):
-        return _attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, causal=True)
+    def warmup(self, device: torch.device, config: SelectorConfig, num_heads: int) -> None:
+        """Compile the kernel variants the ops will launch for ``config`` (FlashAttention-4 builds them on
+        first use): both paths, with a ``max_seqlen`` bound inside one query tile and one beyond it (FA4
+        schedules the two differently), with contiguous and with strided ``v``. Nothing to do for the
+        other implementations, whose kernels are prebuilt."""
+        device = torch.device(device)
+        reasons = self.reasons(DeviceCapability.of(device), config)
+        if reasons:
+            raise ValueError(f"cannot warm up {self.name} for {config!r} on {device}: {reasons}")
+        dqk, dv = config.head_dim_qk, config.head_dim_v
+        gen = torch.Generator(device="cpu").manual_seed(0)
 
-    @classmethod
-    def prefill_context_chunk(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
-        return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal=False)
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen).to(device=device, dtype=config.dtype)
+
+        cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, 4, 4, 4], dtype=torch.int32, device=device)  # one empty chunk slice
+        q, k, kv = rand(10, num_heads, dqk), rand(10, num_heads, dqk), rand(10, num_heads, dqk + dv)
+        scale = dqk**-0.5
+        for v in (rand(10, num_heads, dv), kv[..., dqk:]):
+            for bound in (8, 4096):
+                self.attention(q, k, v, cu, cu, bound, bound, scale, True)
+                self.attention(q, k[:4], v[:4], cu, cu_k, bound, bound, scale, False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def _adapter_for(self, q: torch.Tensor, v: torch.Tensor) -> _Adapter:
+        key = (q.device, q.shape[-1], v.shape[-1])
+        adapter = self._routes.get(key)
+        if adapter is None:
+            adapter, skipped = self.choose(DeviceCapability.of(q.device), q.shape[-1], v.shape[-1])
+            if adapter is None:
+                raise ValueError(
+                    f"FLASH_ATTN has no implementation for head dims (Dqk={q.shape[-1]}, Dv={v.shape[-1]}) on "
+                    f"{q.device}: {'; '.join(skipped)}. Select another backend with MLA_OPS_PREFILL_BACKEND"
+                )
+            self._routes[key] = adapter
+        return adapter
+
+    def attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+        # Host-side ints and shapes alone decide these cases (no sync): no tokens, no sequences (the
+        # kernels reject a batch of 0), no query rows (a grid of 0 blocks is a launch error), no keys.
+        if q.shape[0] == 0 or cu_seqlens_q.shape[0] == 1 or k.shape[0] == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
+            return _no_keys(q, v.shape[-1])
+        return self._adapter_for(q, v).forward(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), causal
+        )

@@ -18,7 +18,7 @@ for every layer:
   that). The plans of the last :data:`MAX_CACHED_BATCHES` batches are kept; the oldest batch's
   wrappers go back to a pool for reuse.
 - **CUDA graphs.** When ``cu_seqlens`` was registered with :func:`mla_ops.plan_cuda_graph`, the op
-  uses wrappers built with ``use_cuda_graph=True`` and static indptr buffers of this module. Their
+  uses wrappers built with ``use_cuda_graph=True`` and static indptr buffers of the backend. Their
   batch size is fixed to the registered buffer's ``B`` plus one padding sequence that covers the
   rows ``[cu_seqlens[-1], T)`` of the token budget ``T`` with no keys (FlashInfer's ``run()``
   requires ``q.shape[0] == qo_indptr[-1]``, and a key-less sequence costs a few empty tiles). The
@@ -31,7 +31,8 @@ kernel is built for, ``"fa2"`` otherwise. The CUTLASS wrapper refuses to be re-p
 mode (its plan allocates new buffers each time), so graphs on SM100 use ``"fa2"``.
 
 The wrappers share one float workspace per device and assume that calls on a device are issued
-from one thread, on one stream.
+from one thread, on one stream. All of this state lives on the :class:`FlashInferBackend` instance;
+a test builds one around a stand-in library (``FlashInferBackend(library=module)``).
 """
 
 from __future__ import annotations
@@ -50,10 +51,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..config import DeviceCapability, MLADimensions, SelectorConfig
-from ..graphs import GraphBuffer, graph_buffer, is_capturing, version_of
-from ..meta.checks import check_cu_seqlens_values
-from .base import PrefillBackend
+from ..capture import is_capturing, version_of
+from ..config import DeviceCapability, SelectorConfig
+from ..meta.checks import check_cu_seqlens_values, check_offsets_start_and_order
+from .base import PrefillBackend, dtype_name
 
 logger = logging.getLogger("mla_ops")
 
@@ -92,33 +93,9 @@ MAX_POOLED_WRAPPERS = 16
 
 # --- the library --------------------------------------------------------------------------------
 
-_flashinfer: Any = None
-_import_error: str | None = None
 
-
-def _import_flashinfer() -> Any:
-    """Import FlashInfer once; raises ``RuntimeError`` saying why it cannot be used."""
-    global _flashinfer, _import_error
-    if _flashinfer is None and _import_error is None:
-        try:
-            module = importlib.import_module("flashinfer")
-        except ModuleNotFoundError as exc:
-            if exc.name == "flashinfer":
-                _import_error = f"flashinfer is not installed ({INSTALL_HINT})"
-            else:
-                _import_error = f"flashinfer failed to import: {type(exc).__name__}: {exc}"
-        except Exception as exc:  # a broken install raises anything (OSError for a missing libcudart)
-            _import_error = f"flashinfer failed to import: {type(exc).__name__}: {exc}"
-        else:
-            _import_error = _api_problem(module)
-            if _import_error is None:
-                _flashinfer = module
-    if _flashinfer is None:
-        raise RuntimeError(f"FLASHINFER MLA prefill backend is unavailable: {_import_error}")
-    return _flashinfer
-
-
-def _api_problem(module: Any) -> str | None:
+def api_problem(module: Any) -> str | None:
+    """Why ``module`` (an imported ``flashinfer``) lacks what this backend calls, or ``None``."""
     version = getattr(module, "__version__", "(unknown version)")
     cls = getattr(module, "BatchPrefillWithRaggedKVCacheWrapper", None)
     if cls is None:
@@ -138,12 +115,32 @@ def _api_problem(module: Any) -> str | None:
     return None
 
 
-def flashinfer_version() -> str | None:
-    """The installed FlashInfer version, or ``None`` when it cannot be imported."""
+def _import_flashinfer() -> tuple[Any, str | None]:
+    """``(module, None)``, or ``(None, why it cannot be used)``."""
     try:
-        return str(getattr(_import_flashinfer(), "__version__", "unknown"))
-    except RuntimeError:
-        return None
+        module = importlib.import_module("flashinfer")
+    except ModuleNotFoundError as exc:
+        if exc.name == "flashinfer":
+            return None, f"flashinfer is not installed ({INSTALL_HINT})"
+        return None, f"flashinfer failed to import: {type(exc).__name__}: {exc}"
+    except Exception as exc:  # a broken install raises anything (OSError for a missing libcudart)
+        return None, f"flashinfer failed to import: {type(exc).__name__}: {exc}"
+    problem = api_problem(module)
+    return (None, problem) if problem else (module, None)
+
+
+def workspace_bytes_from_env() -> int:
+    """The workspace size per device: ``MLA_OPS_FLASHINFER_WORKSPACE_MB`` MiB, else :data:`WORKSPACE_BYTES`."""
+    text = os.environ.get(WORKSPACE_ENV, "").strip()
+    if not text:
+        return WORKSPACE_BYTES
+    try:
+        megabytes = int(text)
+    except ValueError:
+        megabytes = 0
+    if megabytes <= 0:
+        raise ValueError(f"{WORKSPACE_ENV} must be a positive number of MiB, got {text!r}")
+    return megabytes << 20
 
 
 # --- kernel choice ------------------------------------------------------------------------------
@@ -183,17 +180,7 @@ def cutlass_work_items(qo_indptr_host: torch.Tensor, num_heads: int) -> int:
     return int(((lengths + _CUTLASS_QO_TILE - 1) // _CUTLASS_QO_TILE).sum()) * num_heads
 
 
-_capabilities: dict[torch.device, DeviceCapability | None] = {}
-
-
-def _device_capability(device: torch.device) -> DeviceCapability | None:
-    cap = _capabilities.get(device)
-    if cap is None and device not in _capabilities:
-        cap = _capabilities[device] = DeviceCapability.of(device)
-    return cap
-
-
-# --- LSE ----------------------------------------------------------------------------------------
+# --- LSE and tensors ------------------------------------------------------------------------------
 
 
 def lse_base2_to_natural(
@@ -222,102 +209,6 @@ def lse_base2_to_natural(
     return out
 
 
-# --- shared device state --------------------------------------------------------------------------
-
-_workspaces: dict[torch.device, torch.Tensor] = {}
-_plan_count = 0
-_built_modules: set[tuple[str, torch.dtype, int, int]] = set()
-_warned_unversioned = False
-
-
-def plan_count() -> int:
-    """How many times this process has called a FlashInfer wrapper's ``plan()`` (for tests)."""
-    return _plan_count
-
-
-def _workspace_bytes() -> int:
-    text = os.environ.get(WORKSPACE_ENV, "").strip()
-    if not text:
-        return WORKSPACE_BYTES
-    try:
-        megabytes = int(text)
-    except ValueError:
-        megabytes = 0
-    if megabytes <= 0:
-        raise ValueError(f"{WORKSPACE_ENV} must be a positive number of MiB, got {text!r}")
-    return megabytes << 20
-
-
-def _workspace(device: torch.device) -> torch.Tensor:
-    buffer = _workspaces.get(device)
-    if buffer is None:
-        buffer = _workspaces[device] = torch.empty(_workspace_bytes(), dtype=torch.uint8, device=device)
-    return buffer
-
-
-class _LayerConfig(NamedTuple):
-    """What a plan depends on besides the offsets (a tuple: it is built and hashed on every call)."""
-
-    num_heads: int
-    head_dim_qk: int
-    head_dim_vo: int
-    dtype: torch.dtype
-    softmax_scale: float
-    causal: bool
-
-
-def _plan(
-    wrapper: Any,
-    kernel: str,
-    qo_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    cfg: _LayerConfig,
-    warn_build: bool = True,
-) -> None:
-    """``wrapper.plan`` with host offsets; warns before the first just-in-time build of a module."""
-    global _plan_count
-    module_key = (kernel, cfg.dtype, cfg.head_dim_qk, cfg.head_dim_vo)
-    first = module_key not in _built_modules
-    if first and warn_build:
-        logger.warning(
-            "FlashInfer loads or builds its %s prefill kernel for %s, Dqk=%d, Dv=%d on first use; a build "
-            "from scratch can take minutes. `python -m mla_ops warmup` builds the kernels ahead of time.",
-            kernel,
-            str(cfg.dtype).removeprefix("torch."),
-            cfg.head_dim_qk,
-            cfg.head_dim_vo,
-        )
-    start = time.perf_counter()
-    device = wrapper.device
-    # The planner sizes its schedule by the current device's SM count.
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        try:
-            wrapper.plan(
-                qo_indptr,
-                kv_indptr,
-                cfg.num_heads,
-                cfg.num_heads,
-                cfg.head_dim_qk,
-                head_dim_vo=cfg.head_dim_vo,
-                causal=cfg.causal,
-                sm_scale=cfg.softmax_scale,
-                q_data_type=cfg.dtype,
-                kv_data_type=cfg.dtype,
-                o_data_type=cfg.dtype,
-            )
-        except RuntimeError as exc:
-            if "workspace" in str(exc).lower():
-                raise RuntimeError(
-                    f"FlashInfer's plan ran out of workspace ({_workspace_bytes() >> 20} MiB per device): {exc}. "
-                    f"Set {WORKSPACE_ENV} to a larger size, in MiB, before the first call"
-                ) from exc
-            raise
-    _plan_count += 1
-    if first:
-        _built_modules.add(module_key)
-        logger.info("FlashInfer %s prefill kernel ready after %.1f s", kernel, time.perf_counter() - start)
-
-
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` (3-D), or a contiguous copy when its base or strides break the kernels' 16-byte loads."""
     token_stride, head_stride, _ = t.stride()
@@ -327,14 +218,18 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def _run(
-    wrapper: Any,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse_out: torch.Tensor,
-) -> None:
+def _empty_outputs(q: torch.Tensor, head_dim_vo: int) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_heads, _ = q.shape
+    out = torch.empty((num_tokens, num_heads, head_dim_vo), dtype=q.dtype, device=q.device)
+    lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _offsets_key(t: torch.Tensor) -> tuple[torch.device, int, int | None, int]:
+    return (t.device, t.data_ptr(), version_of(t), t.numel())
+
+
+def _run(wrapper: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse_out: torch.Tensor):
     """Run a planned wrapper; ``q`` must hold exactly the planned ``qo_indptr[-1]`` rows.
 
     ``out`` is ``[n, H, Dv]`` contiguous and ``lse_out`` a float32 ``[H, n]`` view to fill.
@@ -347,15 +242,15 @@ def _run(
     lse_base2_to_natural(lse, out=lse_out)
 
 
-def _empty_outputs(q: torch.Tensor, head_dim_vo: int) -> tuple[torch.Tensor, torch.Tensor]:
-    num_tokens, num_heads, _ = q.shape
-    out = torch.empty((num_tokens, num_heads, head_dim_vo), dtype=q.dtype, device=q.device)
-    lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=q.device)
-    return out, lse
+class _LayerConfig(NamedTuple):
+    """What a plan depends on besides the offsets (a tuple: it is built and hashed on every call)."""
 
-
-def _offsets_key(t: torch.Tensor) -> tuple[torch.device, int, int | None, int]:
-    return (t.device, t.data_ptr(), version_of(t), t.numel())
+    num_heads: int
+    head_dim_qk: int
+    head_dim_vo: int
+    dtype: torch.dtype
+    softmax_scale: float
+    causal: bool
 
 
 # --- eager plans ----------------------------------------------------------------------------------
@@ -376,25 +271,6 @@ class _BatchPlans:
     plans: dict[tuple[_LayerConfig, tuple | None], _EagerPlan] = field(default_factory=dict)
 
 
-_batches: OrderedDict[tuple, _BatchPlans] = OrderedDict()
-_wrapper_pool: dict[tuple[torch.device, str], list[Any]] = {}
-
-
-def _acquire_wrapper(device: torch.device, kernel: str) -> Any:
-    pool = _wrapper_pool.get((device, kernel))
-    if pool:
-        return pool.pop()
-    fi = _import_flashinfer()
-    return fi.BatchPrefillWithRaggedKVCacheWrapper(_workspace(device), "NHD", backend=kernel)
-
-
-def _recycle(plan: _EagerPlan) -> None:
-    if plan.wrapper is not None:
-        pool = _wrapper_pool.setdefault((plan.wrapper.device, plan.kernel), [])
-        if len(pool) < MAX_POOLED_WRAPPERS:
-            pool.append(plan.wrapper)
-
-
 def _read_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor | None) -> torch.Tensor:
     # One device-to-host copy (one sync) for both offset arrays. The sync also drains the stream, so
     # no earlier plan's pinned-to-device copy is still pending when a pooled wrapper is re-planned.
@@ -404,114 +280,17 @@ def _read_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor | None) -> torch.Tensor
     return both.to("cpu", copy=True)
 
 
-def _eager_kernel(capability: DeviceCapability | None, host_q: torch.Tensor, cfg: _LayerConfig) -> str:
-    kernel = choose_kernel(capability, cfg.head_dim_qk, cfg.head_dim_vo)
-    if kernel == "cutlass" and cutlass_work_items(host_q, cfg.num_heads) > CUTLASS_MAX_WORK_ITEMS:
-        kernel = "fa2"
-    return kernel
-
-
-def _make_eager_plan(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    host: torch.Tensor,
-    cu_k: torch.Tensor | None,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    cfg: _LayerConfig,
-) -> _EagerPlan:
-    host_q = host[0]
-    host_k = host_q if cu_k is None else host[1]
-    if cu_k is None:
-        check_cu_seqlens_values("mla.prefill", host_q, q.shape[0], max_seqlen_q, "cu_seqlens")
-    else:
-        check_cu_seqlens_values("mla.prefill_context_chunk", host_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
-        check_cu_seqlens_values("mla.prefill_context_chunk", host_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
-    num_rows = int(host_q[-1])
-    if num_rows == 0 or int(host_k[-1]) == 0:
-        return _EagerPlan(None, "", num_rows, host, cu_k)
-    kernel = _eager_kernel(_device_capability(q.device), host_q, cfg)
-    wrapper = _acquire_wrapper(q.device, kernel)
-    _plan(wrapper, kernel, host_q, host_k, cfg)
-    return _EagerPlan(wrapper, kernel, num_rows, host, cu_k)
-
-
-def _eager_plan_for(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor | None,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    cfg: _LayerConfig,
-) -> _EagerPlan:
-    global _warned_unversioned
-    batch_key = _offsets_key(cu_q)
-    plan_key = (cfg, None if cu_k is None else _offsets_key(cu_k))
-    group = _batches.get(batch_key)
-    plan = None
-    if group is not None:
-        _batches.move_to_end(batch_key)
-        plan = group.plans.get(plan_key)
-    unversioned = batch_key[2] is None or (plan_key[1] is not None and plan_key[1][2] is None)
-    if plan is not None and not unversioned:
-        return plan
-    host = _read_offsets(cu_q, cu_k)
-    if plan is not None:
-        if torch.equal(host, plan.host_offsets):
-            return plan
-        del group.plans[plan_key]  # before its wrapper can be handed out again
-        _recycle(plan)
-    if unversioned and not _warned_unversioned:
-        _warned_unversioned = True
-        logger.warning(
-            "FLASHINFER: cu_seqlens was created under torch.inference_mode() and has no version counter, so "
-            "in-place rewrites cannot be detected cheaply; the offsets are read on the host (a device sync) "
-            "at every call. Allocate offsets tensors outside inference mode to plan once per batch."
-        )
-    plan = _make_eager_plan(q, k, host, cu_k, max_seqlen_q, max_seqlen_k, cfg)
-    if group is None:
-        group = _batches[batch_key] = _BatchPlans(cu_q)
-        while len(_batches) > MAX_CACHED_BATCHES:
-            _, evicted = _batches.popitem(last=False)
-            for old in evicted.plans.values():
-                _recycle(old)
-    group.plans[plan_key] = plan
-    return plan
-
-
-def _run_eager(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor | None,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    cfg: _LayerConfig,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    plan = _eager_plan_for(q, k, cu_q, cu_k, max_seqlen_q, max_seqlen_k, cfg)
-    out, lse = _empty_outputs(q, cfg.head_dim_vo)
-    num_tokens, n = q.shape[0], plan.num_rows
-    if n < num_tokens or plan.wrapper is None:
-        # Padding rows (and rows without keys) are unspecified by contract; zero and -inf keep NaN
-        # garbage out of anything downstream. Costs two small fills, and only for padded batches.
-        start = n if plan.wrapper is not None else 0
-        out[start:].zero_()
-        lse[:, start:].fill_(-math.inf)
-    if plan.wrapper is None:
-        return out, lse
-    if n < num_tokens:
-        q = q[:n]
-        if cu_k is None:
-            k, v = k[:n], v[:n]
-        _run(plan.wrapper, q, k, v, out[:n], lse[:, :n])
-    else:
-        _run(plan.wrapper, q, k, v, out, lse)
-    return out, lse
-
-
 # --- CUDA-graph plans -------------------------------------------------------------------------------
+
+
+@dataclass
+class _GraphBuffer:
+    """A static offsets buffer registered by :func:`mla_ops.plan_cuda_graph`."""
+
+    offsets: torch.Tensor  # the device buffer itself
+    version: int | None  # its version counter when registered
+    generation: int  # which plan_cuda_graph call registered it
+    host: torch.Tensor | None = None  # its values, read on the host when a wrapper is planned from it
 
 
 @dataclass
@@ -526,20 +305,6 @@ class _GraphWrapper:
     generation: tuple[int, int] = (-1, -1)
 
 
-_graph_wrappers: dict[tuple, _GraphWrapper] = {}
-
-
-def _graph_key(q: torch.Tensor, k: torch.Tensor, entry_q: GraphBuffer, entry_k: GraphBuffer, cfg: _LayerConfig):
-    return (
-        q.device,
-        entry_q.device_offsets.data_ptr(),
-        entry_k.device_offsets.data_ptr(),
-        q.shape[0],
-        k.shape[0],
-        cfg,
-    )
-
-
 def _capture_error(problem: str) -> RuntimeError:
     return RuntimeError(
         f"FLASHINFER cannot run inside CUDA graph capture: {problem}. FlashInfer plans on the host, which "
@@ -552,60 +317,7 @@ def _capture_error(problem: str) -> RuntimeError:
     )
 
 
-def _registered(cu: torch.Tensor) -> GraphBuffer | None:
-    entry = graph_buffer(cu)
-    if entry is None or entry.device_offsets.numel() != cu.numel():
-        return None
-    return entry
-
-
-def _plan_graph_wrapper(gw: _GraphWrapper, entry_q: GraphBuffer, entry_k: GraphBuffer) -> None:
-    host_q = entry_q.host_offsets
-    host_k = entry_k.host_offsets
-    if int(host_q[-1]) > gw.num_rows:
-        raise ValueError(
-            f"cu_seqlens ends at {int(host_q[-1])} but the graph's token budget (q.shape[0] at warm-up) is "
-            f"{gw.num_rows}; keep cu_seqlens[-1] <= {gw.num_rows}"
-        )
-    if int(host_k[-1]) > gw.num_kv_rows:
-        raise ValueError(
-            f"cu_seqlens_k ends at {int(host_k[-1])} but the chunk buffers hold {gw.num_kv_rows} tokens; "
-            f"keep cu_seqlens_k[-1] <= {gw.num_kv_rows}"
-        )
-    # One extra sequence owns the rows [cu_seqlens[-1], T) with no keys: FlashInfer's run() needs
-    # qo_indptr[-1] == q.shape[0], and the fa2/fa3 kernels write 0 and an LSE of -inf for such rows.
-    budget = torch.tensor([gw.num_rows], dtype=torch.int32)
-    qo_indptr = torch.cat((host_q, budget))
-    kv_indptr = torch.cat((host_k, host_k[-1:]))
-    _plan(gw.wrapper, gw.kernel, qo_indptr, kv_indptr, gw.cfg)
-    gw.generation = (entry_q.generation, entry_k.generation)
-
-
-def _new_graph_wrapper(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    entry_q: GraphBuffer,
-    entry_k: GraphBuffer,
-    cfg: _LayerConfig,
-) -> _GraphWrapper:
-    fi = _import_flashinfer()
-    device = q.device
-    kernel = choose_kernel(_device_capability(device), cfg.head_dim_qk, cfg.head_dim_vo, cuda_graph=True)
-    batch = entry_q.device_offsets.numel() + 1  # B sequences + the padding sequence, plus one
-    qo_buf = torch.zeros(batch, dtype=torch.int32, device=device)
-    kv_buf = torch.zeros(batch, dtype=torch.int32, device=device)
-    wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(
-        _workspace(device),
-        "NHD",
-        use_cuda_graph=True,
-        qo_indptr_buf=qo_buf,
-        kv_indptr_buf=kv_buf,
-        backend=kernel,
-    )
-    return _GraphWrapper(wrapper, kernel, cfg, entry_q.device_offsets, entry_k.device_offsets, q.shape[0], k.shape[0])
-
-
-def _check_unchanged(name: str, cu: torch.Tensor, entry: GraphBuffer) -> None:
+def _check_unchanged(name: str, cu: torch.Tensor, entry: _GraphBuffer) -> None:
     version = version_of(cu)
     if version is not None and version != entry.version:
         raise RuntimeError(
@@ -614,105 +326,73 @@ def _check_unchanged(name: str, cu: torch.Tensor, entry: GraphBuffer) -> None:
         )
 
 
-def _run_graph(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor | None,
-    entry_q: GraphBuffer,
-    entry_k: GraphBuffer,
-    cfg: _LayerConfig,
-    capturing: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_unchanged("cu_seqlens" if cu_k is None else "cu_seqlens_q", cu_q, entry_q)
-    if cu_k is not None:
-        _check_unchanged("cu_seqlens_k", cu_k, entry_k)
-    key = _graph_key(q, k, entry_q, entry_k, cfg)
-    gw = _graph_wrappers.get(key)
-    generation = (entry_q.generation, entry_k.generation)
-    if capturing:
-        if gw is None or gw.generation != generation:
-            raise _capture_error(
-                f"no FlashInfer graph wrapper is planned for this call (H={cfg.num_heads}, Dqk={cfg.head_dim_qk}, "
-                f"Dv={cfg.head_dim_vo}, {str(cfg.dtype).removeprefix('torch.')}, causal={cfg.causal}, "
-                f"token budget {q.shape[0]}); the eager warm-up call after mla_ops.plan_cuda_graph creates it"
-            )
-    elif gw is None:
-        gw = _new_graph_wrapper(q, k, entry_q, entry_k, cfg)
-        _plan_graph_wrapper(gw, entry_q, entry_k)
-        _graph_wrappers[key] = gw
-    elif gw.generation != generation:
-        if q.is_cuda:  # let any pending copy out of the wrapper's pinned buffer finish first
-            torch.cuda.current_stream(q.device).synchronize()
-        _plan_graph_wrapper(gw, entry_q, entry_k)
-    out, lse = _empty_outputs(q, cfg.head_dim_vo)
-    _run(gw.wrapper, q, k, v, out, lse)
-    return out, lse
-
-
-# --- dispatch ---------------------------------------------------------------------------------------
-
-
-def _attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor | None,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal self-attention when ``cu_k`` is ``None``, else non-causal attention over a chunk."""
-    num_tokens, num_heads, head_dim_qk = q.shape
-    cfg = _LayerConfig(num_heads, head_dim_qk, v.shape[-1], q.dtype, float(softmax_scale), cu_k is None)
-    if num_tokens == 0:
-        return _empty_outputs(q, cfg.head_dim_vo)
-    capturing = is_capturing()
-    entry_q = _registered(cu_q)
-    if entry_q is not None:
-        entry_k = entry_q if cu_k is None else _registered(cu_k)
-        if entry_k is not None:
-            return _run_graph(q, k, v, cu_q, cu_k, entry_q, entry_k, cfg, capturing)
-        if capturing:
-            raise _capture_error("this context chunk's cu_seqlens_k is not registered for CUDA graphs")
-    elif capturing:
-        raise _capture_error(f"{'cu_seqlens' if cu_k is None else 'cu_seqlens_q'} is not registered for CUDA graphs")
-    return _run_eager(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, cfg)
-
-
-def reset_state() -> None:
-    """Drop every cached plan, wrapper, workspace and graph wrapper, and forget the import result.
-
-    Frees the memory they hold; the next call imports FlashInfer and plans again.
-    """
-    global _flashinfer, _import_error, _warned_unversioned
-    _batches.clear()
-    _wrapper_pool.clear()
-    _graph_wrappers.clear()
-    _workspaces.clear()
-    _capabilities.clear()
-    _built_modules.clear()
-    _flashinfer = None
-    _import_error = None
-    _warned_unversioned = False
+# --- the backend ------------------------------------------------------------------------------------
 
 
 class FlashInferBackend(PrefillBackend):
-    """MLA prefill with FlashInfer's ragged-KV batch prefill wrapper (fa3 / cutlass / fa2 kernels)."""
+    """MLA prefill with FlashInfer's ragged-KV batch prefill wrapper (fa3 / cutlass / fa2 kernels).
+
+    Args:
+        library: the ``flashinfer`` module to call; by default it is imported on first use.
+        workspace_bytes: the float workspace per device; by default :func:`workspace_bytes_from_env`.
+        capability: the compute capability to choose kernels for, instead of the tensors' device's
+            (tests simulate GPUs with it).
+    """
 
     name = "FLASHINFER"
     plans_on_host = True
 
-    @classmethod
-    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
-        # FlashInfer's bf16 kernels need Ampere (SM80) or newer.
-        return capability >= DeviceCapability(8, 0)
+    def __init__(
+        self,
+        library: Any = None,
+        *,
+        workspace_bytes: int | None = None,
+        capability: DeviceCapability | None = None,
+    ) -> None:
+        self._library = library
+        self._library_problem = api_problem(library) if library is not None else None
+        self._imported = library is not None
+        self._workspace_bytes = workspace_bytes
+        self._forced_capability = capability
+        self._workspaces: dict[torch.device, torch.Tensor] = {}
+        self._capabilities: dict[torch.device, DeviceCapability | None] = {}
+        self._built_modules: set[tuple[str, torch.dtype, int, int]] = set()
+        self._batches: OrderedDict[tuple, _BatchPlans] = OrderedDict()
+        self._pool: dict[tuple[torch.device, str], list[Any]] = {}
+        self._buffers: dict[int, _GraphBuffer] = {}
+        self._generation = 0
+        self._graph_wrappers: dict[tuple, _GraphWrapper] = {}
+        self._warned_unversioned = False
+        #: How many times this backend has called a wrapper's ``plan()``.
+        self.plan_count = 0
 
-    @classmethod
-    def mla_dimension_reasons(cls, dims: MLADimensions, capability: DeviceCapability | None) -> list[str]:
-        pair = (dims.qk_head_dim, dims.v_head_dim)
+    # --- library --------------------------------------------------------------------------------
+
+    def _flashinfer(self) -> Any:
+        """The library module; raises ``RuntimeError`` saying why it cannot be used."""
+        if not self._imported:
+            self._library, self._library_problem = _import_flashinfer()
+            self._imported = True
+        if self._library is None or self._library_problem is not None:
+            raise RuntimeError(f"FLASHINFER MLA prefill backend is unavailable: {self._library_problem}")
+        return self._library
+
+    def version(self) -> str | None:
+        """The FlashInfer version in use, or ``None`` when it cannot be used."""
+        try:
+            return str(getattr(self._flashinfer(), "__version__", "unknown"))
+        except RuntimeError:
+            return None
+
+    def library_reasons(self, capability: DeviceCapability | None, config: SelectorConfig) -> list[str]:
+        try:
+            self._flashinfer()
+        except RuntimeError:
+            return [str(self._library_problem)]
+        return []
+
+    def head_dim_reasons(self, head_dim_qk: int, head_dim_v: int, capability: DeviceCapability | None) -> list[str]:
+        pair = (head_dim_qk, head_dim_v)
         if pair in SUPPORTED_HEAD_DIMS:
             return []
         return [
@@ -720,37 +400,342 @@ class FlashInferBackend(PrefillBackend):
             "Dqk == Dv in (64, 128, 256) and for DeepSeek's (192, 128)"
         ]
 
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        try:
-            _import_flashinfer()
-        except RuntimeError:
-            return _import_error
-        except Exception as exc:  # never raise from an availability probe
-            return f"flashinfer availability check failed: {type(exc).__name__}: {exc}"
-        return None
+    def describe(self, capability: DeviceCapability | None, config: SelectorConfig) -> str:
+        version = self.version()
+        if version is None:
+            return f"unavailable: {self._library_problem}"
+        head = f"flashinfer {version} BatchPrefillWithRaggedKVCacheWrapper"
+        if capability is None:
+            return f"{head}; backend fa3 on SM90, cutlass on SM100 (heads {sorted(CUTLASS_HEAD_DIMS)}), else fa2"
+        dqk, dv = config.head_dim_qk, config.head_dim_v
+        eager = choose_kernel(capability, dqk, dv)
+        graph = choose_kernel(capability, dqk, dv, cuda_graph=True)
+        text = f"{head}, backend {eager} on SM{capability.major}{capability.minor}"
+        return text + (f" ({graph} in CUDA graphs)" if graph != eager else "")
 
-    @classmethod
-    def implementation(cls) -> str:
-        try:
-            reason = cls.unavailable_reason()
-            if reason is not None:
-                return f"unavailable: {reason}"
-            head = f"flashinfer {flashinfer_version()} BatchPrefillWithRaggedKVCacheWrapper"
-            if not torch.cuda.is_available():
-                return f"{head}; backend fa3 on SM90, cutlass on SM100 (heads {sorted(CUTLASS_HEAD_DIMS)}), else fa2"
-            device = torch.device("cuda", torch.cuda.current_device())
-            cap = _device_capability(device)
-            dqk, dv = 192, 128
-            eager = choose_kernel(cap, dqk, dv)
-            graph = choose_kernel(cap, dqk, dv, cuda_graph=True)
-            text = f"{head}, backend {eager} on this SM{cap.major}{cap.minor} device" if cap else head
-            return text + (f" ({graph} in CUDA graphs)" if graph != eager else "")
-        except Exception as exc:  # shown by `info`, which must not fail on one backend
-            return f"flashinfer (description failed: {type(exc).__name__}: {exc})"
+    # --- device state -----------------------------------------------------------------------------
 
-    @classmethod
-    def warmup(cls, device: torch.device, config: SelectorConfig, num_heads: int) -> None:
+    def _capability(self, device: torch.device) -> DeviceCapability | None:
+        if self._forced_capability is not None:
+            return self._forced_capability
+        cap = self._capabilities.get(device)
+        if cap is None and device not in self._capabilities:
+            cap = self._capabilities[device] = DeviceCapability.of(device)
+        return cap
+
+    def workspace_bytes(self) -> int:
+        """The size of the float workspace each device gets."""
+        if self._workspace_bytes is None:
+            self._workspace_bytes = workspace_bytes_from_env()
+        return self._workspace_bytes
+
+    def _workspace(self, device: torch.device) -> torch.Tensor:
+        buffer = self._workspaces.get(device)
+        if buffer is None:
+            buffer = self._workspaces[device] = torch.empty(self.workspace_bytes(), dtype=torch.uint8, device=device)
+        return buffer
+
+    def _new_wrapper(self, device: torch.device, kernel: str, **graph_buffers: Any) -> Any:
+        fi = self._flashinfer()
+        if graph_buffers:
+            return fi.BatchPrefillWithRaggedKVCacheWrapper(
+                self._workspace(device), "NHD", use_cuda_graph=True, backend=kernel, **graph_buffers
+            )
+        return fi.BatchPrefillWithRaggedKVCacheWrapper(self._workspace(device), "NHD", backend=kernel)
+
+    def _plan(
+        self,
+        wrapper: Any,
+        kernel: str,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        cfg: _LayerConfig,
+        warn_build: bool = True,
+    ) -> None:
+        """``wrapper.plan`` with host offsets; warns before the first just-in-time build of a module."""
+        module_key = (kernel, cfg.dtype, cfg.head_dim_qk, cfg.head_dim_vo)
+        first = module_key not in self._built_modules
+        if first and warn_build:
+            logger.warning(
+                "FlashInfer loads or builds its %s prefill kernel for %s, Dqk=%d, Dv=%d on first use; a build "
+                "from scratch can take minutes. `python -m mla_ops warmup` builds the kernels ahead of time.",
+                kernel,
+                dtype_name(cfg.dtype),
+                cfg.head_dim_qk,
+                cfg.head_dim_vo,
+            )
+        start = time.perf_counter()
+        device = wrapper.device
+        # The planner sizes its schedule by the current device's SM count.
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            try:
+                wrapper.plan(
+                    qo_indptr,
+                    kv_indptr,
+                    cfg.num_heads,
+                    cfg.num_heads,
+                    cfg.head_dim_qk,
+                    head_dim_vo=cfg.head_dim_vo,
+                    causal=cfg.causal,
+                    sm_scale=cfg.softmax_scale,
+                    q_data_type=cfg.dtype,
+                    kv_data_type=cfg.dtype,
+                    o_data_type=cfg.dtype,
+                )
+            except RuntimeError as exc:
+                if "workspace" in str(exc).lower():
+                    raise RuntimeError(
+                        f"FlashInfer's plan ran out of workspace ({self.workspace_bytes() >> 20} MiB per device): "
+                        f"{exc}. Set {WORKSPACE_ENV} to a larger size, in MiB, before the first call"
+                    ) from exc
+                raise
+        self.plan_count += 1
+        if first:
+            self._built_modules.add(module_key)
+            logger.info("FlashInfer %s prefill kernel ready after %.1f s", kernel, time.perf_counter() - start)
+
+    # --- eager calls ------------------------------------------------------------------------------
+
+    def _acquire_wrapper(self, device: torch.device, kernel: str) -> Any:
+        pool = self._pool.get((device, kernel))
+        return pool.pop() if pool else self._new_wrapper(device, kernel)
+
+    def _recycle(self, plan: _EagerPlan) -> None:
+        if plan.wrapper is not None:
+            pool = self._pool.setdefault((plan.wrapper.device, plan.kernel), [])
+            if len(pool) < MAX_POOLED_WRAPPERS:
+                pool.append(plan.wrapper)
+
+    def _make_eager_plan(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        host: torch.Tensor,
+        cu_k: torch.Tensor | None,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        cfg: _LayerConfig,
+    ) -> _EagerPlan:
+        host_q = host[0]
+        host_k = host_q if cu_k is None else host[1]
+        if cu_k is None:
+            check_cu_seqlens_values("mla.prefill", host_q, q.shape[0], max_seqlen_q, "cu_seqlens")
+        else:
+            check_cu_seqlens_values("mla.prefill_context_chunk", host_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
+            check_cu_seqlens_values("mla.prefill_context_chunk", host_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
+        num_rows = int(host_q[-1])
+        if num_rows == 0 or int(host_k[-1]) == 0:
+            return _EagerPlan(None, "", num_rows, host, cu_k)
+        kernel = choose_kernel(self._capability(q.device), cfg.head_dim_qk, cfg.head_dim_vo)
+        if kernel == "cutlass" and cutlass_work_items(host_q, cfg.num_heads) > CUTLASS_MAX_WORK_ITEMS:
+            kernel = "fa2"
+        wrapper = self._acquire_wrapper(q.device, kernel)
+        self._plan(wrapper, kernel, host_q, host_k, cfg)
+        return _EagerPlan(wrapper, kernel, num_rows, host, cu_k)
+
+    def _eager_plan_for(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cu_q: torch.Tensor,
+        cu_k: torch.Tensor | None,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        cfg: _LayerConfig,
+    ) -> _EagerPlan:
+        batch_key = _offsets_key(cu_q)
+        plan_key = (cfg, None if cu_k is None else _offsets_key(cu_k))
+        group = self._batches.get(batch_key)
+        plan = None
+        if group is not None:
+            self._batches.move_to_end(batch_key)
+            plan = group.plans.get(plan_key)
+        unversioned = batch_key[2] is None or (plan_key[1] is not None and plan_key[1][2] is None)
+        if plan is not None and not unversioned:
+            return plan
+        host = _read_offsets(cu_q, cu_k)
+        if plan is not None:
+            if torch.equal(host, plan.host_offsets):
+                return plan
+            del group.plans[plan_key]  # before its wrapper can be handed out again
+            self._recycle(plan)
+        if unversioned and not self._warned_unversioned:
+            self._warned_unversioned = True
+            logger.warning(
+                "FLASHINFER: cu_seqlens was created under torch.inference_mode() and has no version counter, so "
+                "in-place rewrites cannot be detected cheaply; the offsets are read on the host (a device sync) "
+                "at every call. Allocate offsets tensors outside inference mode to plan once per batch."
+            )
+        plan = self._make_eager_plan(q, k, host, cu_k, max_seqlen_q, max_seqlen_k, cfg)
+        if group is None:
+            group = self._batches[batch_key] = _BatchPlans(cu_q)
+            while len(self._batches) > MAX_CACHED_BATCHES:
+                _, evicted = self._batches.popitem(last=False)
+                for old in evicted.plans.values():
+                    self._recycle(old)
+        group.plans[plan_key] = plan
+        return plan
+
+    def _run_eager(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_q: torch.Tensor,
+        cu_k: torch.Tensor | None,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        cfg: _LayerConfig,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        plan = self._eager_plan_for(q, k, cu_q, cu_k, max_seqlen_q, max_seqlen_k, cfg)
+        out, lse = _empty_outputs(q, cfg.head_dim_vo)
+        num_tokens, n = q.shape[0], plan.num_rows
+        if n < num_tokens or plan.wrapper is None:
+            # Padding rows (and rows without keys) are unspecified by contract; zero and -inf keep NaN
+            # garbage out of anything downstream. Costs two small fills, and only for padded batches.
+            start = n if plan.wrapper is not None else 0
+            out[start:].zero_()
+            lse[:, start:].fill_(-math.inf)
+        if plan.wrapper is None:
+            return out, lse
+        if n < num_tokens:
+            q = q[:n]
+            if cu_k is None:
+                k, v = k[:n], v[:n]
+            _run(plan.wrapper, q, k, v, out[:n], lse[:, :n])
+        else:
+            _run(plan.wrapper, q, k, v, out, lse)
+        return out, lse
+
+    # --- CUDA graphs ------------------------------------------------------------------------------
+
+    def plan_cuda_graph(self, cu_seqlens: torch.Tensor, cu_seqlens_k: Sequence[torch.Tensor]) -> None:
+        """Register the graph's offsets buffers, and re-plan every graph wrapper that reads one of them
+        with the offsets they now hold (a host read, only where such wrappers exist)."""
+        self._generation += 1
+        for cu in (cu_seqlens, *cu_seqlens_k):
+            self._buffers[cu.data_ptr()] = _GraphBuffer(cu, version_of(cu), self._generation)
+        planned = {cu.data_ptr() for cu in (cu_seqlens, *cu_seqlens_k)}
+        for gw in self._graph_wrappers.values():
+            if gw.offsets_q.data_ptr() not in planned and gw.offsets_k.data_ptr() not in planned:
+                continue
+            entry_q, entry_k = self._registered(gw.offsets_q), self._registered(gw.offsets_k)
+            if entry_q is not None and entry_k is not None:
+                self._plan_graph_wrapper(gw, entry_q, entry_k)
+
+    def release_cuda_graph_state(self) -> None:
+        self._buffers.clear()
+        self._graph_wrappers.clear()
+
+    def _registered(self, cu: torch.Tensor) -> _GraphBuffer | None:
+        entry = self._buffers.get(cu.data_ptr())
+        if entry is None or entry.offsets.device != cu.device or entry.offsets.numel() != cu.numel():
+            return None
+        return entry
+
+    @staticmethod
+    def _host(name: str, entry: _GraphBuffer) -> torch.Tensor:
+        if entry.host is None:
+            entry.host = entry.offsets.cpu()
+            check_offsets_start_and_order("plan_cuda_graph", name, entry.host)
+        return entry.host
+
+    def _plan_graph_wrapper(self, gw: _GraphWrapper, entry_q: _GraphBuffer, entry_k: _GraphBuffer) -> None:
+        host_q = self._host("cu_seqlens", entry_q)
+        host_k = self._host("cu_seqlens_k", entry_k)
+        if int(host_q[-1]) > gw.num_rows:
+            raise ValueError(
+                f"cu_seqlens ends at {int(host_q[-1])} but the graph's token budget (q.shape[0] at warm-up) is "
+                f"{gw.num_rows}; keep cu_seqlens[-1] <= {gw.num_rows}"
+            )
+        if int(host_k[-1]) > gw.num_kv_rows:
+            raise ValueError(
+                f"cu_seqlens_k ends at {int(host_k[-1])} but the chunk buffers hold {gw.num_kv_rows} tokens; "
+                f"keep cu_seqlens_k[-1] <= {gw.num_kv_rows}"
+            )
+        if gw.offsets_q.is_cuda:  # let any pending copy out of the wrapper's pinned buffer finish first
+            torch.cuda.current_stream(gw.offsets_q.device).synchronize()
+        # One extra sequence owns the rows [cu_seqlens[-1], T) with no keys: FlashInfer's run() needs
+        # qo_indptr[-1] == q.shape[0], and the fa2/fa3 kernels write 0 and an LSE of -inf for such rows.
+        budget = torch.tensor([gw.num_rows], dtype=torch.int32)
+        qo_indptr = torch.cat((host_q, budget))
+        kv_indptr = torch.cat((host_k, host_k[-1:]))
+        self._plan(gw.wrapper, gw.kernel, qo_indptr, kv_indptr, gw.cfg)
+        gw.generation = (entry_q.generation, entry_k.generation)
+
+    def _new_graph_wrapper(
+        self, q: torch.Tensor, k: torch.Tensor, entry_q: _GraphBuffer, entry_k: _GraphBuffer, cfg: _LayerConfig
+    ) -> _GraphWrapper:
+        device = q.device
+        kernel = choose_kernel(self._capability(device), cfg.head_dim_qk, cfg.head_dim_vo, cuda_graph=True)
+        batch = entry_q.offsets.numel() + 1  # B sequences + the padding sequence, plus one
+        wrapper = self._new_wrapper(
+            device,
+            kernel,
+            qo_indptr_buf=torch.zeros(batch, dtype=torch.int32, device=device),
+            kv_indptr_buf=torch.zeros(batch, dtype=torch.int32, device=device),
+        )
+        return _GraphWrapper(wrapper, kernel, cfg, entry_q.offsets, entry_k.offsets, q.shape[0], k.shape[0])
+
+    def _run_graph(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_q: torch.Tensor,
+        cu_k: torch.Tensor | None,
+        entry_q: _GraphBuffer,
+        entry_k: _GraphBuffer,
+        cfg: _LayerConfig,
+        capturing: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_unchanged("cu_seqlens" if cu_k is None else "cu_seqlens_q", cu_q, entry_q)
+        if cu_k is not None:
+            _check_unchanged("cu_seqlens_k", cu_k, entry_k)
+        key = (q.device, entry_q.offsets.data_ptr(), entry_k.offsets.data_ptr(), q.shape[0], k.shape[0], cfg)
+        gw = self._graph_wrappers.get(key)
+        generation = (entry_q.generation, entry_k.generation)
+        if capturing:
+            if gw is None or gw.generation != generation:
+                raise _capture_error(
+                    f"no FlashInfer graph wrapper is planned for this call (H={cfg.num_heads}, "
+                    f"Dqk={cfg.head_dim_qk}, Dv={cfg.head_dim_vo}, {dtype_name(cfg.dtype)}, causal={cfg.causal}, "
+                    f"token budget {q.shape[0]}); the eager warm-up call after mla_ops.plan_cuda_graph creates it"
+                )
+        elif gw is None:
+            gw = self._new_graph_wrapper(q, k, entry_q, entry_k, cfg)
+            self._plan_graph_wrapper(gw, entry_q, entry_k)
+            self._graph_wrappers[key] = gw
+        elif gw.generation != generation:
+            self._plan_graph_wrapper(gw, entry_q, entry_k)
+        out, lse = _empty_outputs(q, cfg.head_dim_vo)
+        _run(gw.wrapper, q, k, v, out, lse)
+        return out, lse
+
+    # --- execution --------------------------------------------------------------------------------
+
+    def attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        num_tokens, num_heads, head_dim_qk = q.shape
+        cfg = _LayerConfig(num_heads, head_dim_qk, v.shape[-1], q.dtype, float(softmax_scale), causal)
+        if num_tokens == 0:
+            return _empty_outputs(q, cfg.head_dim_vo)
+        cu_k = None if causal else cu_seqlens_k  # causal: the new tokens over themselves, one offsets tensor
+        capturing = is_capturing()
+        entry_q = self._registered(cu_seqlens_q)
+        if entry_q is not None:
+            entry_k = entry_q if cu_k is None else self._registered(cu_k)
+            if entry_k is not None:
+                return self._run_graph(q, k, v, cu_seqlens_q, cu_k, entry_q, entry_k, cfg, capturing)
+            if capturing:
+                raise _capture_error("this context chunk's cu_seqlens_k is not registered for CUDA graphs")
+        elif capturing:
+            name = "cu_seqlens" if cu_k is None else "cu_seqlens_q"
+            raise _capture_error(f"{name} is not registered for CUDA graphs")
+        return self._run_eager(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q, max_seqlen_k, cfg)
+
+    # --- warm-up ----------------------------------------------------------------------------------
+
+    def warmup(self, device: torch.device, config: SelectorConfig, num_heads: int) -> None:
         """Load or build FlashInfer's kernels for ``config`` (causal and not) with tiny inputs.
 
         Builds the kernel used eagerly and, where it differs, the one used in CUDA graphs. Logs
@@ -759,52 +744,27 @@ class FlashInferBackend(PrefillBackend):
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # tensors name their index: share their workspace
             device = torch.device("cuda", torch.cuda.current_device())
-        cap = _device_capability(device)
-        reasons = cls.validate_configuration(cap, config)
+        cap = self._capability(device)
+        reasons = self.reasons(cap, config)
         if reasons:
             raise ValueError(f"FLASHINFER cannot serve {config!r} on {device}: {reasons}")
-        dqk, dv = config.mla_dimensions.qk_head_dim, config.mla_dimensions.v_head_dim
+        dqk, dv = config.head_dim_qk, config.head_dim_v
         kernels = dict.fromkeys((choose_kernel(cap, dqk, dv), choose_kernel(cap, dqk, dv, cuda_graph=True)))
-        fi = _import_flashinfer()
         lengths = torch.tensor([0, 3, 8], dtype=torch.int32)
         gen = torch.Generator().manual_seed(0)
         q, k = (torch.randn(8, num_heads, dqk, generator=gen).to(device, config.dtype) for _ in range(2))
         v = torch.randn(8, num_heads, dv, generator=gen).to(device, config.dtype)
         for kernel in kernels:
-            wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(_workspace(device), "NHD", backend=kernel)
+            wrapper = self._new_wrapper(device, kernel)
             for causal in (True, False):
                 logger.info(
                     "warming up FlashInfer %s (%s, Dqk=%d, Dv=%d, causal=%s)", kernel, config.dtype, dqk, dv, causal
                 )
                 start = time.perf_counter()
                 cfg = _LayerConfig(num_heads, dqk, dv, config.dtype, 1.0 / math.sqrt(dqk), causal)
-                _plan(wrapper, kernel, lengths, lengths, cfg, warn_build=False)
+                self._plan(wrapper, kernel, lengths, lengths, cfg, warn_build=False)
                 out, lse = _empty_outputs(q, dv)
                 _run(wrapper, q, k, v, out, lse)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 logger.info("FlashInfer %s ready (causal=%s) in %.1f s", kernel, causal, time.perf_counter() - start)
-
-    @classmethod
-    def plan_cuda_graph(cls, new_tokens: GraphBuffer, chunks: Sequence[GraphBuffer]) -> None:
-        """Re-plan every graph wrapper that reads one of these buffers, with the offsets they now hold."""
-        planned = {entry.device_offsets.data_ptr() for entry in (new_tokens, *chunks)}
-        for gw in _graph_wrappers.values():
-            if gw.offsets_q.data_ptr() not in planned and gw.offsets_k.data_ptr() not in planned:
-                continue
-            entry_q, entry_k = _registered(gw.offsets_q), _registered(gw.offsets_k)
-            if entry_q is None or entry_k is None:
-                continue  # a buffer was released; the wrapper is dropped with release_cuda_graph_state
-            _plan_graph_wrapper(gw, entry_q, entry_k)
-
-    @classmethod
-    def release_cuda_graph_state(cls) -> None:
-        _graph_wrappers.clear()
-
-    @classmethod
-    def prefill(cls, q, k, v, cu_seqlens, max_seqlen, softmax_scale):
-        return _attention(q, k, v, cu_seqlens, None, max_seqlen, max_seqlen, softmax_scale)
-
-    @classmethod
-    def prefill_context_chunk(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
-        return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)

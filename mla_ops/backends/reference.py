@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from ..config import DeviceCapability
-from ..graphs import is_capturing
+from ..capture import is_capturing
+from ..config import DeviceCapability, SelectorConfig
 from ..meta.checks import check_cu_seqlens_values
 from .base import PrefillBackend
 
@@ -126,23 +126,18 @@ class ReferenceBackend(PrefillBackend):
     """PyTorch math with fp32 accumulation; valid on every device, fast on none."""
 
     name = "REFERENCE"
-    supports_cpu = True
+    runs_on_cpu = True
 
-    @classmethod
-    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
-        return True
+    def capability_reasons(self, capability: DeviceCapability) -> list[str]:
+        return []
 
-    @classmethod
-    def implementation(cls) -> str:
+    def describe(self, capability: DeviceCapability | None, config: SelectorConfig) -> str:
         return "PyTorch matmul/logsumexp, fp32 accumulation (host-synchronising, not capturable)"
 
-    @classmethod
-    def prefill(cls, q, k, v, cu_seqlens, max_seqlen, softmax_scale):
-        check_cu_seqlens_values("mla.prefill", cu_seqlens, q.shape[0], max_seqlen, "cu_seqlens")
-        return attention_reference(q, k, v, cu_seqlens, cu_seqlens, softmax_scale, causal=True)
-
-    @classmethod
-    def prefill_context_chunk(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale):
-        check_cu_seqlens_values(_CHUNK, cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
-        check_cu_seqlens_values(_CHUNK, cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
-        return attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=False)
+    def attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        if causal:
+            check_cu_seqlens_values("mla.prefill", cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens")
+        else:
+            check_cu_seqlens_values(_CHUNK, cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
+            check_cu_seqlens_values(_CHUNK, cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
+        return attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)

@@ -12,7 +12,7 @@ import importlib
 
 import torch
 
-from ..config import DeviceCapability, MLADimensions, SelectorConfig
+from ..config import DeviceCapability, SelectorConfig
 from .base import PrefillBackend
 
 #: Head sizes the kernel is built for: the QK split and the Dv tile are powers of two up to 256.
@@ -28,75 +28,42 @@ def _triton_version() -> str | None:
 
 
 class TritonBackend(PrefillBackend):
-    """Triton varlen attention: causal for new tokens, non-causal for context chunks, ``Dqk != Dv``."""
+    """Triton varlen attention: causal for new tokens, non-causal for context chunks, ``Dqk != Dv``.
+
+    Serves SM80 and newer (the base class's rule): ``tl.dot`` on 16-bit inputs needs their tensor cores.
+    """
 
     name = "TRITON"
 
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
+    def library_reasons(self, capability: DeviceCapability | None, config: SelectorConfig) -> list[str]:
         try:
             importlib.import_module("triton")
         except ImportError:
-            return "triton is not installed (pip install 'mla_ops[triton]')"
-        except Exception as exc:  # a broken install must be reported, not raised
-            return f"triton failed to import: {exc!r}"
-        return None
+            return ["triton is not installed (pip install 'mla_ops[triton]')"]
+        return []
 
-    @classmethod
-    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
-        # tl.dot on 16-bit inputs needs the SM80+ tensor cores (mma.sync; wgmma on SM90).
-        return capability >= DeviceCapability(8, 0)
-
-    @classmethod
-    def mla_dimension_reasons(cls, dims: MLADimensions, capability: DeviceCapability | None) -> list[str]:
+    def head_dim_reasons(self, head_dim_qk: int, head_dim_v: int, capability: DeviceCapability | None) -> list[str]:
         reasons = []
-        for label, size in (("qk head dim (qk_nope + qk_rope)", dims.qk_head_dim), ("v head dim", dims.v_head_dim)):
+        for label, size in (("qk head dim (qk_nope + qk_rope)", head_dim_qk), ("v head dim", head_dim_v)):
             if size <= 0 or size % HEAD_DIM_MULTIPLE:
                 reasons.append(f"{label} {size} is not a positive multiple of {HEAD_DIM_MULTIPLE}")
             elif size > MAX_HEAD_DIM:
                 reasons.append(f"{label} {size} exceeds {MAX_HEAD_DIM}")
         return reasons
 
-    @classmethod
-    def implementation(cls) -> str:
+    def describe(self, capability: DeviceCapability | None, config: SelectorConfig) -> str:
         version = _triton_version()
         where = f"Triton {version}" if version else "Triton (not installed)"
         return f"{where}: mla_ops varlen flash-attention forward, QK split into power-of-two dots (192 = 128 + 64)"
 
-    @classmethod
-    def prefill(
-        cls,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        max_seqlen: int,
-        softmax_scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        from ..kernels.attention import attention_triton
-
-        return attention_triton(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, causal=True)
-
-    @classmethod
-    def prefill_context_chunk(
-        cls,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        softmax_scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
         from ..kernels.attention import attention_triton
 
         return attention_triton(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal=False
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal=causal
         )
 
-    @classmethod
-    def warmup(cls, device: torch.device, config: SelectorConfig, num_heads: int) -> None:
+    def warmup(self, device: torch.device, config: SelectorConfig, num_heads: int) -> None:
         """Compile every kernel variant a model with ``config`` and ``num_heads`` heads will launch.
 
         Tiny ragged batches run both paths (with contiguous and with strided ``v``, an empty chunk,
@@ -110,9 +77,9 @@ class TritonBackend(PrefillBackend):
         device = torch.device(device)
         dims = config.mla_dimensions
         dqk, dv = dims.qk_head_dim, dims.v_head_dim
-        reasons = cls.validate_configuration(DeviceCapability.of(device), config)
+        reasons = self.reasons(DeviceCapability.of(device), config)
         if reasons:
-            raise ValueError(f"cannot warm up {cls.name} for {config!r} on {device}: {reasons}")
+            raise ValueError(f"cannot warm up {self.name} for {config!r} on {device}: {reasons}")
         scale = dqk**-0.5
         gen = torch.Generator(device="cpu").manual_seed(0)
 
