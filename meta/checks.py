@@ -16,6 +16,9 @@ import torch
 
 _DTYPES = (torch.bfloat16, torch.float16)
 
+#: The largest ``max_seqlen`` the kernels can index (they count tokens in int32).
+MAX_SEQLEN_LIMIT = 2**31 - 1
+
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -52,9 +55,25 @@ def _check_cu_seqlens(op: str, name: str, cu: object, device: torch.device) -> t
 
 def _check_max_seqlen(op: str, name: str, value: object) -> None:
     if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
-        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}")
+        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} {value!r:.40}")
     if value < 0:
         raise ValueError(f"{op}: {name} must be >= 0, got {value}")
+    if value > MAX_SEQLEN_LIMIT:
+        raise ValueError(
+            f"{op}: {name} must be at most 2**31 - 1 = {MAX_SEQLEN_LIMIT} (the kernels count tokens in int32), "
+            f"got {value}; pass an upper bound of the longest sequence"
+        )
+
+
+def _check_grad(op: str, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
+    if not torch.is_grad_enabled():
+        return
+    for name, t in zip(names, tensors):
+        if t.requires_grad:
+            raise RuntimeError(
+                f"{op} is inference-only (it has no backward), but {name} requires grad and grad mode is on. "
+                f"Call it under torch.no_grad() or torch.inference_mode(), or pass {name}.detach()"
+            )
 
 
 def _check_scale(op: str, softmax_scale: object) -> None:
@@ -76,6 +95,8 @@ def _attention_inputs_are_valid(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale
         and len(ks) == 3
         and len(vs) == 3
         and (dt is _BF16 or dt is _FP16)
+        and qs[1] > 0
+        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
         and k.dtype is dt
         and v.dtype is dt
         and k.device == dev
@@ -94,7 +115,7 @@ def _attention_inputs_are_valid(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale
         and cu_q.shape[0] >= 1
         and cu_q.device == dev
         and type(max_q) is int
-        and max_q >= 0
+        and 0 <= max_q <= MAX_SEQLEN_LIMIT
         and type(softmax_scale) is float
         and math.isfinite(softmax_scale)
         and (
@@ -106,7 +127,7 @@ def _attention_inputs_are_valid(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale
                 and cu_k.shape[0] == cu_q.shape[0]
                 and cu_k.device == dev
                 and type(max_k) is int
-                and max_k >= 0
+                and 0 <= max_k <= MAX_SEQLEN_LIMIT
             )
         )
     )
@@ -149,6 +170,8 @@ def check_attention_inputs(
             )
         if t.device != q.device:
             raise ValueError(f"{op}: {name} is on {t.device} but q is on {q.device}; q, k and v must share a device")
+    if q.shape[1] == 0:
+        raise ValueError(f"{op}: q has 0 heads (shape {tuple(q.shape)}); pass at least one head")
     if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
         raise ValueError(
             f"{op}: head counts differ: q has {q.shape[1]}, k has {k.shape[1]}, v has {v.shape[1]}; "
@@ -161,6 +184,7 @@ def check_attention_inputs(
     if v.shape[0] != k.shape[0]:
         raise ValueError(f"{op}: k has {k.shape[0]} tokens but v has {v.shape[0]}; they must match")
     _check_unit_stride(op, ("q", "k", "v"), (q, k, v))
+    _check_grad(op, ("q", "k", "v"), (q, k, v))
     if self_attention:
         if k.shape[0] != q.shape[0]:
             raise ValueError(f"{op}: q has {q.shape[0]} tokens but k has {k.shape[0]}; they must match")
@@ -218,6 +242,7 @@ def check_merge_inputs(
         if t.device != prefix_out.device:
             raise ValueError(f"{op}: {name} is on {t.device} but prefix_out is on {prefix_out.device}")
     _check_unit_stride(op, ("prefix_out", "suffix_out"), (prefix_out, suffix_out))
+    _check_grad(op, ("prefix_out", "suffix_out"), (prefix_out, suffix_out))
 
 
 def check_argument_types(op: str, tensors: dict[str, object], ints: dict[str, object]) -> None:

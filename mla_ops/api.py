@@ -1,19 +1,34 @@
 """The Python API: thin wrappers over the ``mla`` ops that fill in defaults.
 
 Every function here is traceable by ``torch.compile(fullgraph=True)``: it only calls the ops and
-reads static shapes.
+reads static shapes. Under ``torch.compile`` the wrappers validate their inputs in Python before
+calling an op, so that without ``fullgraph`` a bad input surfaces as the package's own
+``ValueError``/``TypeError`` (Dynamo falls back to eager there) rather than wrapped in a
+``TorchRuntimeError`` raised from the fake kernel.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.mla)
-from .meta.checks import check_argument_types
+from .meta.checks import check_argument_types, check_attention_inputs, check_merge_inputs
+
+#: Up to this many context chunks, :func:`prefill_with_context` merges each chunk into the running
+#: result with the ``mla.merge_attn_states`` op (one bf16/fp16 rounding per merge, a few percent of the
+#: rounding error of one attention per chunk); beyond it, it accumulates every partial result in fp32
+#: and rounds once, so the error does not grow with the number of chunks.
+SEQUENTIAL_MERGE_MAX_CHUNKS = 4
+
+#: The fewest rows a chunk made by :func:`pack_chunks` has (and the least ``max_seqlen_k``), because
+#: ``torch.compile`` specialises sizes 0 and 1, which would compile one more graph.
+MIN_PACKED_ROWS = 2
 
 
 class ContextChunk(NamedTuple):
@@ -35,12 +50,25 @@ def default_softmax_scale(head_dim_qk: int) -> float:
     return 1.0 / math.sqrt(head_dim_qk)
 
 
-def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
-    if softmax_scale is not None:
-        return float(softmax_scale)
-    if not isinstance(q, torch.Tensor) or q.dim() == 0:
-        raise TypeError(f"q must be a torch.Tensor [T, H, Dqk], got {type(q).__name__}")
-    return default_softmax_scale(q.shape[-1])
+def _scale(op: str, q: torch.Tensor, softmax_scale: object) -> float:
+    if softmax_scale is None:
+        if not isinstance(q, torch.Tensor) or q.dim() == 0:
+            raise TypeError(f"{op}: q must be a torch.Tensor [T, H, Dqk], got {type(q).__name__}")
+        # int(): a head dim is static; under torch.compile this keeps the scale a plain float.
+        return default_softmax_scale(int(q.shape[-1]))
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        kind = type(softmax_scale).__name__
+        raise TypeError(f"{op}: softmax_scale must be a float, got {kind} {softmax_scale!r:.40}")
+    return float(softmax_scale)
+
+
+def _length(op: str, name: str, value: object) -> int:
+    """``value`` as an int: Python ints and ``SymInt`` pass through, NumPy integers are converted."""
+    if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+        return value
+    if not isinstance(value, (bool, float, str)) and hasattr(value, "__index__"):
+        return operator.index(value)
+    raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} {value!r:.40}")
 
 
 def prefill(
@@ -59,15 +87,20 @@ def prefill(
         v: ``[T, H, Dv]``, same dtype and device; may be a strided view (e.g. of ``kv_nope``).
         cu_seqlens: int32 ``[B+1]`` on the same device: sequence ``b`` is rows
             ``cu_seqlens[b]:cu_seqlens[b+1]``. Rows past ``cu_seqlens[-1]`` are padding.
-        max_seqlen: an upper bound of the longest sequence.
+        max_seqlen: an upper bound of the longest sequence (an int, NumPy integers accepted).
         softmax_scale: defaults to ``1 / sqrt(Dqk)``.
 
     Returns:
         ``(out, lse)``: ``out`` ``[T, H, Dv]`` in the dtype of ``q``; ``lse`` float32 ``[H, T]``,
         natural log.
     """
-    check_argument_types("mla.prefill", {"q": q, "k": k, "v": v, "cu_seqlens": cu_seqlens}, {"max_seqlen": max_seqlen})
-    return torch.ops.mla.prefill(q, k, v, cu_seqlens, max_seqlen, _scale(q, softmax_scale))
+    op = "mla.prefill"
+    max_seqlen = _length(op, "max_seqlen", max_seqlen)
+    check_argument_types(op, {"q": q, "k": k, "v": v, "cu_seqlens": cu_seqlens}, {"max_seqlen": max_seqlen})
+    scale = _scale(op, q, softmax_scale)
+    if torch.compiler.is_compiling():  # the scale's type is checked above; its value may be symbolic here
+        check_attention_inputs(op, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 1.0, True)
+    return torch.ops.mla.prefill(q, k, v, cu_seqlens, max_seqlen, scale)
 
 
 def prefill_context_chunk(
@@ -94,14 +127,18 @@ def prefill_context_chunk(
     Returns:
         ``(out, lse)``: ``out`` ``[Tq, H, Dv]``; ``lse`` float32 ``[H, Tq]``, natural log.
     """
+    op = "mla.prefill_context_chunk"
+    max_seqlen_q = _length(op, "max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _length(op, "max_seqlen_k", max_seqlen_k)
     check_argument_types(
-        "mla.prefill_context_chunk",
+        op,
         {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k},
         {"max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k},
     )
-    return torch.ops.mla.prefill_context_chunk(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, _scale(q, softmax_scale)
-    )
+    scale = _scale(op, q, softmax_scale)
+    if torch.compiler.is_compiling():  # the scale's type is checked above; its value may be symbolic here
+        check_attention_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 1.0, False)
+    return torch.ops.mla.prefill_context_chunk(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
 
 
 def merge_attn_states(
@@ -118,14 +155,64 @@ def merge_attn_states(
 
     Returns:
         ``(out, lse)`` as if attention had run over both key sets at once. A row empty on both sides
-        gives ``out = 0`` and ``lse = -inf``, never NaN.
+        gives ``out = 0`` and ``lse = -inf``; a NaN LSE on either side gives NaN in ``out`` and ``lse``.
     """
+    op = "mla.merge_attn_states"
     check_argument_types(
-        "mla.merge_attn_states",
+        op,
         {"prefix_out": prefix_out, "prefix_lse": prefix_lse, "suffix_out": suffix_out, "suffix_lse": suffix_lse},
         {},
     )
+    if torch.compiler.is_compiling():
+        check_merge_inputs(prefix_out, prefix_lse, suffix_out, suffix_lse)
     return torch.ops.mla.merge_attn_states(prefix_out, prefix_lse, suffix_out, suffix_lse)
+
+
+def _as_chunk(index: int, chunk: object, q: torch.Tensor, v: torch.Tensor) -> ContextChunk:
+    """``chunk`` as a :class:`ContextChunk`, with its shapes checked against the new tokens'."""
+    where = f"prefill_with_context: chunks[{index}]"
+    if not isinstance(chunk, (tuple, list)) or len(chunk) != 4:
+        raise TypeError(f"{where} must be (k, v, cu_seqlens_k, max_seqlen_k), got {type(chunk).__name__}")
+    k_c, v_c, cu_seqlens_k, max_seqlen_k = chunk
+    for name, t, like in (("k", k_c, q), ("v", v_c, v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3 or t.shape[1:] != like.shape[1:]:
+            raise ValueError(
+                f"{where}: {name} has shape {tuple(t.shape)}, but the new tokens' {name} has [T, H, D] = "
+                f"{tuple(like.shape)}; a chunk's {name} must be [Tk, {like.shape[1]}, {like.shape[2]}]"
+            )
+    return ContextChunk(k_c, v_c, cu_seqlens_k, _length(where, "max_seqlen_k", max_seqlen_k))
+
+
+def _merge_in_fp32(partials: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge ``(out [T, H, Dv], lse [H, T])`` partial results with one rounding at the end.
+
+    A running log-sum-exp merge whose accumulator stays in fp32. ``+inf`` and ``-inf`` LSEs mark a
+    partial without keys (its ``out`` is not read), rows empty everywhere give ``out = 0`` and
+    ``lse = -inf``, and a NaN LSE makes its row NaN.
+    """
+    first_out, first_lse = partials[0]
+    acc = torch.zeros(first_out.shape, dtype=torch.float32, device=first_out.device)
+    total = torch.zeros_like(first_lse, dtype=torch.float32)
+    running_max = torch.full_like(first_lse, -math.inf, dtype=torch.float32)
+    shift = running_max
+    for out, lse in partials:
+        lse = lse.float().masked_fill(torch.isposinf(lse), -math.inf)
+        new_max = torch.maximum(running_max, lse)
+        shift = torch.where(torch.isneginf(new_max), 0.0, new_max)
+        old_weight = torch.exp(running_max - shift)
+        weight = torch.exp(lse - shift)
+        # `where(w == 0, 0, x * w)`: a side without keys is dropped even if its out holds NaN, while a
+        # NaN weight (from a NaN LSE) still turns the row into NaN.
+        scaled_acc = torch.where(old_weight.t()[..., None] == 0, 0.0, acc * old_weight.t()[..., None])
+        scaled_out = torch.where(weight.t()[..., None] == 0, 0.0, out.float() * weight.t()[..., None])
+        acc = scaled_acc + scaled_out
+        total = total * old_weight + weight
+        running_max = new_max
+    out = torch.where(total.t()[..., None] == 0, 0.0, acc / total.t()[..., None])
+    lse = torch.where(total == 0, -math.inf, shift + torch.log(total))
+    return out.to(first_out.dtype), lse
 
 
 def prefill_with_context(
@@ -140,7 +227,12 @@ def prefill_with_context(
     """Attention of the new tokens over their cached context (in chunks) and over themselves.
 
     Runs :func:`prefill` on the new tokens, :func:`prefill_context_chunk` on each chunk and merges
-    the partial results, which equals one causal attention over ``[context ; new tokens]``.
+    the partial results, which equals one causal attention over ``[context ; new tokens]``. Up to
+    :data:`SEQUENTIAL_MERGE_MAX_CHUNKS` chunks are merged one by one with :func:`merge_attn_states`;
+    more are accumulated in fp32 and rounded once, so the error does not grow with their number.
+
+    Under ``torch.compile`` the number of chunks is part of the compiled graph: pack them into one
+    with :func:`pack_chunks` outside the compiled function, and every count runs the same graph.
 
     Args:
         q, k, v, cu_seqlens, max_seqlen: as for :func:`prefill`.
@@ -150,14 +242,108 @@ def prefill_with_context(
     Returns:
         ``(out, lse)``: ``out`` ``[T, H, Dv]``; ``lse`` float32 ``[H, T]``.
     """
-    scale = _scale(q, softmax_scale)
+    scale = _scale("prefill_with_context", q, softmax_scale)
     out, lse = prefill(q, k, v, cu_seqlens, max_seqlen, scale)
-    for i, chunk in enumerate(chunks):
-        if len(chunk) != 4:
-            raise TypeError(
-                f"prefill_with_context: chunks[{i}] must be (k, v, cu_seqlens_k, max_seqlen_k), got {len(chunk)} items"
-            )
-        k_c, v_c, cu_seqlens_k, max_seqlen_k = chunk
-        out_c, lse_c = prefill_context_chunk(q, k_c, v_c, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, scale)
-        out, lse = merge_attn_states(out_c, lse_c, out, lse)
-    return out, lse
+    chunks = [_as_chunk(i, chunk, q, v) for i, chunk in enumerate(chunks)]
+    partials = (
+        prefill_context_chunk(q, c.k, c.v, cu_seqlens, c.cu_seqlens_k, max_seqlen, c.max_seqlen_k, scale)
+        for c in chunks
+    )
+    if len(chunks) <= SEQUENTIAL_MERGE_MAX_CHUNKS:
+        for out_c, lse_c in partials:
+            out, lse = merge_attn_states(out_c, lse_c, out, lse)
+        return out, lse
+    return _merge_in_fp32([(out, lse), *partials])
+
+
+def packing_index(offsets: Sequence[torch.Tensor], rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each row goes when several chunks are packed into one, computed on the device (no sync).
+
+    Args:
+        offsets: each chunk's int32 ``[B+1]`` offsets (one per sequence, all on one device).
+        rows: each chunk's row count (its key tensors' first dimension; rows past ``offsets[c][-1]``
+            belong to no sequence).
+
+    Returns:
+        ``(source, cu_seqlens)``: int64 ``[sum(rows)]`` and int32 ``[B+1]``. Row ``i`` of the packed
+        chunk is row ``source[i]`` of the chunks concatenated in order; sequence ``b`` owns packed rows
+        ``cu_seqlens[b]:cu_seqlens[b+1]``, which hold its rows of chunk 0, then of chunk 1, and so on;
+        rows that no sequence uses come last.
+    """
+    cu = torch.stack([o.long() for o in offsets])  # [N, B+1]
+    lengths = cu[:, 1:] - cu[:, :-1]  # [N, B]
+    num_seqs = lengths.shape[1]
+    packed = torch.zeros(num_seqs + 1, dtype=torch.long, device=cu.device)
+    packed[1:] = lengths.sum(0).cumsum(0)
+    starts = packed[:-1] + lengths.cumsum(0) - lengths  # [N, B]: chunk c's slice of sequence b
+    spare = torch.cat([cu.new_zeros(1), (torch.tensor(list(rows), device=cu.device) - cu[:, -1]).cumsum(0)])
+    destinations = []
+    for c, count in enumerate(rows):
+        r = torch.arange(count, device=cu.device)
+        b = torch.searchsorted(cu[c, 1:], r, right=True)  # the sequence of row r; B for rows past the end
+        seq = b.clamp(max=max(num_seqs - 1, 0))
+        used = starts[c, seq] + r - cu[c, seq] if num_seqs else r
+        unused = packed[-1] + spare[c] + r - cu[c, -1]
+        destinations.append(torch.where(b < num_seqs, used, unused))
+    destination = torch.cat(destinations)
+    source = torch.empty_like(destination)
+    source[destination] = torch.arange(destination.numel(), device=cu.device)
+    return source, packed.to(torch.int32)
+
+
+def pack_chunks(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    chunks: Sequence[ContextChunk | tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]],
+) -> ContextChunk:
+    """All context chunks as one, for a single ``prefill_context_chunk`` call and a single merge.
+
+    Non-causal attention over a sequence's context does not depend on how the context is split, so one
+    chunk that holds every sequence's keys of every chunk gives the same result as the chunks merged
+    one by one, with one merge rounding instead of one per chunk. Under ``torch.compile`` it also keeps
+    the number of chunks out of the compiled graph: call this outside the compiled function and pass
+    ``[pack_chunks(...)]`` to :func:`prefill_with_context`, and any number of chunks, 0 included, runs
+    the same graph. The packed chunk always has at least two rows and a ``max_seqlen_k`` of at least 2
+    (``torch.compile`` specialises sizes 0 and 1). It is a copy: memory for the chunks' keys and values
+    once more.
+
+    Args:
+        k, v: the new tokens' keys ``[T, H, Dqk]`` and values ``[T, H, Dv]``: only their head count,
+            head dims, dtype and device are read.
+        cu_seqlens: the new tokens' offsets, int32 ``[B+1]``.
+        chunks: as for :func:`prefill_with_context`.
+
+    Returns:
+        One :class:`ContextChunk` with contiguous ``k``/``v``.
+    """
+    chunks = [_as_chunk(i, chunk, k, v) for i, chunk in enumerate(chunks)]
+    keys, values, offsets = pack_rows(
+        [(c.k, c.v) for c in chunks], (k, v), [c.cu_seqlens_k for c in chunks], cu_seqlens
+    )
+    return ContextChunk(keys, values, offsets, max(sum(int(c.max_seqlen_k) for c in chunks), MIN_PACKED_ROWS))
+
+
+def pack_rows(
+    tensors: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    like: tuple[torch.Tensor, torch.Tensor],
+    offsets: Sequence[torch.Tensor],
+    cu_seqlens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The packing behind :func:`pack_chunks` and :func:`mla_ops.model.pack_context`.
+
+    ``tensors[c]`` are chunk ``c``'s two per-row tensors (keys and values, or latent rows), ``offsets[c]``
+    its offsets. Returns the two packed tensors (at least two rows; shaped like ``like``'s tensors past
+    the first dimension when there is no chunk) and their int32 ``[B+1]`` offsets.
+    """
+    if not tensors:
+        first, second = (t.new_zeros((MIN_PACKED_ROWS, *t.shape[1:])) for t in like)
+        return first, second, torch.zeros_like(cu_seqlens)
+    source, packed_offsets = packing_index(offsets, [a.shape[0] for a, _ in tensors])
+    packed = []
+    for part in zip(*tensors):
+        rows = torch.cat(part).index_select(0, source)
+        if rows.shape[0] < MIN_PACKED_ROWS:
+            rows = torch.cat([rows, rows.new_zeros((MIN_PACKED_ROWS - rows.shape[0], *rows.shape[1:]))])
+        packed.append(rows)
+    return packed[0], packed[1], packed_offsets

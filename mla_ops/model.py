@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .api import ContextChunk, prefill_with_context
+from .api import MIN_PACKED_ROWS, ContextChunk, pack_rows, prefill_with_context
 from .config import MLADimensions
 
 
@@ -183,6 +183,21 @@ class MLAAttention(nn.Module):
         chunks = [ContextChunk(*self.expand(ch.kv_c, ch.k_pe), ch.cu_seqlens_k, ch.max_seqlen_k) for ch in context]
         out, _ = self.attention(q, k, v, cu_seqlens, max_seqlen, chunks, self.softmax_scale)
         return self.o_proj(out.reshape(-1, c.num_heads * c.v_head_dim))
+
+
+def pack_context(layer: MLAAttention, cu_seqlens: torch.Tensor, context: Sequence[LatentChunk]) -> LatentChunk:
+    """Every chunk of cached context as one, in the latent cache's form.
+
+    The latent counterpart of :func:`mla_ops.pack_chunks` (see there): call it outside a compiled
+    layer and pass ``[pack_context(...)]``, and any number of chunks runs the same graph, with one
+    context attention and one merge per layer.
+    """
+    c, weight = layer.config, layer.o_proj.weight
+    like = (weight.new_empty((0, c.kv_lora_rank)), weight.new_empty((0, c.qk_rope_head_dim)))
+    kv_c, k_pe, offsets = pack_rows(
+        [(ch.kv_c, ch.k_pe) for ch in context], like, [ch.cu_seqlens_k for ch in context], cu_seqlens
+    )
+    return LatentChunk(kv_c, k_pe, offsets, max(sum(int(ch.max_seqlen_k) for ch in context), MIN_PACKED_ROWS))
 
 
 @dataclass

@@ -102,22 +102,25 @@ def merge_attn_states_reference(
 
     Returns:
         ``out`` ``[T, H, Dv]`` in the dtype of ``prefix_out`` and ``lse`` float32 ``[H, T]``. When
-        both sides are empty the row is ``out = 0``, ``lse = -inf``: never NaN.
+        both sides are empty the row is ``out = 0``, ``lse = -inf``: never NaN. A NaN LSE on either
+        side makes the row NaN in ``out`` and ``lse``.
     """
     neg_inf = torch.tensor(-math.inf, dtype=torch.float32, device=prefix_lse.device)
     a = torch.where(torch.isposinf(prefix_lse), neg_inf, prefix_lse.float())
     b = torch.where(torch.isposinf(suffix_lse), neg_inf, suffix_lse.float())
-    m = torch.maximum(a, b)
-    m = torch.where(torch.isinf(m), 0.0, m)
+    m = torch.maximum(a, b)  # NaN if either side is NaN, and it stays NaN through every step below
+    m = torch.where(torch.isneginf(m), 0.0, m)
     wa = torch.exp(a - m)
     wb = torch.exp(b - m)
     total = wa + wb
     lse = torch.log(total) + m
-    # [H, T] -> [T, H, 1]; an empty side's output may hold anything, so it is dropped, not scaled.
-    wa_t = (wa / torch.where(total > 0, total, 1.0)).t().unsqueeze(-1)
-    wb_t = (wb / torch.where(total > 0, total, 1.0)).t().unsqueeze(-1)
-    merged = torch.where(wa_t > 0, prefix_out.float() * wa_t, 0.0) + torch.where(
-        wb_t > 0, suffix_out.float() * wb_t, 0.0
+    # [H, T] -> [T, H, 1]. A side of weight exactly 0 is dropped, not scaled (its output may hold
+    # anything); a NaN weight is kept, so that a NaN in either LSE makes the row NaN, never a valid 0.
+    unit = torch.where(total == 0, 1.0, total)
+    wa_t = (wa / unit).t().unsqueeze(-1)
+    wb_t = (wb / unit).t().unsqueeze(-1)
+    merged = torch.where(wa_t == 0, 0.0, prefix_out.float() * wa_t) + torch.where(
+        wb_t == 0, 0.0, suffix_out.float() * wb_t
     )
     return merged.to(prefix_out.dtype).contiguous(), lse.contiguous()
 

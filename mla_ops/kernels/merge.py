@@ -7,7 +7,8 @@ For each token ``t`` and head ``h``, with ``a = prefix_lse[h, t]`` and ``b = suf
     lse = m + log(exp(a - m) + exp(b - m))
 
 ``+inf`` and ``-inf`` both mark a side that attended to no key: it gets weight 0 and its output is
-not even read (so NaN there cannot leak). Both sides empty gives ``out = 0`` and ``lse = -inf``.
+not even read (so NaN there cannot leak). Both sides empty gives ``out = 0`` and ``lse = -inf``. A
+NaN LSE on either side gives NaN in ``out`` and ``lse``: a NaN must never look like a valid zero.
 
 The kernel is memory-bound: each program handles ``BLOCK_T`` tokens of one head, so its ``lse`` loads
 are contiguous along ``T`` and each output row is one contiguous ``Dv``-wide (256-byte for bf16
@@ -63,9 +64,10 @@ def _merge_kernel(
     wa = tl.exp(a - m)
     wb = tl.exp(b - m)
     total = wa + wb
-    has_keys = total > 0.0
-    lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, total, 1.0)), float("-inf"))
-    inv = 1.0 / tl.where(has_keys, total, 1.0)
+    # `total == 0` (not `total > 0`), so that a NaN LSE on either side gives a NaN row, never -inf.
+    empty = total == 0.0
+    lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, total)))
+    inv = 1.0 / tl.where(empty, 1.0, total)
     sa = wa * inv
     sb = wb * inv
     tl.store(Lse + h * stride_l_h + t64, lse, mask=t_ok)
@@ -74,9 +76,10 @@ def _merge_kernel(
     po_ptr = PrefixOut + t64[:, None] * stride_po_t + h * stride_po_h + offs_d[None, :]
     so_ptr = SuffixOut + t64[:, None] * stride_so_t + h * stride_so_h + offs_d[None, :]
     o_ptr = Out + t64[:, None] * stride_o_t + h * stride_o_h + offs_d[None, :]
-    # An empty side's rows are not loaded at all (they may hold NaN, and it saves their bandwidth).
-    use_a = (t_ok & (sa > 0.0))[:, None]
-    use_b = (t_ok & (sb > 0.0))[:, None]
+    # A side of weight 0 is not loaded at all (it may hold NaN, and it saves its bandwidth); a NaN
+    # weight still reaches the sum below (0 * NaN), so a NaN LSE makes the row NaN.
+    use_a = (t_ok & (sa != 0.0))[:, None]
+    use_b = (t_ok & (sb != 0.0))[:, None]
     store_ok = t_ok[:, None]
     if BLOCK_D != DV:
         # A channel mask only where Dv is not a power of two: a mask that varies along the row would
