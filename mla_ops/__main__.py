@@ -1,18 +1,26 @@
-"""Command line: ``python -m mla_ops {info,demo,warmup}``."""
+"""Command line: ``python -m mla_ops {info,demo,warmup}`` (installed as ``mla-ops`` too)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import demo, info, warmup
 
 
+def _program_name() -> str:
+    return "mla-ops" if os.path.basename(sys.argv[0]) == "mla-ops" else "python -m mla_ops"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` and run the chosen command; returns the process exit code."""
-    parser = argparse.ArgumentParser(
-        prog="python -m mla_ops", description="MLA prefill attention ops: inspect, demo and warm up."
-    )
+    """Parse ``argv`` and run the chosen command; returns the process exit code.
+
+    A user error (a bad option or setting) prints one line and returns 2; no command shows a
+    traceback for one. Output cut short by the reader (``mla-ops info | head``) ends quietly.
+    """
+    prog = _program_name()
+    parser = argparse.ArgumentParser(prog=prog, description="MLA prefill attention ops: inspect, demo and warm up.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module, text in (
         ("info", info, "print versions, the device, every backend's validity and the dispatch table"),
@@ -23,7 +31,15 @@ def main(argv: list[str] | None = None) -> int:
         module.add_arguments(sub)
         sub.set_defaults(run=module.main)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except (ValueError, TypeError) as exc:  # what the package raises for bad options and settings
+        print(f"{prog} {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # The reader went away; point stdout at /dev/null so that the interpreter's final flush is quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

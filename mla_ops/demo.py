@@ -17,8 +17,8 @@ import torch
 
 from .api import ContextChunk
 from .config import DeviceCapability, SelectorConfig
-from .model import MLAAttention, MLABatch, MLAConfig, random_batch
-from .selector import route
+from .model import MLAAttention, MLABatch, MLAConfig, pack_context, random_batch
+from .selector import ENV_VAR, current_override, route
 
 # bf16 activations between the projections already cost ~0.4% relative error; an attention kernel
 # that is wrong by even one masked row or a wrong LSE base lands far above this.
@@ -76,8 +76,16 @@ def _batch_as(batch: MLABatch, dtype: torch.dtype) -> MLABatch:
     )
 
 
-def _run(layer: torch.nn.Module, batch: MLABatch) -> torch.Tensor:
-    return layer(batch.hidden, batch.positions, batch.cu_seqlens, batch.max_seqlen, batch.context)
+def _run(layer: torch.nn.Module, batch: MLABatch, context: list | None = None) -> torch.Tensor:
+    context = batch.context if context is None else context
+    return layer(batch.hidden, batch.positions, batch.cu_seqlens, batch.max_seqlen, context)
+
+
+def _graphs_compiled() -> int:
+    """How many distinct graphs Dynamo has compiled in this process."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def _timed(fn, device: torch.device) -> tuple[torch.Tensor, float]:
@@ -114,8 +122,14 @@ def demo_batches(device: torch.device) -> list[tuple[list[int], list[int], int]]
 def run_demo(
     device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16, compile: bool = True
 ) -> int:
-    """Run the demo; returns 0 when every result is within tolerance, else 1."""
+    """Run the demo; returns 0 when every result is within tolerance, else 1.
+
+    The compiled layer receives each batch's context packed into one chunk
+    (:func:`mla_ops.model.pack_context`), so every batch runs the graph compiled for the first.
+    """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is visible (torch.cuda.is_available() is False)")
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     config = MLAConfig(hidden_size=1024, num_heads=16)
@@ -123,11 +137,20 @@ def run_demo(
     truth = copy.deepcopy(layer).double()
     truth.attention = attention_fp64
     compiled = torch.compile(layer, fullgraph=True, dynamic=True) if compile else None
+    graphs_before = _graphs_compiled()
 
     selector_config = SelectorConfig(dtype, config.mla_dimensions)
     backend = route(device, dtype, config.qk_head_dim, config.v_head_dim)
     print(f"mla_ops demo: MLA layer H={config.num_heads}, dims {tuple(config.mla_dimensions)}, {dtype}, on {device}")
     print(f"backend: {backend.name} ({backend.describe(DeviceCapability.of(device), selector_config)})")
+    forced = current_override()
+    if device.type == "cpu" and forced is not None:
+        print(
+            f"  (the override {forced.name}, from {ENV_VAR} or set_prefill_backend, applies to CUDA devices; "
+            "CPU tensors always run REFERENCE)"
+        )
+    if compiled is not None:
+        print("  (the first compiled run's time includes compilation)")
     tolerance = REL_TOLERANCE[dtype]
     failures = 0
     for i, (new_lengths, context_lengths, chunk_size) in enumerate(demo_batches(device)):
@@ -138,8 +161,10 @@ def run_demo(
             f"batch {i}: new tokens {new_lengths}, context {context_lengths} in {len(batch.context)} chunk(s) "
             f"of <= {chunk_size}"
         )
+        packed = [pack_context(layer, batch.cu_seqlens, batch.context)]
         for name, module in runs:
-            out, seconds = _timed(functools.partial(_run, module, batch), device)
+            context = packed if module is compiled else None
+            out, seconds = _timed(functools.partial(_run, module, batch, context), device)
             rel, worst = _rel_error(out, ref)
             ok = rel <= tolerance and not torch.isnan(out).any()
             failures += not ok
@@ -147,6 +172,10 @@ def run_demo(
                 f"  {name:8s} rel. error {rel:.2e} (max abs {worst:.2e}) vs float64, {seconds * 1e3:9.1f} ms  "
                 f"{'ok' if ok else 'FAIL: above ' + format(tolerance, '.0e')}"
             )
+    if compiled is not None:
+        batches = len(demo_batches(device))
+        graphs = _graphs_compiled() - graphs_before
+        print(f"torch.compile(fullgraph=True, dynamic=True): {graphs} graph(s) for {batches} batches")
     print("demo passed" if failures == 0 else f"demo FAILED: {failures} result(s) out of tolerance")
     return 0 if failures == 0 else 1
 

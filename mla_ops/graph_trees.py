@@ -188,39 +188,74 @@ def compile_options(mode: str = "reduce-overhead") -> dict[str, Any]:
     return options
 
 
-def _pass_installed(inductor_config: Any) -> bool:
-    configured = inductor_config.post_grad_custom_pre_pass
+#: Device types whose calls :func:`check_graph_trees` judges. Only CUDA has CUDA-graph trees; tests add
+#: ``"cpu"`` to exercise the check on a machine without a GPU.
+CHECKED_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+
+
+def _options_being_compiled() -> dict[str, Any] | None:
+    """The Inductor options of the ``torch.compile`` now tracing, or ``None`` outside one.
+
+    Read in two places, because the fake kernels run in two phases. While Dynamo traces, Inductor's
+    config is not yet patched with the mode's options, but the backend Dynamo will call carries them
+    (``get_compiler_config``). While Inductor compiles, they are patched into its config. Reading only
+    the latter misses every compile whose Inductor phase is served from a cache (AOTAutograd's and the
+    FX graph cache), which then skip the fake kernels.
+    """
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None and inductor_config.triton.cudagraphs:
+        return {
+            "triton.cudagraphs": True,
+            "graph_partition": getattr(inductor_config, "graph_partition", False),
+            "post_grad_custom_pre_pass": inductor_config.post_grad_custom_pre_pass,
+        }
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        get_config = getattr(tx.output.compiler_fn, "get_compiler_config", None) if tx is not None else None
+        options = get_config() if get_config is not None else None
+    except Exception:  # a private surface of Dynamo: absent or changed means "not known", never a failure
+        return None
+    return options if isinstance(options, dict) else None
+
+
+def _builds_unpartitioned_trees(options: dict[str, Any]) -> bool:
+    """Whether ``options`` build CUDA-graph trees without :func:`compile_options`' pass and partitioning."""
+    if not options.get("triton.cudagraphs"):
+        return False
+    configured = options.get("post_grad_custom_pre_pass")
     passes = configured if isinstance(configured, (list, tuple)) else [configured]
-    return bool(getattr(inductor_config, "graph_partition", False)) and any(
-        getattr(p, _PASS_MARK, False) for p in passes
-    )
+    installed = any(getattr(p, _PASS_MARK, False) for p in passes)
+    return not (installed and options.get("graph_partition"))
 
 
 def check_graph_trees(op: str, q: torch.Tensor, v: torch.Tensor) -> None:
     """Refuse, while ``torch.compile`` traces for CUDA-graph trees without :func:`compile_options`, a
     call whose backend plans on the host.
 
-    Called by the ops' fake kernels, so the mistake surfaces at compile time with its remedy rather
-    than as an allocator-pool failure at the tree's first run. ``op`` is ``"mla::prefill"`` or
-    ``"mla::prefill_context_chunk"``; ``q``/``v`` are the op's (fake) inputs.
+    Called by the ops' fake kernels, so the mistake surfaces at compile time, while Dynamo traces, with
+    its remedy, rather than as an allocator-pool failure at the tree's first run. ``op`` is
+    ``"mla::prefill"`` or ``"mla::prefill_context_chunk"``; ``q``/``v`` are the op's (fake) inputs.
     """
-    if q.device.type != "cuda":
-        return
-    inductor_config = sys.modules.get("torch._inductor.config")
-    if inductor_config is None or not inductor_config.triton.cudagraphs or _pass_installed(inductor_config):
+    if q.device.type not in CHECKED_DEVICE_TYPES:
         return
     from torch._guards import TracingContext
 
     if TracingContext.try_get() is None:  # not under torch.compile
         return
     backend = backend_for(q, v)
-    if backend.plans_on_host:
-        raise RuntimeError(
-            f"{op}: the {backend.name} backend plans each batch on the host, which a CUDA-graph tree "
-            "(torch.compile mode='reduce-overhead') cannot do before its replays. Compile with "
-            "torch.compile(model, options=mla_ops.compile_options('reduce-overhead')) instead (or with the "
-            "compile_options of the CUDA-graph mode you use): the same mode, with these calls run between the "
-            "graphs. Alternatively select a backend that reads the offsets "
-            "on the device (MLA_OPS_PREFILL_BACKEND=TRITON), or capture torch.cuda.CUDAGraph yourself with "
-            "mla_ops.plan_cuda_graph"
-        )
+    if not backend.plans_on_host:
+        return
+    options = _options_being_compiled()
+    if options is None or not _builds_unpartitioned_trees(options):
+        return
+    raise RuntimeError(
+        f"{op}: the {backend.name} backend plans each batch on the host, which a CUDA-graph tree "
+        "(torch.compile mode='reduce-overhead') cannot do before its replays. Compile with "
+        "torch.compile(model, options=mla_ops.compile_options('reduce-overhead')) instead (or with the "
+        "compile_options of the CUDA-graph mode you use): the same mode, with these calls run between the "
+        "graphs. Alternatively select a backend that reads the offsets "
+        "on the device (MLA_OPS_PREFILL_BACKEND=TRITON), or capture torch.cuda.CUDAGraph yourself with "
+        "mla_ops.plan_cuda_graph"
+    )

@@ -88,8 +88,19 @@ def machine_table(capability: DeviceCapability | None, config: SelectorConfig, s
         cls, reasons = validate_backend(backend, capability, config)
         detail = cls.describe(capability, config) if not reasons and cls is not None else "; ".join(reasons)
         lines.append(f"  {backend.name:<11} {'yes' if not reasons else 'no':<6} {detail}")
-    override = current_override()
-    lines.append(f"  override: {override.name if override else f'none ({ENV_VAR} unset)'}")
+    try:
+        override = current_override()
+    except ValueError as exc:  # a misspelt MLA_OPS_PREFILL_BACKEND: report it, the ops would raise it
+        lines.append(f"  override: invalid: {exc}")
+        return "\n".join(lines)
+    if override is None:
+        lines.append(f"  override: none ({ENV_VAR} unset)")
+    elif capability is None:
+        lines.append(
+            f"  override: {override.name}, which applies to CUDA devices only; CPU tensors always run REFERENCE"
+        )
+    else:
+        lines.append(f"  override: {override.name}")
     try:
         selected = select_backend(capability, config)
     except ValueError as exc:
@@ -129,9 +140,12 @@ def dispatch_table(capability: DeviceCapability | None, config: SelectorConfig) 
 
 def _capability(text: str) -> DeviceCapability:
     try:
-        return DeviceCapability.parse(text)
+        capability = DeviceCapability.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if capability.major < 1 or capability.minor < 0:
+        raise argparse.ArgumentTypeError(f"compute capability {text!r} is not a CUDA capability; e.g. 8.0, 9.0, 10.0")
+    return capability
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -149,19 +163,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="CUDA device to describe (default: the current one)")
 
 
-def _parse_dims(text: str) -> MLADimensions:
+def parse_dims(text: str) -> MLADimensions:
+    """``"qk_nope,qk_rope,v"`` as :class:`MLADimensions`; raises ``ValueError`` saying what is wrong."""
     try:
         nope, rope, v = (int(x) for x in text.split(","))
     except ValueError:
-        raise SystemExit(f"--dims must be three integers qk_nope,qk_rope,v, got {text!r}") from None
+        raise ValueError(f"--dims must be three integers qk_nope,qk_rope,v (e.g. 128,64,128), got {text!r}") from None
+    if nope < 0 or rope < 0 or nope + rope <= 0 or v <= 0:
+        raise ValueError(
+            f"--dims {text!r}: qk_nope and qk_rope must be >= 0 with a positive sum, and v must be positive"
+        )
     return MLADimensions(nope, rope, v)
 
 
 def main(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
-        raise SystemExit(f"--dtype {args.dtype!r} is not a torch dtype")
-    config = SelectorConfig(dtype, _parse_dims(args.dims))
+        raise ValueError(f"--dtype {args.dtype!r} is not a torch dtype (e.g. bfloat16, float16)")
+    config = SelectorConfig(dtype, parse_dims(args.dims))
     device = None
     if torch.cuda.is_available():
         device = torch.device(args.device or f"cuda:{torch.cuda.current_device()}")

@@ -14,7 +14,7 @@ import torch
 
 from .backends.registry import PrefillBackendEnum
 from .config import DEEPSEEK_V3, DeviceCapability, SelectorConfig
-from .info import _parse_dims
+from .info import parse_dims
 from .selector import validate_backend
 
 
@@ -47,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     capability = DeviceCapability.of(device)
     dtypes = [getattr(torch, d) for d in (args.dtype or ["bfloat16"])]
-    dims_list = [_parse_dims(d) for d in (args.dims or [",".join(map(str, DEEPSEEK_V3))])]
+    dims_list = [parse_dims(d) for d in (args.dims or [",".join(map(str, DEEPSEEK_V3))])]
     wanted = [PrefillBackendEnum[name] for name in args.backend] if args.backend else list(PrefillBackendEnum)
     jobs = [(b, SelectorConfig(dt, dims)) for b in wanted for dt in dtypes for dims in dims_list]
     failures = 0
