@@ -41,13 +41,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    dtypes = [getattr(torch, d) for d in (args.dtype or ["bfloat16"])]
+    dims_list = [parse_dims(d) for d in (args.dims or [",".join(map(str, DEEPSEEK_V3))])]
+    if args.heads < 1:
+        raise ValueError(f"--heads must be at least 1, got {args.heads}")
     if not torch.cuda.is_available():
         print("warmup: no CUDA device visible; the CPU path (REFERENCE) has nothing to compile")
         return 0
     device = torch.device(args.device)
+    if device.type != "cuda":
+        raise ValueError(f"--device {args.device}: warmup compiles CUDA kernels; name a CUDA device (e.g. cuda:0)")
     capability = DeviceCapability.of(device)
-    dtypes = [getattr(torch, d) for d in (args.dtype or ["bfloat16"])]
-    dims_list = [parse_dims(d) for d in (args.dims or [",".join(map(str, DEEPSEEK_V3))])]
     wanted = [PrefillBackendEnum[name] for name in args.backend] if args.backend else list(PrefillBackendEnum)
     jobs = [(b, SelectorConfig(dt, dims)) for b in wanted for dt in dtypes for dims in dims_list]
     failures = 0
