@@ -172,7 +172,8 @@ def _as_chunk(index: int, chunk: object, q: torch.Tensor, v: torch.Tensor) -> Co
     """``chunk`` as a :class:`ContextChunk`, with its shapes checked against the new tokens'."""
     where = f"prefill_with_context: chunks[{index}]"
     if not isinstance(chunk, (tuple, list)) or len(chunk) != 4:
-        raise TypeError(f"{where} must be (k, v, cu_seqlens_k, max_seqlen_k), got {type(chunk).__name__}")
+        got = f"{len(chunk)} items" if isinstance(chunk, (tuple, list)) else type(chunk).__name__
+        raise TypeError(f"{where} must be (k, v, cu_seqlens_k, max_seqlen_k), got {got}")
     k_c, v_c, cu_seqlens_k, max_seqlen_k = chunk
     for name, t, like in (("k", k_c, q), ("v", v_c, v)):
         if not isinstance(t, torch.Tensor):

@@ -38,6 +38,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from .configs import CONFIG_ENV_VAR, AttentionConfig, attention_config, env_attention_config, shrink
+from .launch import CachedLaunch, pointer_alignment
 
 try:  # Triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -541,18 +542,37 @@ def _launch(
     descs = _tma_descriptors(k, v, d_a, d_b, block_n) if config.use_tma else None
     if descs is not None:
         k_arg, k2_arg, v_arg = descs
+        # What Triton may specialise a descriptor on: its block shape and dtype (fixed by the config),
+        # its strides and its shape (the token count only by divisibility; the width exactly).
+        tma_key = tuple((d.shape[0] % 16 == 0, d.shape[0] == 1, d.shape[1], tuple(d.strides)) for d in descs)
     else:
         k_arg, k2_arg, v_arg = k, k, v
-    _attn_fwd_kernel[grid](
-        q, k_arg, k2_arg, v_arg, out, lse, cu_seqlens_q, cu_seqlens_k,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0),
-        num_tokens, num_heads, num_seqs, num_slots, heads_per_group, num_pad_programs,
-        float(softmax_scale) * _LOG2E,
-        DQK=dqk, DV=dv, D_A=d_a, D_B=d_b, D_V=d_v,
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        tma_key = None
+    constexprs = dict(
+        DQK=dqk, DV=dv, D_A=d_a, D_B=d_b, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=bool(causal), SCALE_NONNEG=softmax_scale >= 0, USE_TMA=descs is not None,
-        UPCAST=_interpreting() and q.dtype == torch.bfloat16,
-        PAD_FILL=_PAD_FILL_BLOCK, SEQ_CHUNK=_SEQ_CHUNK,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        UPCAST=_interpreting() and q.dtype == torch.bfloat16, PAD_FILL=_PAD_FILL_BLOCK, SEQ_CHUNK=_SEQ_CHUNK,
     )  # fmt: skip
+    strides = (
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+    )
+    args = (
+        q, k_arg, k2_arg, v_arg, out, lse, cu_seqlens_q, cu_seqlens_k, *strides, lse.stride(0),
+        num_tokens, num_heads, num_seqs, num_slots, heads_per_group, num_pad_programs, float(softmax_scale) * _LOG2E,
+    )  # fmt: skip
+    # Every integer Triton specialises (the strides and the head count) by value, every pointer by alignment.
+    key = (
+        q.device.index, q.dtype, num_heads, strides, pointer_alignment(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k),
+        tuple(constexprs.values()), config.num_warps, config.num_stages, tma_key,
+    )  # fmt: skip
+    _launcher(key, q.device, grid, args, constexprs, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+_launcher = CachedLaunch(_attn_fwd_kernel)

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .configs import merge_config
+from .launch import CachedLaunch, pointer_alignment
 
 __all__ = ["merge_attn_states_triton"]
 
@@ -123,13 +124,25 @@ def merge_attn_states_triton(
         return out, lse
     config = merge_config(prefix_out.device)
     block_t = block_t or config.block_t
+    num_warps = num_warps or config.num_warps
     grid = (triton.cdiv(num_tokens, block_t), num_heads)
-    _merge_kernel[grid](
-        prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse, num_tokens,
+    strides = (
         prefix_out.stride(0), prefix_out.stride(1), suffix_out.stride(0), suffix_out.stride(1),
         prefix_lse.stride(0), prefix_lse.stride(1), suffix_lse.stride(0), suffix_lse.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
-        DV=dv, BLOCK_D=triton.next_power_of_2(dv), BLOCK_T=block_t,
-        num_warps=num_warps or config.num_warps,
     )  # fmt: skip
+    constexprs = dict(DV=dv, BLOCK_D=triton.next_power_of_2(dv), BLOCK_T=block_t)
+    # Every integer Triton specialises (the strides but the head strides of the LSEs, which grow with the
+    # token count and are marked do_not_specialize) by value, every pointer by alignment.
+    specialised = tuple(stride for i, stride in enumerate(strides) if i not in (4, 6, 10))
+    key = (
+        prefix_out.device.index, prefix_out.dtype, specialised,
+        pointer_alignment(prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse),
+        tuple(constexprs.values()), num_warps,
+    )  # fmt: skip
+    args = (prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse, num_tokens, *strides)
+    _launcher(key, prefix_out.device, grid, args, constexprs, num_warps=num_warps)
     return out, lse
+
+
+_launcher = CachedLaunch(_merge_kernel)
