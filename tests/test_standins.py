@@ -49,7 +49,9 @@ def signature_problems(standin: inspect.Signature, real: inspect.Signature) -> l
     required = [n for n, p in standin.parameters.items() if p.default is p.empty and p.kind not in _VARIADIC]
     leading = [n for n, p in real_params.items() if p.kind not in _VARIADIC][: len(required)]
     if required != leading:
-        problems.append(f"the stand-in's required parameters {required} are not the real function's first ones {leading}")
+        problems.append(
+            f"the stand-in's required parameters {required} are not the real function's first ones {leading}"
+        )
     return problems
 
 
