@@ -217,7 +217,7 @@ def test_awkward_lengths(installed, path, length, heads):
 
 # --- ragged batches: empty sequences and slices, padding rows, loose bounds, dtypes and dims ------------
 
-_CPU_DIMS = [DEEPSEEK_DIMS, (64, 64)]
+_CPU_DIMS = [DEEPSEEK_DIMS, (128, 128), (64, 64)]
 _GPU_DIMS = [DEEPSEEK_DIMS, (128, 128), (64, 64)]
 
 
