@@ -255,7 +255,7 @@ def test_a_backend_module_that_cannot_import_gives_the_import_error(monkeypatch:
         backend, reasons = sel.validate_backend(PrefillBackendEnum.TRITON, SM90, SelectorConfig(torch.bfloat16))
         assert backend is None
         assert reasons == ["ImportError: import of mla_ops.backends.triton halted; None in sys.modules"]
-        with mla_ops.prefill_backend("TRITON"), pytest.raises(ValueError, match="import of mla_ops.backends.triton"):
+        with mla_ops.prefill_backend("TRITON"), pytest.raises(ValueError, match=r"import of mla_ops\.backends\.triton"):
             sel.select_backend(SM90, SelectorConfig(torch.bfloat16))
 
 
