@@ -291,7 +291,9 @@ def fa4_module() -> types.ModuleType:
     ``[H, total_q]`` in natural log (``-inf`` for rows without keys), or ``(out, None)`` without
     ``return_lse``. Like the real one it compiles a kernel variant the first time it meets it, through
     ``interface.cute.compile`` (``cutlass.cute.compile``), looked up at the call so that a replacement
-    installed there takes effect; variants are keyed on ``(dtype, Dqk, Dv, causal, max_seqlen_q <= 128)``.
+    installed there takes effect. Variants are keyed on ``(dtype, Dqk, Dv, causal, max_seqlen_q <= 128,
+    more than 256 sequences)``, the parts of the real compile key that a varlen call can change (the last
+    is ``BIN_BATCH_SEARCH_THRESH``).
     ``module.compiled`` lists the variants compiled; ``module.calls`` what each call received.
     """
     module = types.ModuleType("flash_attn.cute")
@@ -332,7 +334,7 @@ def fa4_module() -> types.ModuleType:
             capturing=_is_capturing(),
         ))  # fmt: skip
         check_kernel_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        variant = (q.dtype, q.shape[-1], v.shape[-1], causal, max_seqlen_q <= 128)
+        variant = (q.dtype, q.shape[-1], v.shape[-1], causal, max_seqlen_q <= 128, cu_seqlens_q.shape[0] - 1 > 256)
         if variant not in cache:
             cache[variant] = module.interface.cute.compile(variant)
         scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale

@@ -454,14 +454,17 @@ def test_a_compile_under_capture_is_refused_until_warmed_up(monkeypatch):
     fa4 = chain.libraries[FA4]
     batch = make_batch([5, 0, 9], 2, DQK, DV, BF16, strided_v=True, padding=3)
     chunk = make_batch([4, 2, 0], 2, DQK, DV, BF16, seed=1)
+    # A graph for up to 300 sequences, most of them padding of length 0.
+    many = make_batch([2, 3] + [0] * 298, 2, DQK, DV, BF16, strided_v=True, seed=2)
+    many_chunk = make_batch([1, 0, 3] + [0] * 297, 2, DQK, DV, BF16, seed=3)
 
-    def captured(budget: int):
+    def captured(b, c, budget: int):
         # The new-tokens path and a chunk, with max_seqlen = a graph's token budget.
-        chain.run("prefill", batch.q, batch.k, batch.v, batch.cu_seqlens, None, budget, budget, 0.1)
-        chain.run("chunk", batch.q, chunk.k, chunk.v, batch.cu_seqlens, chunk.cu_seqlens, budget, budget, 0.1)
+        chain.run("prefill", b.q, b.k, b.v, b.cu_seqlens, None, budget, budget, 0.1)
+        chain.run("chunk", b.q, c.k, c.v, b.cu_seqlens, c.cu_seqlens, budget, budget, 0.1)
 
     with standins.capturing(), pytest.raises(RuntimeError) as info:
-        captured(2048)
+        captured(batch, chunk, 2048)
     message = str(info.value)
     assert message.startswith("FlashAttention-4 would compile a kernel (bfloat16, Dqk=192, Dv=128, causal=True, ")
     assert "inside CUDA-graph capture" in message and "python -m mla_ops warmup --backend FLASH_ATTN" in message
@@ -472,12 +475,14 @@ def test_a_compile_under_capture_is_refused_until_warmed_up(monkeypatch):
     monkeypatch.setattr(DeviceCapability, "of", classmethod(lambda cls, device: SM90))
     chain.backend.warmup(torch.device("cpu"), SelectorConfig(BF16), 2)
     variants = set(fa4.compiled)
-    assert variants == {(BF16, DQK, DV, causal, short) for causal in (True, False) for short in (True, False)}
+    flags = (True, False)
+    assert variants == {(BF16, DQK, DV, c, short, wide) for c in flags for short in flags for wide in flags}
     with standins.capturing():
         for budget in (64, 2048):  # within one query tile and beyond it
-            captured(budget)
+            captured(batch, chunk, budget)
+            captured(many, many_chunk, budget)
     assert len(fa4.compiled) == len(variants), "capture compiled nothing"
-    assert all(call["capturing"] for call in fa4.calls[-4:])
+    assert all(call["capturing"] for call in fa4.calls[-8:])
 
 
 def test_eager_calls_compile_on_first_use_only():
@@ -485,7 +490,7 @@ def test_eager_calls_compile_on_first_use_only():
     batch = make_batch([5, 9], 2, 64, 64, torch.float16)
     for _ in range(3):
         chain.run("prefill", batch.q, batch.k, batch.v, batch.cu_seqlens, None, 9, 9, 0.125)
-    assert chain.libraries[FA4].compiled == [(torch.float16, 64, 64, True, True)]
+    assert chain.libraries[FA4].compiled == [(torch.float16, 64, 64, True, True, False)]
 
 
 # --- widening v ------------------------------------------------------------------------------------------
