@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import pytest
 import standins
 import torch
-from utils import DEEPSEEK_DIMS, assert_attention_close, cu_seqlens_of, make_batch, make_qkv
+from utils import DEEPSEEK_DIMS, GraphBuffers, assert_attention_close, cu_seqlens_of, make_batch, make_qkv
 
 import mla_ops
 from mla_ops import DeviceCapability, MLADimensions, SelectorConfig
@@ -389,32 +389,21 @@ def test_cuda_graph_replay_with_changed_lengths(installed):
     dqk, dv = DEEPSEEK_DIMS
     installed.require(BF16, DEEPSEEK_DIMS)
     backend, device = installed.backend, torch.device("cuda")
-    heads, budget, budget_k, max_batch = 16, 2048, 3072, 6
+    heads = 16
     backend.warmup(device, SelectorConfig(BF16), heads)
-    gen = torch.Generator(device).manual_seed(11)
-    q = torch.empty(budget, heads, dqk, dtype=BF16, device=device)
-    k = torch.empty_like(q)
-    kv = torch.empty(budget, heads, dqk + dv, dtype=BF16, device=device)
-    v = kv[..., dqk:]
-    kc = torch.empty(budget_k, heads, dqk, dtype=BF16, device=device)
-    vc = torch.empty(budget_k, heads, dv, dtype=BF16, device=device)
-    cu = torch.zeros(max_batch + 1, dtype=torch.int32, device=device)
-    cu_k = torch.zeros_like(cu)
+    bufs = GraphBuffers(heads, dqk, dv, BF16, budget=2048, budget_k=3072, max_batch=6, seed=11)
+    q, k, v, kc, vc, cu, cu_k = bufs.q, bufs.k, bufs.v, bufs.kc, bufs.vc, bufs.cu, bufs.cu_k
     scale = dqk**-0.5
 
     def load(new: list[int], ctx: list[int]) -> None:
-        for buf in (q, k, kv, kc, vc):
-            buf.copy_(torch.randn(buf.shape, generator=gen, device=device))
-        pad = [0] * (max_batch - len(new))  # padding sequences of length 0
-        cu.copy_(cu_seqlens_of(new + pad, device))
-        cu_k.copy_(cu_seqlens_of(ctx + pad, device))
+        bufs.load(new, ctx)
         if backend.plans_on_host:
             mla_ops.plan_cuda_graph(cu, cu_seqlens_k=[cu_k])
 
     def step():
         return (
-            *installed.attention(q, k, v, cu, cu, budget, budget, scale, True),
-            *installed.attention(q, kc, vc, cu, cu_k, budget, budget_k, scale, False),
+            *installed.attention(q, k, v, cu, cu, bufs.budget, bufs.budget, scale, True),
+            *installed.attention(q, kc, vc, cu, cu_k, bufs.budget, bufs.budget_k, scale, False),
         )
 
     load([500, 0, 1000, 3], [64, 9, 0, 2000])
