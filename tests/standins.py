@@ -417,6 +417,15 @@ def fa3_module(variant: str = "new") -> types.ModuleType:
 # --- FlashAttention-2 (flash_attn) and PyTorch's bundled copy ---------------------------------------------
 
 
+def fa2_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, *, value_name: str):
+    """FlashAttention-2's varlen forward (``mha_varlen_fwd``, in flash-attn and in PyTorch's copy): one head
+    size for q, k and v, and ``+inf`` in the LSE of rows without keys."""
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        raise RuntimeError(f"{value_name} must have shape (total_k, num_heads_k, head_size_og)")
+    check_kernel_inputs(q, k, v, cu_q, cu_k, max_q, max_k)
+    return kernel_attention(q, k, v, cu_q, cu_k, scale, causal, math.inf)
+
+
 def fa2_module() -> types.ModuleType:
     """``flash_attn`` 2.8: one head dim for q, k, v; ``return_attn_probs`` gives ``(out, lse, S_dmask)``."""
     module = types.ModuleType("flash_attn")
@@ -433,10 +442,8 @@ def fa2_module() -> types.ModuleType:
             max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
             window_size=window_size, return_attn_probs=return_attn_probs,
         ))  # fmt: skip
-        if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
-            raise RuntimeError("v must have shape (total_k, num_heads_k, head_size_og)")
-        check_kernel_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        out, lse = kernel_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, math.inf)
+        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+        out, lse = fa2_attention(*args, value_name="v")
         return (out, lse, torch.empty(0, dtype=q.dtype)) if return_attn_probs else out
 
     module.flash_attn_varlen_func = flash_attn_varlen_func
@@ -457,11 +464,8 @@ def bundled_op() -> Callable[..., Any]:
             max_seqlen_k=max_k, dropout_p=dropout_p, causal=is_causal, return_debug_mask=return_debug_mask,
             softmax_scale=scale, window_size_left=window_size_left,
         ))  # fmt: skip
-        if not (query.shape[-1] == key.shape[-1] == value.shape[-1]):
-            raise RuntimeError("value must have shape (total_k, num_heads_k, head_size_og)")
-        check_kernel_inputs(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k)
-        # mha_varlen_fwd fills the LSE of rows without keys with +inf.
-        out, lse = kernel_attention(query, key, value, cum_seq_q, cum_seq_k, scale, is_causal, math.inf)
+        args = (query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, scale, is_causal)
+        out, lse = fa2_attention(*args, value_name="value")
         rng_state = torch.empty(2, dtype=torch.int64)
         return out, lse, rng_state, torch.empty(()), torch.empty(0, dtype=query.dtype)
 

@@ -146,7 +146,7 @@ def installed(target: Target, monkeypatch: pytest.MonkeyPatch) -> Iterator[Insta
         backend = target.build()
     with backend_installed(backend):
         yield Installed(target, backend)
-    mla_ops.release_cuda_graph_buffers()
+        mla_ops.release_cuda_graph_buffers()  # while installed: it releases the registry's instances
 
 
 # --- inputs ---------------------------------------------------------------------------------------------

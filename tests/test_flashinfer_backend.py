@@ -74,7 +74,7 @@ def fi():
     backend, module = install()
     with backend_installed(backend):
         yield Installed(backend, module)
-    mla_ops.release_cuda_graph_buffers()
+        mla_ops.release_cuda_graph_buffers()  # while installed: it releases the registry's instances
 
 
 def _check_prefill(out, lse, batch) -> None:
