@@ -131,7 +131,7 @@ class Installed:
 
 
 @pytest.fixture
-def installed(target: Target, monkeypatch: pytest.MonkeyPatch) -> Iterator[Installed]:
+def installed(target: Target) -> Iterator[Installed]:
     if target.interpreted:
         pytest.importorskip("triton", reason="the TRITON backend needs triton (pip install 'mla_ops[triton]')")
         if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
