@@ -1,355 +1,208 @@
-"""The FLASH_ATTN adapter chain, on CPU, against stand-ins of the three FlashAttention implementations.
+"""FLASH_ATTN-specific behaviour on CPU: the chain of FlashAttention implementations, each adapter's calls,
+widening ``v``, and FlashAttention-4's just-in-time compiles under CUDA-graph capture.
 
-The stand-ins have the real functions' signatures (so an unknown keyword fails as it would on the real
-library), check what the real kernels check (one head dim for FlashAttention-2, int32 offsets,
-16-byte aligned rows), compute real attention with ``tests/utils.dense_attention``, and answer in each
-library's own layout: ``+inf`` LSE for rows without keys and garbage past ``cu_seqlens[-1]``.
+The backend is built around the stand-ins of tests/standins.py, injected by name
+(``FlashAttnBackend(libraries=...)``); absent names are absent. Correctness on both paths for each
+implementation is in tests/test_backend_contract.py; here the calls themselves are checked (what reaches
+the kernel, with what flags, copied or not), under a guard that fails on any host sync outside a
+stand-in kernel.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
-import types
+from dataclasses import dataclass
 
 import pytest
+import standins
 import torch
-from utils import DEEPSEEK_DIMS, assert_attention_close, cu_seqlens_of, dense_attention, make_batch, make_qkv
+from standins import no_host_sync
+from utils import DEEPSEEK_DIMS, RaggedBatch, assert_attention_close, cu_seqlens_of, make_batch, make_qkv
 
 import mla_ops
 import mla_ops.backends.flash_attn as fa
 from mla_ops import DeviceCapability, MLADimensions, SelectorConfig
 from mla_ops.backends.flash_attn import FlashAttnBackend
 from mla_ops.backends.registry import PrefillBackendEnum
+from mla_ops.selector import backend_installed
 
 DQK, DV = DEEPSEEK_DIMS
-SM75, SM80, SM90 = DeviceCapability(7, 5), DeviceCapability(8, 0), DeviceCapability(9, 0)
+SM75, SM80, SM90, SM100 = (DeviceCapability(*c) for c in ((7, 5), (8, 0), (9, 0), (10, 0)))
 BF16 = torch.bfloat16
+FA4, FA3, FA2, BUNDLED = standins.FLASH_ATTN_NAMES
 NOTHING = (
-    "none of flash_attn_interface, flash_attn, or a CUDA build of torch with FlashAttention is available; "
-    "install flash-attn or a CUDA build of torch"
+    "none of flash_attn.cute, flash_attn_interface, flash_attn, or a CUDA build of torch with FlashAttention is "
+    "available; install flash-attn-4 (pip install 'mla_ops[flash-attn]'), flash-attn, or a CUDA build of torch"
+)
+
+FA4_LABEL = "FlashAttention-4 (flash_attn.cute)"
+FA3_LABEL = "FlashAttention-3 (flash_attn_interface)"
+FA2_LABEL = "FlashAttention-2 (flash_attn)"
+BUNDLED_LABEL = "PyTorch's bundled FlashAttention-2 (torch.ops.aten._flash_attention_forward)"
+FA4_NOT_USED = f"{FA4_LABEL} is used on compute capability 9.x, 10.x and 11.x, got {{}}"
+FA3_NOT_90 = f"{FA3_LABEL} needs compute capability 9.0 (Hopper), got {{}}"
+FA3_DV_RULE = (
+    f"{FA3_LABEL} supports Dv != Dqk only for Dqk in (128, 192] with Dv in (96, 128], or Dqk <= 64 with Dv <= 512"
+)
+SM75_RULE = (
+    f"compute capability 7.5 is not supported: {FA4_NOT_USED.format(SM75)}; {FA3_NOT_90.format(SM75)}; "
+    f"{FA2_LABEL} needs compute capability 8.0 or newer, got 7.5; "
+    f"{BUNDLED_LABEL} needs compute capability 8.0 or newer, got 7.5"
 )
 
 
-# --- stand-ins ----------------------------------------------------------------------------------------
-
-_kernel_depth = 0
-
-
-@contextlib.contextmanager
-def _inside_kernel():
-    """Host reads are allowed here: this code stands in for a CUDA kernel, which reads on the device."""
-    global _kernel_depth
-    _kernel_depth += 1
-    try:
-        yield
-    finally:
-        _kernel_depth -= 1
-
-
-def _check_kernel_inputs(q, k, v, cu_q, cu_k, max_q, max_k):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        assert t.dtype in (torch.float16, torch.bfloat16), f"{name}: FlashAttention only supports fp16 and bf16"
-        assert t.stride(-1) == 1, f"{name} must have contiguous last dimension"
-        assert t.data_ptr() % 16 == 0, f"{name}: misaligned base pointer"
-        for n, s in zip(t.shape[:-1], t.stride()[:-1]):
-            assert n == 1 or (s * t.element_size()) % 16 == 0, f"{name}: misaligned stride {t.stride()}"
-    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
-        assert cu.dtype == torch.int32 and cu.is_contiguous(), f"{name} must be contiguous int32"
-    assert isinstance(max_q, int) and isinstance(max_k, int)
-    with _inside_kernel():
-        # The kernels size their grid from max_seqlen; a value below a real length would skip rows.
-        assert max_q >= int((cu_q[1:] - cu_q[:-1]).max()), "max_seqlen_q is below a sequence length"
-        assert max_k >= int((cu_k[1:] - cu_k[:-1]).max()), "max_seqlen_k is below a sequence length"
-
-
-def _kernel(q, k, v, cu_q, cu_k, scale, causal, empty_lse):
-    """Attention in the kernels' layout: out ``[Tq, H, v.shape[-1]]``, lse float32 ``[H, Tq]``."""
-    with _inside_kernel():
-        out, lse = dense_attention(q, k, v, cu_q, cu_k, scale, causal, torch.float32)
-        valid = int(cu_q[-1])
-    out, lse = out.to(q.dtype), lse.float()
-    lse[torch.isneginf(lse)] = empty_lse
-    out[valid:] = math.nan  # rows past cu_seqlens[-1] are never written by the kernels
-    lse[:, valid:] = 1e30
-    return out, lse
-
-
-def _fa2_module(calls: list[dict]) -> types.ModuleType:
-    """``flash_attn`` 2.x: one head dim for q, k, v; ``return_attn_probs`` gives (out, lse, S_dmask)."""
-
-    def flash_attn_varlen_func(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
-        causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-        return_attn_probs=False, block_table=None,
-    ):  # fmt: skip
-        calls.append(dict(
-            q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-            window_size=window_size, return_attn_probs=return_attn_probs,
-        ))  # fmt: skip
-        if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
-            raise RuntimeError("v must have shape (total_k, num_heads_k, head_size_og)")
-        _check_kernel_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        out, lse = _kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, math.inf)
-        return (out, lse, torch.empty(0, dtype=q.dtype)) if return_attn_probs else out
-
-    module = types.ModuleType("flash_attn")
-    module.__version__ = "2.8.3"
-    module.flash_attn_varlen_func = flash_attn_varlen_func
-    return module
-
-
-def _fa3_module(calls: list[dict], variant: str) -> types.ModuleType:
-    """``flash_attn_interface`` (hopper/) in three generations of its return convention.
-
-    ``old``: no flag, always ``(out, lse)`` (late 2024); ``new``: ``return_attn_probs`` (2025 main);
-    ``lse_flag``: ``return_softmax_lse`` (forks); ``no_lse``: a function that never returns the LSE.
-    """
-
-    def run(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, flag):
-        calls.append(dict(
-            q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-            softmax_scale=softmax_scale, causal=causal, flag=flag,
-        ))  # fmt: skip
-        _check_kernel_inputs(q, k, v, cu_q, cu_k, max_q, max_k)
-        # store_zero writes -inf; the softmax epilogue writes +inf: both mean "no keys".
-        return _kernel(q, k, v, cu_q, cu_k, softmax_scale, causal, -math.inf if variant == "old" else math.inf)
-
-    if variant == "old":
-
-        def flash_attn_varlen_func(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=False,
-            q_descale=None, k_descale=None, v_descale=None, window_size=(-1, -1), softcap=0.0, num_splits=1,
-            pack_gqa=None, deterministic=False,
-        ):  # fmt: skip
-            return run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, None)
-
-    elif variant == "new":
-
-        def flash_attn_varlen_func(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None, seqused_k=None,
-            softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None, v_descale=None,
-            window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None,
-            deterministic=False, sm_margin=0, return_attn_probs=False,
-        ):  # fmt: skip
-            flag = ("return_attn_probs", return_attn_probs)
-            args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, flag)
-            out, lse = run(*args)
-            return (out, lse) if return_attn_probs else out
-
-    elif variant == "lse_flag":
-
-        def flash_attn_varlen_func(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None, softmax_scale=None,
-            causal=False, window_size=(-1, -1), softcap=0.0, return_softmax_lse=False, out=None,
-        ):  # fmt: skip
-            flag = ("return_softmax_lse", return_softmax_lse)
-            args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, flag)
-            result = run(*args)
-            return result if return_softmax_lse else result[0]
-
-    else:  # "no_lse"
-
-        def flash_attn_varlen_func(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=False
-        ):
-            return run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, None)[0]
-
-    module = types.ModuleType("flash_attn_interface")
-    module.flash_attn_varlen_func = flash_attn_varlen_func
-    return module
-
-
-def _bundled_op(calls: list[dict]):
-    """``torch.ops.aten._flash_attention_forward`` as the schema declares it (torch 2.13)."""
-
-    def _flash_attention_forward(
-        query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *,
-        scale=None, window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None,
-        block_table=None, num_splits=None,
-    ):  # fmt: skip
-        calls.append(dict(
-            q=query, k=key, v=value, cu_seqlens_q=cum_seq_q, cu_seqlens_k=cum_seq_k, max_seqlen_q=max_q,
-            max_seqlen_k=max_k, dropout_p=dropout_p, causal=is_causal, return_debug_mask=return_debug_mask,
-            softmax_scale=scale, window_size_left=window_size_left,
-        ))  # fmt: skip
-        if not (query.shape[-1] == key.shape[-1] == value.shape[-1]):
-            raise RuntimeError("value must have shape (total_k, num_heads_k, head_size_og)")
-        _check_kernel_inputs(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k)
-        out, lse = _kernel(query, key, value, cum_seq_q, cum_seq_k, scale, is_causal, math.inf)
-        rng_state = torch.empty(2, dtype=torch.int64)
-        return out, lse, rng_state, torch.empty(()), torch.empty(0, dtype=query.dtype)
-
-    return _flash_attention_forward
-
-
 class Chain:
-    """Installs stand-ins (or their absence) and records every kernel call."""
+    """A FLASH_ATTN backend around stand-ins of the named implementations, and what they recorded."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.monkeypatch = monkeypatch
-        self.calls: list[dict] = []
+    def __init__(self, *names: str, fa3: str = "new") -> None:
+        self.libraries = standins.flash_attn_libraries(*names, fa3=fa3)
+        self.backend = FlashAttnBackend(libraries=self.libraries)
 
-    def install(self, fa3: str | None = None, fa2: bool = False, bundled: bool = False) -> Chain:
-        mp = self.monkeypatch
-        mp.setitem(sys.modules, "flash_attn_interface", _fa3_module(self.calls, fa3) if fa3 else None)
-        mp.setitem(sys.modules, "flash_attn", _fa2_module(self.calls) if fa2 else None)
-        if bundled:
-            op = _bundled_op(self.calls)
-            mp.setattr(fa, "_bundled_forward_op", lambda: op)
-        else:
+    @property
+    def calls(self) -> list[dict]:
+        """Every kernel call, in the chain's order of implementations."""
+        return [call for library in self.libraries.values() for call in library.calls]
 
-            def absent():
-                raise RuntimeError("torch 2.13.0+cpu is not a CUDA build")
-
-            mp.setattr(fa, "_bundled_forward_op", absent)
-        fa.reset_implementation_cache()
-        return self
+    def run(self, path: str, q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        if path == "prefill":
+            return self.backend.attention(q, k, v, cu_q, cu_q, max_q, max_q, scale, True)
+        return self.backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, False)
 
 
-@pytest.fixture
-def chain(monkeypatch: pytest.MonkeyPatch):
-    fa.reset_implementation_cache()
-    yield Chain(monkeypatch)
-    fa.reset_implementation_cache()
-
-
-@pytest.fixture
-def no_host_sync(monkeypatch: pytest.MonkeyPatch):
-    """A context manager in which every host read of a tensor fails, except inside the stand-in kernels."""
-
-    @contextlib.contextmanager
-    def guard():
-        with monkeypatch.context() as mp:
-            for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
-                original = getattr(torch.Tensor, name)
-
-                def guarded(self, *args, _name=name, _original=original, **kwargs):
-                    if _kernel_depth == 0:
-                        raise AssertionError(f"host sync: Tensor.{_name} called outside a kernel")
-                    return _original(self, *args, **kwargs)
-
-                mp.setattr(torch.Tensor, name, guarded)
-            yield
-
-    return guard
-
-
-def _run(path: str, q, k, v, cu_q, cu_k, max_q, max_k, scale):
-    if path == "prefill":
-        return FlashAttnBackend.prefill(q, k, v, cu_q, max_q, scale)
-    return FlashAttnBackend.prefill_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale)
-
-
-# --- availability and selection of the implementation -------------------------------------------------
+# --- the chain -------------------------------------------------------------------------------------------
 
 
 def test_registry_points_at_the_backend():
-    assert PrefillBackendEnum.FLASH_ATTN.get_class() is FlashAttnBackend
+    assert PrefillBackendEnum.FLASH_ATTN.backend_class() is FlashAttnBackend
+    assert isinstance(PrefillBackendEnum.FLASH_ATTN.backend(), FlashAttnBackend)
     assert FlashAttnBackend.name == "FLASH_ATTN"
 
 
-def test_nothing_present_means_unavailable(chain):
-    chain.install()
-    assert FlashAttnBackend.unavailable_reason() == NOTHING
-    assert not FlashAttnBackend.is_available()
-    assert FlashAttnBackend.validate_configuration(SM90, SelectorConfig(BF16)) == [NOTHING]
-    text = FlashAttnBackend.implementation(SM90)
-    assert text.startswith("none usable")
-    assert "flash_attn_interface: not available" in text and "not a CUDA build" in text
+def test_nothing_present_means_unavailable():
+    backend = Chain().backend
+    assert backend.library_reasons(SM90, SelectorConfig(BF16)) == [NOTHING]
+    assert backend.reasons(SM90, SelectorConfig(BF16)) == [NOTHING]
+    text = backend.describe(SM90, SelectorConfig(BF16))
+    assert text.startswith("none usable [skipped: flash_attn.cute: not available (ImportError: flash_attn.cute is")
+    assert "flash_attn_interface: not available" in text
 
 
 @pytest.mark.skipif(
     torch.version.cuda is not None, reason="this torch is a CUDA build, so its bundled FlashAttention is present"
 )
-def test_ci_machine_has_no_implementation(chain, monkeypatch):
-    # The real probe of torch (a CPU build here), with both packages absent whatever is installed.
-    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
-    monkeypatch.setitem(sys.modules, "flash_attn", None)
-    fa.reset_implementation_cache()
-    assert FlashAttnBackend.unavailable_reason() == NOTHING
-    with mla_ops.prefill_backend("FLASH_ATTN"), pytest.raises(ValueError, match="none of flash_attn_interface"):
+def test_ci_machine_has_no_implementation(monkeypatch):
+    # The real probes (this torch is a CPU build), with the packages absent whatever is installed.
+    for name in ("flash_attn", "flash_attn.cute", "flash_attn_interface"):
+        monkeypatch.setitem(sys.modules, name, None)
+    backend = FlashAttnBackend()
+    assert backend.library_reasons(SM90, SelectorConfig(BF16)) == [NOTHING]
+    assert backend.chain().absent[BUNDLED] == f"RuntimeError: torch {torch.__version__} is not a CUDA build"
+    with (
+        backend_installed(backend),
+        mla_ops.prefill_backend("FLASH_ATTN"),
+        pytest.raises(ValueError, match=r"none of flash_attn\.cute, flash_attn_interface"),
+    ):
         mla_ops.select_backend(SM90, SelectorConfig(BF16))
 
 
-def test_probe_failures_never_raise(chain, monkeypatch):
-    chain.install(fa2=True)
+class _BrokenLibrary:
+    """A library whose import succeeded but whose kernels cannot load (a missing CUDA library, say)."""
 
-    def broken_fa3():
+    def __getattr__(self, name):
         raise OSError("libcudart.so.12: cannot open shared object file")
 
-    monkeypatch.setattr(fa, "_load_fa3", broken_fa3)
-    fa.reset_implementation_cache()
-    assert FlashAttnBackend.unavailable_reason() is None
-    assert "OSError: libcudart.so.12" in FlashAttnBackend.implementation(SM90)
 
-    def broken_chain():
-        raise RuntimeError("boom")
+def test_a_broken_library_is_absent_and_says_why():
+    backend = FlashAttnBackend(libraries={FA3: _BrokenLibrary(), FA2: standins.fa2_module()})
+    assert backend.reasons(SM90, SelectorConfig(BF16)) == []
+    assert backend.chain().absent[FA3] == "OSError: libcudart.so.12: cannot open shared object file"
+    assert "flash_attn_interface: not available (OSError: libcudart.so.12" in backend.describe(
+        SM90, SelectorConfig(BF16)
+    )
 
-    broken_chain.cache_clear = lambda: None
-    fa.reset_implementation_cache()  # so that the real cache holds no stand-in once the patch is undone
-    monkeypatch.setattr(fa, "_chain", broken_chain)
-    assert FlashAttnBackend.unavailable_reason() == "probing FlashAttention failed: RuntimeError('boom')"
-    assert not FlashAttnBackend.is_available()
-    assert FlashAttnBackend.implementation(SM90).startswith("unknown (probing FlashAttention failed")
-    assert FlashAttnBackend.validate_configuration(SM90, SelectorConfig(BF16))  # reasons, not an exception
+
+def test_a_failing_probe_reports_instead_of_raising():
+    class Failing(FlashAttnBackend):
+        def chain(self):
+            raise RuntimeError("boom")
+
+    backend = Failing()
+    assert backend.reasons(SM90, SelectorConfig(BF16)) == ["availability check failed: RuntimeError: boom"]
+    assert (
+        backend.describe(SM90, SelectorConfig(BF16)) == "unknown (probing FlashAttention failed: RuntimeError('boom'))"
+    )
+
+
+ALL = (FA4, FA3, FA2, BUNDLED)
 
 
 @pytest.mark.parametrize(
-    ("present", "capability", "expected"),
+    ("present", "capability", "expected", "skipped"),
     [
-        (dict(fa3="new", fa2=True, bundled=True), SM90, fa._FA3),
-        (dict(fa3="new", fa2=True, bundled=True), SM80, fa._FA2),
-        (dict(fa3="new", bundled=True), SM80, fa._BUNDLED),
-        (dict(fa2=True, bundled=True), SM90, fa._FA2),
-        (dict(bundled=True), SM90, fa._BUNDLED),
-        (dict(fa3="old", fa2=True), None, fa._FA3),  # a CPU tensor: no capability to filter by
+        (ALL, SM90, FA4, []),
+        (ALL, SM100, FA4, []),
+        (ALL, DeviceCapability(11, 0), FA4, []),
+        (ALL, SM80, FA2, [FA4, FA3]),
+        ((FA3, FA2, BUNDLED), SM90, FA3, [FA4]),
+        ((FA3, BUNDLED), SM80, BUNDLED, [FA4, FA3, FA2]),
+        ((FA2, BUNDLED), SM90, FA2, [FA4, FA3]),
+        ((BUNDLED,), SM90, BUNDLED, [FA4, FA3, FA2]),
+        ((FA3, FA2), None, FA3, [FA4]),  # a CPU tensor: no capability to filter by
     ],
 )
-def test_chain_picks_the_first_usable(chain, present, capability, expected):
-    chain.install(**present)
-    adapter, skipped = fa._choose(capability, DQK, DV)
-    assert adapter is not None and adapter.kind is expected
-    text = FlashAttnBackend.implementation(capability or SM90)
+def test_chain_picks_the_first_usable_and_says_why_it_skipped_the_others(present, capability, expected, skipped):
+    backend = Chain(*present).backend
+    adapter, why = backend.choose(capability, DQK, DV)
+    assert adapter is not None and adapter.kind.name == expected
+    assert [w.split(": ", 1)[0] for w in why] == skipped
+    for name, reason in zip(skipped, why):
+        if name not in present:
+            assert reason == f"{name}: not available (ImportError: {name} is not installed)"
     if capability is not None:
-        assert text.startswith(expected.label)
-    if expected is not fa._FA3:
-        assert skipped[0].startswith("flash_attn_interface: ")
-        assert "skipped: flash_attn_interface: " in text
+        text = backend.describe(capability, SelectorConfig(BF16))
+        assert text.startswith(adapter.kind.label)
+        assert ("[skipped: " in text) == bool(skipped)
 
 
-def test_chain_routes_unsupported_dims_past_fa3(chain):
-    chain.install(fa3="new", fa2=True)
+def test_fa4_is_skipped_where_it_is_not_used_with_the_reason():
+    backend = Chain(*ALL).backend
+    _, why = backend.choose(SM80, DQK, DV)
+    assert why[0] == f"flash_attn.cute: {FA4_NOT_USED.format(SM80)}"
+    # On SM100, FA4 serves DeepSeek's (192, 128) but not (192, 64); FA3 is Hopper-only; FA2 runs it.
+    adapter, why = backend.choose(SM100, 192, 64)
+    assert adapter.kind.name == FA2
+    assert why == [
+        "flash_attn.cute: FlashAttention-4 (flash_attn.cute) on SM100 supports head dims up to 128, (192, 128), "
+        "(256, 256), and Dv = 512 with Dqk in (64, 512)",
+        "flash_attn_interface: FlashAttention-3 (flash_attn_interface) needs compute capability 9.0 (Hopper), got 10.0",
+    ]
+    assert (
+        backend.describe(SM90, SelectorConfig(BF16))
+        == "FlashAttention-4 (flash_attn.cute): native Dv != Dqk, no padding"
+    )
+
+
+def test_chain_routes_unsupported_dims_past_fa3():
+    backend = Chain(FA3, FA2).backend
     # Dv=64 with Dqk=192 is outside FlashAttention-3's Dv != Dqk combinations, so FlashAttention-2 runs it.
-    adapter, skipped = fa._choose(SM90, 192, 64)
-    assert adapter.kind is fa._FA2
-    assert skipped == [
+    adapter, skipped = backend.choose(SM90, 192, 64)
+    assert adapter.kind.name == FA2
+    assert skipped[1] == (
         "flash_attn_interface: FlashAttention-3 (flash_attn_interface) supports Dv != Dqk only for Dqk in "
         "(128, 192] with Dv in (96, 128], or Dqk <= 64 with Dv <= 512"
-    ]
-    assert FlashAttnBackend.implementation(SM90, MLADimensions(128, 64, 64)).startswith("FlashAttention-2 (flash_attn)")
-    assert "FlashAttention-3" in FlashAttnBackend.implementation(SM90)  # DeepSeek's dims stay on FA3
+    )
+    assert backend.describe(SM90, SelectorConfig(BF16, MLADimensions(128, 64, 64))).startswith(
+        "FlashAttention-2 (flash_attn)"
+    )
+    assert "FlashAttention-3" in backend.describe(SM90, SelectorConfig(BF16))  # DeepSeek's dims stay on FA3
 
 
 # --- validation -----------------------------------------------------------------------------------------
 
-FA3_LABEL = "FlashAttention-3 (flash_attn_interface)"
-FA2_LABEL = "FlashAttention-2 (flash_attn)"
-BUNDLED_LABEL = "PyTorch's bundled FlashAttention-2 (torch.ops.aten._flash_attention_forward)"
-FA3_NOT_90 = f"{FA3_LABEL} needs compute capability 9.0 (Hopper), got {{}}"
-FA3_DV_RULE = (
-    f"{FA3_LABEL} supports Dv != Dqk only for Dqk in (128, 192] with Dv in (96, 128], or Dqk <= 64 with Dv <= 512"
-)
-FA2_ABSENT = "flash_attn: not available (ModuleNotFoundError: import of flash_attn halted; None in sys.modules)"
-FA3_ABSENT = (
-    "flash_attn_interface: not available "
-    "(ModuleNotFoundError: import of flash_attn_interface halted; None in sys.modules)"
-)
-BUNDLED_ABSENT = (
-    "torch.ops.aten._flash_attention_forward: not available (RuntimeError: torch 2.13.0+cpu is not a CUDA build)"
-)
+
+def _absent(name: str) -> str:
+    return f"{name}: not available (ImportError: {name} is not installed)"
 
 
 def _not_installed(capability, dqk, dv, *why):
@@ -363,78 +216,78 @@ def _not_installed(capability, dqk, dv, *why):
     ("present", "capability", "dims", "dtype", "expected"),
     [
         # The chain covers these; what is installed decides.
-        (dict(fa3="new"), SM80, (128, 64, 128), BF16, [
-            _not_installed(SM80, 192, 128, "flash_attn_interface: " + FA3_NOT_90.format(SM80), FA2_ABSENT,
-                           BUNDLED_ABSENT)
+        ((FA3,), SM80, (128, 64, 128), BF16, [
+            _not_installed(SM80, 192, 128, _absent(FA4), f"{FA3}: " + FA3_NOT_90.format(SM80), _absent(FA2),
+                           _absent(BUNDLED))
         ]),
-        (dict(fa3="new", bundled=True), SM80, (128, 64, 128), BF16, []),
-        (dict(fa2=True), DeviceCapability(10, 0), (128, 64, 128), BF16, []),
-        (dict(fa3="new"), SM90, (128, 64, 64), BF16, [
-            _not_installed(SM90, 192, 64, "flash_attn_interface: " + FA3_DV_RULE, FA2_ABSENT, BUNDLED_ABSENT)
+        ((FA4,), SM80, (128, 64, 128), BF16, [
+            _not_installed(SM80, 192, 128, f"{FA4}: " + FA4_NOT_USED.format(SM80), _absent(FA3), _absent(FA2),
+                           _absent(BUNDLED))
         ]),
-        (dict(bundled=True), SM90, (64, 0, 288), BF16, [
-            _not_installed(SM90, 64, 288, FA3_ABSENT, FA2_ABSENT, "torch.ops.aten._flash_attention_forward: "
-                           f"{BUNDLED_LABEL} supports head dims up to 256, and the padded head dim max(Dqk, Dv) is 288")
+        ((FA3, BUNDLED), SM80, (128, 64, 128), BF16, []),
+        ((FA2,), SM100, (128, 64, 128), BF16, []),
+        ((FA4,), SM100, (128, 64, 128), BF16, []),
+        ((FA4,), SM100, (128, 64, 256), BF16, [
+            _not_installed(SM100, 192, 256, f"{FA4}: {FA4_LABEL} on SM100 supports head dims up to 128, (192, 128), "
+                           "(256, 256), and Dv = 512 with Dqk in (64, 512)", _absent(FA3), _absent(FA2),
+                           _absent(BUNDLED))
         ]),
-        (dict(fa3="new"), SM90, (64, 0, 288), BF16, []),  # FA3's (Dqk <= 64, Dv <= 512) family
-        (dict(fa3="new", fa2=True), SM90, (128, 64, 64), BF16, []),  # FA2 serves what FA3 does not
-        (dict(fa3="new", fa2=True), SM90, (192, 64, 256), BF16, []),  # the wide-head configuration
+        ((FA3,), SM90, (128, 64, 64), BF16, [
+            _not_installed(SM90, 192, 64, _absent(FA4), f"{FA3}: " + FA3_DV_RULE, _absent(FA2), _absent(BUNDLED))
+        ]),
+        ((BUNDLED,), SM90, (64, 0, 288), BF16, [
+            _not_installed(SM90, 64, 288, _absent(FA4), _absent(FA3), _absent(FA2), f"{BUNDLED}: {BUNDLED_LABEL} "
+                           "supports head dims up to 256, and the padded head dim max(Dqk, Dv) is 288")
+        ]),
+        ((FA3,), SM90, (64, 0, 288), BF16, []),  # FA3's (Dqk <= 64, Dv <= 512) family
+        ((FA3, FA2), SM90, (128, 64, 64), BF16, []),  # FA2 serves what FA3 does not
+        ((FA3, FA2), SM90, (192, 64, 256), BF16, []),  # the wide-head configuration
         # The chain does not cover these, whatever is installed.
-        (dict(fa2=True), SM75, (128, 64, 128), BF16, [
-            f"compute capability 7.5 is not supported: {FA3_NOT_90.format(SM75)}; "
-            f"{FA2_LABEL} needs compute capability 8.0 or newer, got 7.5; "
-            f"{BUNDLED_LABEL} needs compute capability 8.0 or newer, got 7.5"
-        ]),
-        (dict(fa2=True), SM90, (256, 64, 128), BF16, [
-            f"head dims (Dqk=320, Dv=128) are not supported: {FA3_LABEL} supports Dqk up to 256; "
+        ((FA2,), SM75, (128, 64, 128), BF16, [SM75_RULE]),
+        ((FA2,), SM90, (256, 64, 128), BF16, [
+            f"head dims (Dqk=320, Dv=128) are not supported: {FA4_LABEL} on SM90 supports head dims from 8 to 256; "
+            f"{FA3_LABEL} supports Dqk up to 256; "
             f"{FA2_LABEL} supports head dims up to 256, and the padded head dim max(Dqk, Dv) is 320; "
             f"{BUNDLED_LABEL} supports head dims up to 256, and the padded head dim max(Dqk, Dv) is 320"
         ]),
-        (dict(bundled=True), SM80, (128, 60, 128), BF16, [  # FA3 does not run on 8.0, so only FA2 rules count
+        ((BUNDLED,), SM80, (128, 60, 128), BF16, [  # FA4 and FA3 do not run on 8.0, so only FA2 rules count
             f"head dims (Dqk=188, Dv=128) are not supported: "
             f"{FA2_LABEL} needs the padded head dim max(Dqk, Dv) = 188 to be a multiple of 8; "
             f"{BUNDLED_LABEL} needs the padded head dim max(Dqk, Dv) = 188 to be a multiple of 8"
         ]),
-        (dict(fa2=True), SM90, (128, 64, 128), torch.float32, [
-            "dtype float32 is not supported (use bfloat16, float16)"
-        ]),
-        (dict(fa2=True), None, (128, 64, 128), BF16, ["runs on CUDA devices only, not on CPU"]),
-        (dict(), SM90, (128, 64, 128), BF16, [NOTHING]),
-        (dict(), SM75, (128, 64, 128), BF16, [
-            NOTHING,
-            f"compute capability 7.5 is not supported: {FA3_NOT_90.format(SM75)}; "
-            f"{FA2_LABEL} needs compute capability 8.0 or newer, got 7.5; "
-            f"{BUNDLED_LABEL} needs compute capability 8.0 or newer, got 7.5",
-        ]),
+        ((FA2,), SM90, (128, 64, 128), torch.float32, ["dtype float32 is not supported (use bfloat16, float16)"]),
+        ((FA2,), None, (128, 64, 128), BF16, ["runs on CUDA devices only, not on CPU"]),
+        ((), SM90, (128, 64, 128), BF16, [NOTHING]),
+        ((), SM75, (128, 64, 128), BF16, [NOTHING, SM75_RULE]),
     ],
 )  # fmt: skip
-def test_validation_reasons(chain, present, capability, dims, dtype, expected):
-    chain.install(**present)
+def test_validation_reasons(present, capability, dims, dtype, expected):
     config = SelectorConfig(dtype, MLADimensions(*dims))
-    assert FlashAttnBackend.validate_configuration(capability, config) == expected
+    assert Chain(*present).backend.reasons(capability, config) == expected
 
 
-@pytest.mark.parametrize("capability", [SM75, SM80, SM90, DeviceCapability(10, 0), None])
+@pytest.mark.parametrize("capability", [SM75, SM80, SM90, SM100, None])
 @pytest.mark.parametrize("dims", [(128, 64, 128), (128, 64, 64), (64, 0, 288), (256, 64, 128), (192, 64, 256)])
-def test_selection_rules_ignore_what_is_installed(chain, capability, dims):
+def test_selection_rules_ignore_what_is_installed(capability, dims):
     config = SelectorConfig(BF16, MLADimensions(*dims))
-    seen = []
-    for present in (dict(), dict(fa3="new"), dict(fa2=True, bundled=True)):
-        chain.install(**present)
-        seen.append(FlashAttnBackend.configuration_reasons(capability, config))
-    assert seen[0] == seen[1] == seen[2]
+    seen = [
+        Chain(*present).backend.rule_reasons(capability, config) for present in ((), (FA3,), (FA4,), (FA2, BUNDLED))
+    ]
+    assert seen[0] == seen[1] == seen[2] == seen[3]
 
 
-def test_invalid_override_names_the_reason(chain):
-    chain.install(fa3="new")
-    config = SelectorConfig(BF16)
-    with mla_ops.prefill_backend("FLASH_ATTN"), pytest.raises(ValueError) as info:
-        mla_ops.select_backend(SM80, config)
+def test_invalid_override_names_the_reason():
+    with (
+        backend_installed(Chain(FA3).backend),
+        mla_ops.prefill_backend("FLASH_ATTN"),
+        pytest.raises(ValueError) as info,
+    ):
+        mla_ops.select_backend(SM80, SelectorConfig(BF16))
     assert str(info.value).startswith("Selected MLA prefill backend FLASH_ATTN is not valid for this configuration.")
     assert "needs compute capability 9.0 (Hopper), got 8.0" in str(info.value)
 
 
-# --- calls and results, per implementation -----------------------------------------------------------------
+# --- calls, per implementation -----------------------------------------------------------------------------
 
 RAGGED = [0, 5, 17, 0, 33, 1]  # includes zero-length sequences
 CHUNK = [4, 0, 21, 3, 0, 9]  # per-sequence slices of a context chunk; seq 1 and 4 have none
@@ -447,26 +300,46 @@ def _chunk_inputs(num_heads, strided_v, seed=1, dv=DV, dqk=DQK, dtype=BF16):
     return batch, k, v, cu_seqlens_of(CHUNK)
 
 
-@pytest.mark.parametrize("path", ["prefill", "chunk"])
-@pytest.mark.parametrize("impl", ["fa2", "bundled"])
-def test_padded_implementations(chain, no_host_sync, impl, path):
-    chain.install(fa2=impl == "fa2", bundled=impl == "bundled")
-    batch, kc, vc, cu_k = _chunk_inputs(4, strided_v=True)
-    scale = 0.0721
-    if path == "prefill":
-        k, v, cu_k, max_q, max_k = batch.k, batch.v, batch.cu_seqlens, 64, 64  # an upper bound, passed as is
-    else:
-        k, v, max_q, max_k = kc, vc, 40, 30
-    with no_host_sync():
-        out, lse = _run(path, batch.q, k, v, batch.cu_seqlens, cu_k, max_q, max_k, scale)
+@dataclass
+class OneCall:
+    """What a path ran: the one kernel call the stand-ins recorded, and the inputs the backend was given."""
 
+    call: dict
+    batch: RaggedBatch
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+def run_once(chain: Chain, path: str, heads: int, strided_v: bool, scale: float, bounds: tuple[int, int]) -> OneCall:
+    """Run ``path`` on a ragged batch (or its chunk) under :func:`no_host_sync`, passing the max_seqlen
+    upper ``bounds`` as they are; checks the result against fp32 math and that one kernel call was made."""
+    batch, kc, vc, cu_k = _chunk_inputs(heads, strided_v=strided_v)
+    if path == "prefill":
+        k, v, cu_k, max_q, max_k = batch.k, batch.v, batch.cu_seqlens, bounds[0], bounds[0]
+    else:
+        k, v, max_q, max_k = kc, vc, *bounds
+    with no_host_sync():
+        out, lse = chain.run(path, batch.q, k, v, batch.cu_seqlens, cu_k, max_q, max_k, scale)
+    assert_attention_close(out, lse, batch.q, k, v, batch.cu_seqlens, cu_k, scale, path == "prefill")
     (call,) = chain.calls
-    assert call["q"] is batch.q and call["k"] is k
-    assert call["cu_seqlens_q"] is batch.cu_seqlens and call["cu_seqlens_k"] is cu_k
-    assert (call["max_seqlen_q"], call["max_seqlen_k"]) == (max_q, max_k)
+    return OneCall(call, batch, k, v, cu_k, max_q, max_k)
+
+
+@pytest.mark.parametrize("path", ["prefill", "chunk"])
+@pytest.mark.parametrize("impl", [FA2, BUNDLED])
+def test_padded_implementations(impl, path):
+    scale = 0.0721
+    ran = run_once(Chain(impl), path, 4, strided_v=True, scale=scale, bounds=(64, 30))
+    call, v = ran.call, ran.v
+    assert call["q"] is ran.batch.q and call["k"] is ran.k
+    assert call["cu_seqlens_q"] is ran.batch.cu_seqlens and call["cu_seqlens_k"] is ran.cu_k
+    assert (call["max_seqlen_q"], call["max_seqlen_k"]) == (ran.max_q, ran.max_k)
     assert call["softmax_scale"] == scale and call["causal"] is (path == "prefill")
     assert call["dropout_p"] == 0.0
-    if impl == "fa2":
+    if impl == FA2:
         assert call["return_attn_probs"] is True and call["window_size"] == (-1, -1)
     else:
         assert call["return_debug_mask"] is False and call["window_size_left"] is None
@@ -476,46 +349,44 @@ def test_padded_implementations(chain, no_host_sync, impl, path):
     assert wide.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
     assert torch.equal(wide[..., DQK - DV :], v)
 
-    assert out.shape == (batch.q.shape[0], 4, DV) and out.is_contiguous() and out.dtype == BF16
-    assert lse.shape == (4, batch.q.shape[0]) and lse.is_contiguous() and lse.dtype == torch.float32
-    causal = path == "prefill"
-    assert_attention_close(out, lse, batch.q, k, v, batch.cu_seqlens, cu_k, scale, causal)
-    assert not torch.isposinf(lse).any(), "+inf must become -inf"
-
 
 @pytest.mark.parametrize("variant", ["old", "new", "lse_flag"])
 @pytest.mark.parametrize("path", ["prefill", "chunk"])
-def test_fa3_native_dv_and_return_conventions(chain, no_host_sync, variant, path):
-    chain.install(fa3=variant, fa2=True, bundled=True)
-    batch, kc, vc, cu_k = _chunk_inputs(3, strided_v=False)
+def test_fa3_native_dv_and_return_conventions(variant, path):
     scale = 0.11
-    if path == "prefill":
-        k, v, cu_k, max_q, max_k = batch.k, batch.v, batch.cu_seqlens, 33, 33
-    else:
-        k, v, max_q, max_k = kc, vc, 33, 21
-    with no_host_sync():
-        out, lse = _run(path, batch.q, k, v, batch.cu_seqlens, cu_k, max_q, max_k, scale)
-
-    (call,) = chain.calls  # FlashAttention-3 ran, and nothing else
-    assert call["v"] is v, "FlashAttention-3 takes Dv != Dqk natively: v must not be padded or copied"
+    ran = run_once(Chain(FA3, FA2, BUNDLED, fa3=variant), path, 3, strided_v=False, scale=scale, bounds=(33, 21))
+    call = ran.call  # FlashAttention-3 ran, and nothing else
+    assert call["v"] is ran.v, "FlashAttention-3 takes Dv != Dqk natively: v must not be padded or copied"
     expected_flag = {"old": None, "new": ("return_attn_probs", True), "lse_flag": ("return_softmax_lse", True)}
     assert call["flag"] == expected_flag[variant]
-    assert (call["max_seqlen_q"], call["max_seqlen_k"], call["softmax_scale"]) == (max_q, max_k, scale)
+    assert (call["max_seqlen_q"], call["max_seqlen_k"], call["softmax_scale"]) == (ran.max_q, ran.max_k, scale)
     assert call["causal"] is (path == "prefill")
-    assert out.is_contiguous() and lse.is_contiguous()
-    assert_attention_close(out, lse, batch.q, k, v, batch.cu_seqlens, cu_k, scale, path == "prefill")
 
 
-def test_fa3_without_lse_is_a_clear_error(chain):
-    chain.install(fa3="no_lse")
+@pytest.mark.parametrize("path", ["prefill", "chunk"])
+@pytest.mark.parametrize("strided_v", [False, True], ids=["contiguous-v", "strided-v"])
+def test_fa4_takes_v_as_it_is_and_returns_the_lse_in_the_package_convention(path, strided_v):
+    scale = 0.09
+    ran = run_once(Chain(*ALL), path, 3, strided_v=strided_v, scale=scale, bounds=(300, 40))
+    call = ran.call  # FlashAttention-4 ran, and nothing else
+    # Native Dv != Dqk, strided v accepted: the very tensor, no widening, no copy.
+    assert call["v"] is ran.v and call["v"].stride() == ran.v.stride()
+    assert call["q"] is ran.batch.q and call["k"] is ran.k
+    assert call["cu_seqlens_q"] is ran.batch.cu_seqlens and call["cu_seqlens_k"] is ran.cu_k
+    assert (call["max_seqlen_q"], call["max_seqlen_k"], call["softmax_scale"]) == (ran.max_q, ran.max_k, scale)
+    assert call["causal"] is (path == "prefill") and call["return_lse"] is True
+
+
+def test_fa3_without_lse_is_a_clear_error():
+    chain = Chain(FA3, fa3="no_lse")
     batch = make_batch([5, 3], 2, DQK, DV, BF16)
     with pytest.raises(RuntimeError, match="returned only the output, not the softmax LSE"):
-        FlashAttnBackend.prefill(batch.q, batch.k, batch.v, batch.cu_seqlens, 5, 0.1)
+        chain.run("prefill", batch.q, batch.k, batch.v, batch.cu_seqlens, None, 5, 5, 0.1)
 
 
-def test_old_padded_lse_layout_is_rejected(chain, monkeypatch):
-    chain.install(fa2=True)
-    module = sys.modules["flash_attn"]
+def test_old_padded_lse_layout_is_rejected(monkeypatch):
+    chain = Chain(FA2)
+    module = chain.libraries[FA2]
     real = module.flash_attn_varlen_func
 
     def padded_lse(*args, **kwargs):
@@ -523,17 +394,16 @@ def test_old_padded_lse_layout_is_rejected(chain, monkeypatch):
         return out, lse.new_zeros((2, lse.shape[0], 5)), s  # flash-attn < 2.5: [B, H, max_seqlen_q]
 
     monkeypatch.setattr(module, "flash_attn_varlen_func", padded_lse)
-    fa.reset_implementation_cache()
     batch = make_batch([5, 3], 2, DQK, DV, BF16)
     with pytest.raises(RuntimeError, match=r"varlen layout float32 \[H, total_q\] = \[2, 8\]"):
-        FlashAttnBackend.prefill(batch.q, batch.k, batch.v, batch.cu_seqlens, 5, 0.1)
+        chain.run("prefill", batch.q, batch.k, batch.v, batch.cu_seqlens, None, 5, 5, 0.1)
 
 
-def test_dv_wider_than_dqk_pads_q_and_k(chain, no_host_sync):
-    chain.install(bundled=True)
+def test_dv_wider_than_dqk_pads_q_and_k():
+    chain = Chain(BUNDLED)
     batch = make_batch(RAGGED, 2, 64, 128, torch.float16, seed=3)
     with no_host_sync():
-        out, lse = FlashAttnBackend.prefill(batch.q, batch.k, batch.v, batch.cu_seqlens, 33, 0.125)
+        out, lse = chain.run("prefill", batch.q, batch.k, batch.v, batch.cu_seqlens, None, 33, 33, 0.125)
     (call,) = chain.calls
     assert call["q"].shape[-1] == call["k"].shape[-1] == 128 and call["v"] is batch.v
     assert torch.equal(call["q"][..., :64], batch.q) and not call["q"][..., 64:].any()
@@ -541,28 +411,29 @@ def test_dv_wider_than_dqk_pads_q_and_k(chain, no_host_sync):
     assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 0.125, True)
 
 
-def test_equal_head_dims_are_not_padded(chain):
-    chain.install(fa2=True)
+def test_equal_head_dims_are_not_padded():
+    chain = Chain(FA2)
     batch = make_batch([7, 2], 2, 128, 128, BF16)
-    out, lse = FlashAttnBackend.prefill(batch.q, batch.k, batch.v, batch.cu_seqlens, 7, 0.1)
+    out, lse = chain.run("prefill", batch.q, batch.k, batch.v, batch.cu_seqlens, None, 7, 7, 0.1)
     assert chain.calls[0]["v"] is batch.v
     assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 0.1, True)
 
 
-def test_misaligned_q_is_copied_before_the_kernel(chain):
-    chain.install(fa2=True)
+@pytest.mark.parametrize("impl", [FA4, FA2])
+def test_misaligned_q_is_copied_before_the_kernel(impl):
+    chain = Chain(impl)
     batch = make_batch([9, 4], 2, DQK, DV, BF16)
     storage = torch.zeros(batch.q.shape[0], 2, DQK + 8, dtype=BF16)
     q = storage[..., 4 : 4 + DQK]  # starts 8 bytes into a 16-byte boundary
     q.copy_(batch.q)
-    out, lse = FlashAttnBackend.prefill(q, batch.k, batch.v, batch.cu_seqlens, 9, 0.1)
+    out, lse = chain.run("prefill", q, batch.k, batch.v, batch.cu_seqlens, None, 9, 9, 0.1)
     assert chain.calls[0]["q"] is not q and chain.calls[0]["q"].is_contiguous()
     assert_attention_close(out, lse, q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 0.1, True)
 
 
 @pytest.mark.parametrize("case", ["no_tokens", "no_sequences", "no_keys", "max_seqlen_q_0", "max_seqlen_k_0"])
-def test_degenerate_shapes_skip_the_kernel(chain, no_host_sync, case):
-    chain.install(fa2=True)
+def test_degenerate_shapes_skip_the_kernel(case):
+    chain = Chain(FA4, FA2)
     tokens = 0 if case == "no_tokens" else 6
     q, k, v = make_qkv(tokens, 2, DQK, DV, BF16)
     length = 0 if case == "max_seqlen_q_0" else tokens
@@ -572,10 +443,57 @@ def test_degenerate_shapes_skip_the_kernel(chain, no_host_sync, case):
         k, v = k[:0], v[:0]
     max_q, max_k = length, 0 if case == "max_seqlen_k_0" else tokens
     with no_host_sync():
-        out, lse = FlashAttnBackend.prefill_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, 0.1)
+        out, lse = chain.run("chunk", q, k, v, cu_q, cu_k, max_q, max_k, 0.1)
     assert chain.calls == []
     assert out.shape == (tokens, 2, DV) and lse.shape == (2, tokens)
     assert not out.any() and torch.isneginf(lse).all()
+
+
+# --- FlashAttention-4's just-in-time compiles and CUDA-graph capture ----------------------------------------
+
+
+def test_a_compile_under_capture_is_refused_until_warmed_up(monkeypatch):
+    chain = Chain(*ALL)
+    fa4 = chain.libraries[FA4]
+    batch = make_batch([5, 0, 9], 2, DQK, DV, BF16, strided_v=True, padding=3)
+    chunk = make_batch([4, 2, 0], 2, DQK, DV, BF16, seed=1)
+    # A graph for up to 300 sequences, most of them padding of length 0.
+    many = make_batch([2, 3] + [0] * 298, 2, DQK, DV, BF16, strided_v=True, seed=2)
+    many_chunk = make_batch([1, 0, 3] + [0] * 297, 2, DQK, DV, BF16, seed=3)
+
+    def captured(b, c, budget: int):
+        # The new-tokens path and a chunk, with max_seqlen = a graph's token budget.
+        chain.run("prefill", b.q, b.k, b.v, b.cu_seqlens, None, budget, budget, 0.1)
+        chain.run("chunk", b.q, c.k, c.v, b.cu_seqlens, c.cu_seqlens, budget, budget, 0.1)
+
+    with standins.capturing(), pytest.raises(RuntimeError) as info:
+        captured(batch, chunk, 2048)
+    message = str(info.value)
+    assert message.startswith("FlashAttention-4 would compile a kernel (bfloat16, Dqk=192, Dv=128, causal=True, ")
+    assert "inside CUDA-graph capture" in message and "python -m mla_ops warmup --backend FLASH_ATTN" in message
+    assert fa4.compiled == []
+    assert fa4.interface.cute.compile.__name__ == "cute_compile", "the refusal must be undone after the call"
+
+    # FlashAttnBackend.warmup compiles what the ops launch. It runs on a CUDA device, simulated here.
+    monkeypatch.setattr(DeviceCapability, "of", classmethod(lambda cls, device: SM90))
+    chain.backend.warmup(torch.device("cpu"), SelectorConfig(BF16), 2)
+    variants = set(fa4.compiled)
+    flags = (True, False)
+    assert variants == {(BF16, DQK, DV, c, short, wide) for c in flags for short in flags for wide in flags}
+    with standins.capturing():
+        for budget in (64, 2048):  # within one query tile and beyond it
+            captured(batch, chunk, budget)
+            captured(many, many_chunk, budget)
+    assert len(fa4.compiled) == len(variants), "capture compiled nothing"
+    assert all(call["capturing"] for call in fa4.calls[-8:])
+
+
+def test_eager_calls_compile_on_first_use_only():
+    chain = Chain(FA4)
+    batch = make_batch([5, 9], 2, 64, 64, torch.float16)
+    for _ in range(3):
+        chain.run("prefill", batch.q, batch.k, batch.v, batch.cu_seqlens, None, 9, 9, 0.125)
+    assert chain.libraries[FA4].compiled == [(torch.float16, 64, 64, True, True, False)]
 
 
 # --- widening v ------------------------------------------------------------------------------------------
@@ -624,9 +542,9 @@ def test_widen_v_leaves_full_width_alone():
 
 
 @pytest.mark.parametrize("kind", ["window-before", "window-after", "copy-strided"])
-@pytest.mark.parametrize("impl", ["fa2", "bundled"])
-def test_nan_in_window_columns_does_not_leak(chain, impl, kind):
-    chain.install(fa2=impl == "fa2", bundled=impl == "bundled")
+@pytest.mark.parametrize("impl", [FA2, BUNDLED])
+def test_nan_in_window_columns_does_not_leak(impl, kind):
+    chain = Chain(impl)
     lengths = [4, 0, 7]
     v, extra = _views(kind, tokens=sum(lengths))
     if extra is not None:
@@ -634,7 +552,7 @@ def test_nan_in_window_columns_does_not_leak(chain, impl, kind):
     gen = torch.Generator().manual_seed(7)
     q, k, _ = make_qkv(sum(lengths), 3, DQK, DV, BF16, generator=gen)
     cu = cu_seqlens_of(lengths)
-    out, lse = FlashAttnBackend.prefill(q, k, v, cu, 7, 0.09)
+    out, lse = chain.run("prefill", q, k, v, cu, None, 7, 7, 0.09)
     (call,) = chain.calls
     if extra is not None:
         assert torch.isnan(call["v"]).any(), "the kernel saw the NaN columns"

@@ -1,10 +1,10 @@
-"""The TRITON backend on a CUDA GPU, through the public API (``pytest -m gpu``).
+"""TRITON-specific behaviour on a CUDA GPU (``pytest -m gpu``).
 
-Every result is checked against fp32 math with flash-attention-style tolerances
-(``utils.assert_attention_close``), on both paths, at awkward lengths, H = 16 and 128, in bf16 and
-fp16, and for the three head shapes the backend is meant for. The dense reference materialises
-``H * L * L`` fp32 scores per sequence (8.6 GB at L = 4097, H = 128), so the longest sequences run
-only for DeepSeek's (192, 128) dims.
+The contract every backend keeps (both paths at awkward lengths, H = 16 and 128, bf16 and fp16, three head
+shapes, strided ``v``, empty chunks, split context, CUDA-graph replay) is checked for TRITON by
+tests/test_backend_contract.py. Here: the selection, many sequences (several lookup passes), the TMA
+variant, ``MLA_OPS_TRITON_CONFIG``, the LSE against REFERENCE on the device, ``torch.compile``, a captured
+``prefill_with_context`` with the merge kernel inside the graph, the merge kernel, and warm-up.
 """
 
 from __future__ import annotations
@@ -13,11 +13,13 @@ import math
 
 import pytest
 import torch
-from utils import assert_attention_close, cu_seqlens_of, make_batch, make_qkv
+from utils import GraphBuffers, assert_attention_close, cu_seqlens_of, make_batch, make_qkv
 
 import mla_ops
 from mla_ops.backends.reference import merge_attn_states_reference
-from mla_ops.config import SelectorConfig
+from mla_ops.backends.triton import TritonBackend
+from mla_ops.config import MLADimensions, SelectorConfig
+from mla_ops.merge import merge_kernel
 
 pytestmark = pytest.mark.gpu
 
@@ -69,34 +71,11 @@ def _chunk_inputs(lengths_q, lengths_k, heads, dqk, dv, dtype, strided_v=False, 
 
 
 def test_triton_is_selected():
-    from mla_ops.backends.triton import TritonBackend
-
     batch = make_batch([4], 2, 192, 128, torch.bfloat16, DEVICE)
-    assert mla_ops.selector.backend_for(batch.q, batch.v) is TritonBackend
+    assert isinstance(mla_ops.selector.backend_for(batch.q, batch.v), TritonBackend)
 
 
 # --- new tokens (causal) ----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
-@pytest.mark.parametrize("heads", [16, 128])
-@pytest.mark.parametrize("length", [1, 17, 127, 1000, 4097])
-def test_prefill_single_sequence_deepseek_dims(length, heads, dtype):
-    _prefill_and_check([length], heads, 192, 128, dtype, seed=length)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
-@pytest.mark.parametrize("heads", [16, 128])
-def test_prefill_ragged_deepseek_dims(heads, dtype):
-    """A ragged mix with zero-length sequences, padding rows and a loose max_seqlen."""
-    _prefill_and_check([17, 0, 1000, 1, 127, 0, 4097], heads, 192, 128, dtype, padding=13, slack=500, seed=1)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
-@pytest.mark.parametrize("heads", [16, 128])
-@pytest.mark.parametrize("dims", SMALL_DIMS, ids=lambda d: f"{d[0]}x{d[1]}")
-def test_prefill_ragged_small_dims(dims, heads, dtype):
-    _prefill_and_check([1, 17, 0, 127, 1000], heads, *dims, dtype, padding=5, seed=2)
 
 
 def test_many_short_sequences():
@@ -111,12 +90,6 @@ def test_many_short_sequences():
     out, lse = mla_ops.prefill_context_chunk(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k))
     assert_attention_close(out, lse, q, k, v, cu_q, cu_k, _scale(192), causal=False)
     _check_padding(lse, sum(lengths_q))
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
-def test_prefill_strided_v(dtype):
-    batch, _, _ = _prefill_and_check([127, 1000, 17], 16, 192, 128, dtype, strided_v=True, seed=3)
-    assert not batch.v.is_contiguous()
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
@@ -157,27 +130,6 @@ def test_config_env_var_override(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
-@pytest.mark.parametrize("heads", [16, 128])
-@pytest.mark.parametrize("dims", [(192, 128), *SMALL_DIMS], ids=lambda d: f"{d[0]}x{d[1]}")
-def test_chunk_with_empty_slices(dims, heads, dtype):
-    dqk, dv = dims
-    lengths_q = [17, 1000, 0, 127, 1]
-    lengths_k = [4097, 0, 300, 1, 1000] if dims == (192, 128) else [1000, 0, 300, 1, 127]
-    q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, heads, dqk, dv, dtype, strided_v=True, padding=7)
-    out, lse = mla_ops.prefill_context_chunk(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k))
-    assert_attention_close(out, lse, q, k, v, cu_q, cu_k, _scale(dqk), causal=False)
-    _check_empty_rows(out, lse, slice(17, 1017))  # a sequence with no context in this chunk
-    _check_padding(lse, sum(lengths_q))
-
-
-def test_chunk_entirely_empty():
-    lengths_q = [5, 9]
-    q, k, v, cu_q, _ = _chunk_inputs(lengths_q, [], 16, 192, 128, torch.bfloat16)
-    out, lse = mla_ops.prefill_context_chunk(q, k, v, cu_q, cu_seqlens_of([0, 0], DEVICE), 9, 0)
-    _check_empty_rows(out, lse, slice(0, 14))
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 def test_lse_agrees_with_reference_backend(dtype):
     """Natural log, [H, T]: the TRITON LSE must match the REFERENCE backend's closely."""
     batch = make_batch([300, 0, 77], 16, 192, 128, dtype, DEVICE, seed=4)
@@ -189,20 +141,6 @@ def test_lse_agrees_with_reference_backend(dtype):
     torch.testing.assert_close(lse[:, :n], ref_lse[:, :n], rtol=1e-5, atol=1e-4)
 
 
-# --- split context == unsplit attention -------------------------------------------------------------
-
-
-def _split_context(ctx_lengths, pieces, gen):
-    """Split each sequence's context into ``pieces`` consecutive slices (some empty)."""
-    bounds = []
-    for n in ctx_lengths:
-        cuts = sorted(torch.randint(0, n + 1, (pieces - 1,), generator=gen).tolist())
-        if pieces > 1 and n > 0:
-            cuts[0] = 0  # one empty slice at least, to exercise empty chunk rows
-        bounds.append([0, *cuts, n])
-    return bounds
-
-
 def _unsplit(k_new, v_new, cu_new, k_ctx, v_ctx, cu_ctx):
     """Each sequence's keys as one slice ``[context ; new tokens]``: ``(k, v, cu_seqlens_k)``."""
     bn, bc = cu_new.tolist(), cu_ctx.tolist()
@@ -212,34 +150,6 @@ def _unsplit(k_new, v_new, cu_new, k_ctx, v_ctx, cu_ctx):
         vs += [v_ctx[bc[b] : bc[b + 1]], v_new[bn[b] : bn[b + 1]]]
         lengths.append(bc[b + 1] - bc[b] + bn[b + 1] - bn[b])
     return torch.cat(ks), torch.cat(vs), cu_seqlens_of(lengths, k_new.device)
-
-
-@pytest.mark.parametrize("pieces", [1, 2, 3])
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
-def test_prefill_with_context_equals_unsplit(pieces, dtype):
-    """Merging the new-token attention with 1, 2 or 3 context chunks == one causal attention over
-    ``[context ; new]`` (bottom-right aligned: new token i sees all its context and new tokens <= i)."""
-    heads, dqk, dv = 16, 192, 128
-    new_lengths = [17, 300, 1, 0, 128]
-    ctx_lengths = [1000, 0, 129, 40, 513]
-    gen = torch.Generator().manual_seed(5)
-    q, k_new, v_new = make_qkv(sum(new_lengths), heads, dqk, dv, dtype, DEVICE, generator=gen)
-    _, k_ctx, v_ctx = make_qkv(sum(ctx_lengths), heads, dqk, dv, dtype, DEVICE, strided_v=True, generator=gen)
-    cu_new, cu_ctx = cu_seqlens_of(new_lengths, DEVICE), cu_seqlens_of(ctx_lengths)
-    bounds = _split_context(ctx_lengths, pieces, gen)
-    chunks = []
-    for p in range(pieces):
-        ks, vs, lens = [], [], []
-        for b in range(len(new_lengths)):
-            lo, hi = int(cu_ctx[b]) + bounds[b][p], int(cu_ctx[b]) + bounds[b][p + 1]
-            ks.append(k_ctx[lo:hi])
-            vs.append(v_ctx[lo:hi])
-            lens.append(hi - lo)
-        chunks.append(mla_ops.ContextChunk(torch.cat(ks), torch.cat(vs), cu_seqlens_of(lens, DEVICE), max(lens)))
-    out, lse = mla_ops.prefill_with_context(q, k_new, v_new, cu_new, 300, chunks)
-    k_all, v_all, cu_all = _unsplit(k_new, v_new, cu_new, k_ctx, v_ctx, cu_ctx)
-    # Each merge rounds a partial output to the input dtype once more than one-piece attention does.
-    assert_attention_close(out, lse, q, k_all, v_all, cu_new, cu_all, _scale(dqk), True, factor=2.0 + pieces)
 
 
 # --- torch.compile and CUDA graphs ------------------------------------------------------------------
@@ -262,24 +172,16 @@ def test_compile_fullgraph_equals_eager():
     assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
 
 
-def test_cuda_graph_replay_with_new_lengths():
-    """Capture once with max_seqlen = token budget, then replay batches written into the same buffers."""
-    from mla_ops.backends.triton import TritonBackend
-
+def test_cuda_graph_replay_of_prefill_with_context():
+    """``prefill_with_context`` captured whole (attention on both paths and the merge kernel) with
+    max_seqlen = the token budget, then replayed with batches of other lengths in the same buffers."""
     heads, dqk, dv, dtype = 16, 192, 128, torch.bfloat16
-    budget, max_batch, chunk_budget = 2048, 4, 1536
-    TritonBackend.warmup(torch.device(DEVICE), SelectorConfig(dtype), heads)
-    q = torch.zeros(budget, heads, dqk, device=DEVICE, dtype=dtype)
-    k = torch.zeros_like(q)
-    kv = torch.zeros(budget, heads, dqk + dv, device=DEVICE, dtype=dtype)
-    v = kv[..., dqk:]
-    cu = torch.zeros(max_batch + 1, dtype=torch.int32, device=DEVICE)
-    k_c = torch.zeros(chunk_budget, heads, dqk, device=DEVICE, dtype=dtype)
-    v_c = torch.zeros(chunk_budget, heads, dv, device=DEVICE, dtype=dtype)
-    cu_c = torch.zeros(max_batch + 1, dtype=torch.int32, device=DEVICE)
+    TritonBackend().warmup(torch.device(DEVICE), SelectorConfig(dtype), heads)
+    bufs = GraphBuffers(heads, dqk, dv, dtype, budget=2048, budget_k=1536, max_batch=4, seed=8)
+    q, k, v, cu = bufs.q, bufs.k, bufs.v, bufs.cu
 
     def step():
-        return mla_ops.prefill_with_context(q, k, v, cu, budget, [(k_c, v_c, cu_c, chunk_budget)])
+        return mla_ops.prefill_with_context(q, k, v, cu, bufs.budget, [(bufs.kc, bufs.vc, bufs.cu_k, bufs.budget_k)])
 
     batches = [
         ([1000, 24, 0, 1], [1536, 0, 0, 0]),
@@ -288,23 +190,14 @@ def test_cuda_graph_replay_with_new_lengths():
         ([0, 0, 0, 0], [0, 0, 0, 0]),
         ([300, 300, 300, 300], [5, 0, 700, 64]),
     ]
-    gen = torch.Generator().manual_seed(8)
-
-    def load(lengths, ctx_lengths):
-        cu.copy_(cu_seqlens_of(lengths, DEVICE))
-        cu_c.copy_(cu_seqlens_of(ctx_lengths, DEVICE))
-        for t in (q, k, kv, k_c, v_c):
-            t.copy_(torch.randn(t.shape, generator=gen).to(device=DEVICE, dtype=dtype))
-        mla_ops.plan_cuda_graph(cu, cu_seqlens_k=[cu_c])
-
-    load(*batches[0])
+    bufs.load(*batches[0])
     step()  # eager warm-up outside capture, as the package documents
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         graph_out, graph_lse = step()
     for lengths, ctx_lengths in batches:
-        load(lengths, ctx_lengths)
+        bufs.load(lengths, ctx_lengths)
         graph.replay()
         eager_out, eager_lse = step()
         n = sum(lengths)
@@ -312,9 +205,8 @@ def test_cuda_graph_replay_with_new_lengths():
         # Padding rows: lse -inf from both kernels, so the merge leaves clean zeros there.
         _check_empty_rows(graph_out, graph_lse, slice(n, None))
         # And the replayed numbers are right, not only repeatable: one attention over [context ; new].
-        k_all, v_all, cu_all = _unsplit(k, v, cu, k_c, v_c, cu_c)
+        k_all, v_all, cu_all = _unsplit(k, v, cu, bufs.kc, bufs.vc, bufs.cu_k)
         assert_attention_close(graph_out, graph_lse, q, k_all, v_all, cu, cu_all, _scale(dqk), True, factor=3.0)
-    mla_ops.release_cuda_graph_buffers()
 
 
 # --- merge -------------------------------------------------------------------------------------------
@@ -347,7 +239,7 @@ def test_merge_matches_reference(shape, dtype):
 def test_merge_uses_triton_and_handles_zero_tokens():
     from mla_ops.kernels.merge import merge_attn_states_triton
 
-    assert mla_ops.ops.merge_kernel() is merge_attn_states_triton
+    assert merge_kernel(torch.device(DEVICE)) is merge_attn_states_triton
     empty = torch.empty(0, 4, 128, device=DEVICE, dtype=torch.bfloat16)
     lse = torch.empty(4, 0, device=DEVICE)
     out, out_lse = mla_ops.merge_attn_states(empty, lse, empty, lse)
@@ -359,9 +251,5 @@ def test_merge_uses_triton_and_handles_zero_tokens():
 
 @pytest.mark.parametrize("dims", [(192, 128), *SMALL_DIMS], ids=lambda d: f"{d[0]}x{d[1]}")
 def test_warmup_compiles_without_error(dims):
-    from mla_ops.backends.triton import TritonBackend
-    from mla_ops.config import MLADimensions
-
-    dqk, dv = dims
-    config = SelectorConfig(torch.bfloat16, MLADimensions.from_head_dims(dqk, dv))
-    TritonBackend.warmup(torch.device(DEVICE), config, num_heads=16)
+    config = SelectorConfig(torch.bfloat16, MLADimensions.from_head_dims(*dims))
+    TritonBackend().warmup(torch.device(DEVICE), config, num_heads=16)

@@ -2,9 +2,10 @@
 moves host-planned calls to their ``cudagraph_unsafe`` twins, and the compile-time refusal of a
 host-planning backend without those options.
 
-Here the "host-planning" route is simulated by caching FLASHINFER as the route of a configuration
-(``selector._routes``); the CPU kernels always run REFERENCE, so results stay checkable.
-tests/test_gpu_e2e.py compiles the MLA layer with these options on a real device.
+Here a host-planning route is simulated by caching a FLASHINFER backend built around the ``flashinfer``
+stand-in (tests/standins.py) as the route of a CPU configuration (``selector._routes``, the cache the ops
+read; automatic selection always gives CPU tensors REFERENCE). The ops then run the stand-in, so results
+stay checkable. tests/test_gpu_e2e.py compiles the MLA layer with these options on a real device.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 from unittest import mock
 
 import pytest
+import standins
 import torch
 from torch._guards import TracingContext, tracing
 from torch._inductor import config as inductor_config
@@ -22,7 +24,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from utils import cu_seqlens_of, make_batch, make_qkv
 
 import mla_ops
-from mla_ops import ops, selector
+from mla_ops import DeviceCapability, graph_trees, ops, selector
+from mla_ops.backends.base import PrefillBackend
 from mla_ops.backends.flashinfer import FlashInferBackend
 from mla_ops.backends.triton import TritonBackend
 from mla_ops.graph_trees import host_planned_ops_pass
@@ -30,19 +33,29 @@ from mla_ops.graph_trees import host_planned_ops_pass
 BF16 = torch.bfloat16
 
 
+def host_planner() -> FlashInferBackend:
+    """A FLASHINFER backend around the stand-in: it plans on the host, and runs on CPU tensors."""
+    return FlashInferBackend(
+        library=standins.flashinfer_module(), workspace_bytes=1 << 20, capability=DeviceCapability(9, 0)
+    )
+
+
 @contextlib.contextmanager
-def routed(backend, device="cpu", dtype=BF16, dims=(192, 128)):
-    """Make the ops' router return ``backend`` for this configuration (what a GPU would cache)."""
+def routed(backend: PrefillBackend | type, device="cpu", dtype=BF16, dims=(192, 128)):
+    """Make the ops' router return ``backend`` (an instance, or a class to instantiate) for this configuration,
+    as a GPU would cache it."""
+    if isinstance(backend, type):
+        backend = host_planner() if backend is FlashInferBackend else backend()
     selector.clear_cache()
     selector._routes[(torch.device(device), dtype, *dims)] = backend
     try:
-        yield
+        yield backend
     finally:
         selector.clear_cache()
 
 
 def test_backends_that_plan_on_the_host() -> None:
-    planners = {m.name for m in mla_ops.PrefillBackendEnum if m.get_class().plans_on_host}
+    planners = {m.name for m in mla_ops.PrefillBackendEnum if m.backend_class().plans_on_host}
     assert planners == {"FLASHINFER"}
 
 
@@ -126,8 +139,8 @@ def test_a_list_of_existing_passes_runs_in_order_and_keys_the_cache() -> None:
 def test_the_cache_key_follows_the_selection() -> None:
     graph_pass = mla_ops.compile_options()["post_grad_custom_pre_pass"]
     automatic = graph_pass.uuid()
-    with mla_ops.prefill_backend("TRITON"):
-        assert graph_pass.uuid() != automatic
+    with mla_ops.prefill_backend("TRITON"):  # on CPU the override changes nothing: REFERENCE runs, and keys
+        assert graph_pass.uuid() == automatic
     with routed(FlashInferBackend):
         host_planned = graph_pass.uuid()
     with routed(TritonBackend):
@@ -145,7 +158,7 @@ def test_unknown_mode_is_refused() -> None:
 
 
 def test_a_torch_without_the_tag_is_explained(monkeypatch) -> None:
-    monkeypatch.setattr(ops, "GRAPH_UNSAFE_TAGS", ())
+    monkeypatch.setattr(graph_trees, "GRAPH_UNSAFE_TAGS", ())
     with pytest.raises(RuntimeError, match=r"cannot run ops between the CUDA graphs of a tree .* torch 2.11 or newer"):
         mla_ops.compile_options()
     assert mla_ops.compile_options("default") == {}
@@ -171,8 +184,9 @@ def _compile_and_run(options):
 
 
 def test_the_pass_moves_host_planned_calls_to_the_twins() -> None:
-    with routed(FlashInferBackend):
+    with routed(FlashInferBackend) as backend:
         code = _compile_and_run(mla_ops.compile_options())
+    assert backend.plan_count == 2, "the twins ran the routed backend: one plan for the new tokens, one for the chunk"
     assert "mla.prefill_host_planned.default" in code
     assert "mla.prefill_context_chunk_host_planned.default" in code
     assert "mla.merge_attn_states.default" in code  # the merge never plans; it stays
@@ -251,7 +265,7 @@ def _partitioned_code(options) -> str:
     with mock.patch.object(BaseSchedulerNode, "is_gpu", lambda self: True), routed(FlashInferBackend):
         compiled = torch.compile(attend, fullgraph=True, options=options)
         (out, lse), code = run_and_get_code(compiled, b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen)
-    want_out, want_lse = attend(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen)
+        want_out, want_lse = attend(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen)
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
     return "\n".join(code)
 

@@ -6,16 +6,22 @@ Snapshots are expecttest inline snapshots; after an intended change, regenerate 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
 
 import expecttest
 import pytest
+import standins
 import torch
 
 import mla_ops
 from mla_ops import DeviceCapability, MLADimensions, PrefillBackendEnum, SelectorConfig
 from mla_ops import selector as sel
+from mla_ops.backends.flash_attn import FlashAttnBackend
+from mla_ops.backends.flashinfer import FlashInferBackend
+from mla_ops.backends.registry import replace_backend
 from mla_ops.info import selection_rules
 
 SM80, SM89, SM90, SM100, SM75 = (DeviceCapability(*c) for c in ((8, 0), (8, 9), (9, 0), (10, 0), (7, 5)))
@@ -26,19 +32,17 @@ ODD = MLADimensions(256, 64, 128)  # Dqk 320: wider than any kernel library serv
 
 
 @pytest.fixture
-def all_installed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pretend every backend's library is installed, so choices depend only on the rules."""
-    for member in PrefillBackendEnum:
-        cls = member.get_class()
-        monkeypatch.setattr(cls, "unavailable_reason", classmethod(lambda c: None))
-        monkeypatch.setattr(
-            cls, "validate_configuration", classmethod(lambda c, cap, cfg: c.configuration_reasons(cap, cfg))
-        )
-    sel.clear_cache()
+def all_installed():
+    """Every library present (Triton for real, the others as stand-ins), so choices depend only on the rules."""
+    pytest.importorskip("triton", reason="TRITON's library is part of 'every library installed'")
+    flashinfer = FlashInferBackend(library=standins.flashinfer_module(), workspace_bytes=1 << 20)
+    flash_attn = FlashAttnBackend(libraries=standins.flash_attn_libraries(*standins.FLASH_ATTN_NAMES))
+    with sel.backend_installed(flashinfer), sel.backend_installed(flash_attn):
+        yield
 
 
 def _summary(capability, dtype, dims) -> str:
-    order = [b.name for b in sel.backend_priorities(capability, dims)]
+    order = [b.name for b in sel.backend_priorities(capability, SelectorConfig(dtype, dims))]
     if not order:
         return "[] -> none (no priority list for this capability)"
     rules = selection_rules(capability, SelectorConfig(dtype, dims)).splitlines()
@@ -191,7 +195,7 @@ class TestErrorMessages(expecttest.TestCase):
             sel.select_backend(SM90, SelectorConfig(torch.bfloat16, ODD))
         self.assertExpectedInline(
             str(ctx.exception),
-            """No valid MLA prefill backend found with SelectorConfig(dtype=torch.bfloat16, mla_dimensions=MLADimensions(qk_nope_head_dim=256, qk_rope_head_dim=64, v_head_dim=128)). Reasons: {FLASHINFER: [head dims (Dqk, Dv) = (320, 128) have no FlashInfer ragged prefill kernel: fa2/fa3 are built for Dqk == Dv in (64, 128, 256) and for DeepSeek's (192, 128)], TRITON: [qk head dim (qk_nope + qk_rope) 320 exceeds 256], FLASH_ATTN: [head dims (Dqk=320, Dv=128) are not supported: FlashAttention-3 (flash_attn_interface) supports Dqk up to 256; FlashAttention-2 (flash_attn) supports head dims up to 256, and the padded head dim max(Dqk, Dv) is 320; PyTorch's bundled FlashAttention-2 (torch.ops.aten._flash_attention_forward) supports head dims up to 256, and the padded head dim max(Dqk, Dv) is 320]}.""",
+            """No valid MLA prefill backend found with SelectorConfig(dtype=torch.bfloat16, mla_dimensions=MLADimensions(qk_nope_head_dim=256, qk_rope_head_dim=64, v_head_dim=128)). Reasons: {FLASHINFER: [head dims (Dqk, Dv) = (320, 128) have no FlashInfer ragged prefill kernel: fa2/fa3 are built for Dqk == Dv in (64, 128, 256) and for DeepSeek's (192, 128)], TRITON: [qk head dim (qk_nope + qk_rope) 320 exceeds 256], FLASH_ATTN: [head dims (Dqk=320, Dv=128) are not supported: FlashAttention-4 (flash_attn.cute) on SM90 supports head dims from 8 to 256; FlashAttention-3 (flash_attn_interface) supports Dqk up to 256; FlashAttention-2 (flash_attn) supports head dims up to 256, and the padded head dim max(Dqk, Dv) is 320; PyTorch's bundled FlashAttention-2 (torch.ops.aten._flash_attention_forward) supports head dims up to 256, and the padded head dim max(Dqk, Dv) is 320]}.""",
         )
 
     def test_unsupported_platform(self) -> None:
@@ -228,24 +232,47 @@ def test_choices_match_the_rules_when_everything_is_installed(all_installed) -> 
 
 
 def test_missing_library_moves_selection_down_the_list(monkeypatch: pytest.MonkeyPatch, all_installed) -> None:
-    flashinfer = PrefillBackendEnum.FLASHINFER.get_class()
-    monkeypatch.setattr(flashinfer, "validate_configuration", classmethod(lambda c, cap, cfg: ["not installed"]))
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` fail
+    with sel.backend_installed(FlashInferBackend()):
+        assert sel.select_backend(SM90, SelectorConfig(torch.bfloat16, DEEPSEEK)).name == "TRITON"
+
+
+@contextlib.contextmanager
+def _fresh_instance(member: PrefillBackendEnum):
+    """Drop the process's instance of ``member`` for the block, so that its module is imported again."""
+    previous = replace_backend(member, None)
     sel.clear_cache()
-    assert sel.select_backend(SM90, SelectorConfig(torch.bfloat16, DEEPSEEK)).name == "TRITON"
+    try:
+        yield
+    finally:
+        replace_backend(member, previous)
+        sel.clear_cache()
 
 
-def test_import_error_becomes_the_reason_ImportError(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(self):
-        raise ImportError("simulated")
-
-    monkeypatch.setattr(PrefillBackendEnum, "get_class", broken)
-    cls, reasons = sel.validate_backend(PrefillBackendEnum.TRITON, SM90, SelectorConfig(torch.bfloat16))
-    assert cls is None and reasons == ["ImportError"]
+def test_a_backend_module_that_cannot_import_gives_the_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mla_ops.backends.triton", None)
+    with _fresh_instance(PrefillBackendEnum.TRITON):
+        backend, reasons = sel.validate_backend(PrefillBackendEnum.TRITON, SM90, SelectorConfig(torch.bfloat16))
+        assert backend is None
+        assert reasons == ["ImportError: import of mla_ops.backends.triton halted; None in sys.modules"]
+        with mla_ops.prefill_backend("TRITON"), pytest.raises(ValueError, match=r"import of mla_ops\.backends\.triton"):
+            sel.select_backend(SM90, SelectorConfig(torch.bfloat16))
 
 
 def test_cpu_uses_reference() -> None:
-    assert sel.backend_priorities(None, DEEPSEEK) == [PrefillBackendEnum.REFERENCE]
-    assert sel.select_backend(None, SelectorConfig(torch.bfloat16)).name == "REFERENCE"
+    config = SelectorConfig(torch.bfloat16, DEEPSEEK)
+    assert sel.backend_priorities(None, config) == [PrefillBackendEnum.REFERENCE]
+    assert sel.select_backend(None, config).name == "REFERENCE"
+
+
+def test_cpu_runs_reference_whatever_is_forced_but_a_misspelt_name_still_fails(monkeypatch) -> None:
+    config = SelectorConfig(torch.bfloat16, DEEPSEEK)
+    with mla_ops.prefill_backend("FLASHINFER"):
+        assert sel.select_backend(None, config).name == "REFERENCE"
+        assert sel.route(torch.device("cpu"), torch.bfloat16, 192, 128).name == "REFERENCE"
+    monkeypatch.setenv(sel.ENV_VAR, "FLASHINFR")
+    with pytest.raises(ValueError, match=r"MLA_OPS_PREFILL_BACKEND='FLASHINFR': unknown MLA prefill backend"):
+        sel.select_backend(None, config)
 
 
 # --- overrides ----------------------------------------------------------------------------------
@@ -337,7 +364,7 @@ def test_info_cli_prints_the_rules_table(capability, expected_cap) -> None:
         capture_output=True,
         text=True,
         check=True,
-        env={**__import__("os").environ, sel.ENV_VAR: ""},
+        env={**os.environ, sel.ENV_VAR: ""},
     )
     assert selection_rules(expected_cap, SelectorConfig(torch.bfloat16, DEEPSEEK)) in result.stdout
     assert "On this machine (compute capability" in result.stdout

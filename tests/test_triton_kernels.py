@@ -1,4 +1,9 @@
-"""The Triton kernels and the TRITON backend class, on CPU under ``TRITON_INTERPRET=1``.
+"""The Triton kernels and the TRITON backend, on CPU under ``TRITON_INTERPRET=1``: what is specific to them.
+
+The contract every backend keeps (both paths at awkward lengths, empty sequences and chunks, strided
+``v``, the LSE conventions) is checked for TRITON by tests/test_backend_contract.py; here are the tile
+logic at several block shapes, the sequence lookup, the launch grid, TMA, launch configurations, the
+merge kernel and the backend's reasons.
 
 ``tests/conftest.py`` turns the interpreter on when there is no CUDA device. The interpreter runs
 every program in numpy, so these tests use two heads, short sequences and small blocks (passed to
@@ -38,7 +43,6 @@ interpreted = pytest.mark.skipif(
 
 HEADS = 2
 SMALL = AttentionConfig(16, 16, 4, 1)
-DIMS = [(192, 128), (64, 64), (128, 128)]
 DTYPES = [torch.bfloat16, torch.float16]
 
 
@@ -68,22 +72,6 @@ def _chunk_inputs(lengths_q, lengths_k, dqk, dv, dtype, seed=0, padding=0, strid
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
-@pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"{d[0]}x{d[1]}")
-def test_causal_ragged_batch(dims, dtype):
-    dqk, dv = dims
-    lengths = [19, 0, 1, 33, 0, 16]
-    batch = make_batch(lengths, HEADS, dqk, dv, dtype, padding=5, seed=1)
-    scale = dqk**-0.5
-    out, lse = attention_triton(
-        batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen,
-        scale, causal=True, config=SMALL,
-    )  # fmt: skip
-    assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, scale, True)
-    _check_padding(lse, sum(lengths))
-
-
-@interpreted
 @pytest.mark.parametrize(
     "config",
     [AttentionConfig(32, 16, 4, 1), AttentionConfig(16, 32, 4, 1), AttentionConfig(64, 64, 4, 2)],
@@ -97,19 +85,6 @@ def test_causal_block_shapes(config):
         batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 70, 70, 0.1, causal=True, config=config
     )
     assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 0.1, True)
-
-
-@interpreted
-def test_causal_strided_v_and_loose_max_seqlen():
-    """v as a view of a wider kv tensor, and max_seqlen far above the longest sequence (a graph budget)."""
-    lengths = [23, 7]
-    batch = make_batch(lengths, HEADS, 192, 128, torch.bfloat16, strided_v=True, padding=9, seed=3)
-    assert not batch.v.is_contiguous()
-    out, lse = attention_triton(
-        batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 200, 200, 0.07, causal=True, config=SMALL
-    )
-    assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 0.07, True)
-    _check_padding(lse, sum(lengths))
 
 
 @interpreted
@@ -185,40 +160,7 @@ def test_all_sequences_empty_and_no_sequences():
         _check_padding(lse, 0)
 
 
-@interpreted
-def test_zero_tokens():
-    q, k, v = make_qkv(0, HEADS, 192, 128, torch.bfloat16)
-    cu = cu_seqlens_of([0])
-    out, lse = attention_triton(q, k, v, cu, cu, 0, 0, 0.1, causal=True, config=SMALL)
-    assert out.shape == (0, HEADS, 128) and lse.shape == (HEADS, 0)
-
-
 # --- attention: context chunks (non-causal) ---------------------------------------------------------
-
-
-@interpreted
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
-@pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"{d[0]}x{d[1]}")
-def test_chunk_with_empty_slices(dims, dtype):
-    dqk, dv = dims
-    lengths_q = [9, 17, 0, 5]
-    lengths_k = [40, 0, 12, 16]  # sequence 1 has no context in this chunk
-    q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, dqk, dv, dtype, seed=6, padding=3, strided_v=True)
-    scale = dqk**-0.5
-    out, lse = attention_triton(q, k, v, cu_q, cu_k, 17, 40, scale, causal=False, config=SMALL)
-    assert_attention_close(out, lse, q, k, v, cu_q, cu_k, scale, False)
-    _check_empty_rows(out, lse, slice(9, 26))
-    _check_padding(lse, sum(lengths_q))
-
-
-@interpreted
-def test_chunk_with_no_context_at_all():
-    """A chunk whose K/V tensors are empty: every row is out = 0, lse = -inf."""
-    lengths_q = [4, 6]
-    q, k, v, cu_q, _ = _chunk_inputs(lengths_q, [], 192, 128, torch.bfloat16)
-    cu_k = cu_seqlens_of([0, 0])
-    out, lse = attention_triton(q, k, v, cu_q, cu_k, 6, 0, 0.1, causal=False, config=SMALL)
-    _check_empty_rows(out, lse, slice(0, 10))
 
 
 @interpreted
@@ -442,70 +384,69 @@ def test_shrink_steps_down_to_smallest():
 
 
 def test_backend_dimension_reasons():
+    reasons = TritonBackend().reasons
     hopper = DeviceCapability(9, 0)
-    assert TritonBackend.validate_configuration(hopper, SelectorConfig(torch.bfloat16, DEEPSEEK_V3)) == []
-    assert TritonBackend.validate_configuration(hopper, SelectorConfig(torch.float16, MLADimensions(64, 0, 64))) == []
-    reasons = TritonBackend.validate_configuration(hopper, SelectorConfig(torch.bfloat16, MLADimensions(128, 64, 100)))
-    assert reasons == ["v head dim 100 is not a positive multiple of 16"]
-    reasons = TritonBackend.validate_configuration(hopper, SelectorConfig(torch.bfloat16, MLADimensions(256, 64, 512)))
-    assert reasons == ["qk head dim (qk_nope + qk_rope) 320 exceeds 256", "v head dim 512 exceeds 256"]
+    assert reasons(hopper, SelectorConfig(torch.bfloat16, DEEPSEEK_V3)) == []
+    assert reasons(hopper, SelectorConfig(torch.float16, MLADimensions(64, 0, 64))) == []
+    assert reasons(hopper, SelectorConfig(torch.bfloat16, MLADimensions(128, 64, 100))) == [
+        "v head dim 100 is not a positive multiple of 16"
+    ]
+    assert reasons(hopper, SelectorConfig(torch.bfloat16, MLADimensions(256, 64, 512))) == [
+        "qk head dim (qk_nope + qk_rope) 320 exceeds 256",
+        "v head dim 512 exceeds 256",
+    ]
 
 
 def test_backend_capability_and_device():
-    config = SelectorConfig(torch.bfloat16, DEEPSEEK_V3)
-    assert TritonBackend.supports_compute_capability(DeviceCapability(8, 0))
-    assert TritonBackend.supports_compute_capability(DeviceCapability(10, 0))
-    assert TritonBackend.validate_configuration(DeviceCapability(7, 5), config) == [
-        "compute capability 7.5 is not supported"
+    backend, config = TritonBackend(), SelectorConfig(torch.bfloat16, DEEPSEEK_V3)
+    assert backend.capability_reasons(DeviceCapability(8, 0)) == []
+    assert backend.capability_reasons(DeviceCapability(10, 0)) == []
+    assert backend.reasons(DeviceCapability(7, 5), config) == [
+        "compute capability 7.5 is not supported (needs 8.0 or newer)"
     ]
-    assert TritonBackend.validate_configuration(None, config) == ["runs on CUDA devices only, not on CPU"]
-    reasons = TritonBackend.validate_configuration(DeviceCapability(9, 0), SelectorConfig(torch.float32, DEEPSEEK_V3))
-    assert reasons == ["dtype float32 is not supported (use bfloat16, float16)"]
+    assert backend.reasons(None, config) == ["runs on CUDA devices only, not on CPU"]
+    assert backend.reasons(DeviceCapability(9, 0), SelectorConfig(torch.float32, DEEPSEEK_V3)) == [
+        "dtype float32 is not supported (use bfloat16, float16)"
+    ]
+    assert not backend.plans_on_host, "the kernels read cu_seqlens on the device"
 
 
-def test_backend_available_and_implementation():
+def test_backend_available_and_described():
     import triton
 
-    assert TritonBackend.unavailable_reason() is None and TritonBackend.is_available()
-    assert f"Triton {triton.__version__}" in TritonBackend.implementation()
+    backend = TritonBackend()
+    assert backend.library_reasons(DeviceCapability(9, 0), SelectorConfig(torch.bfloat16)) == []
+    assert backend.describe(DeviceCapability(9, 0), SelectorConfig(torch.bfloat16)).startswith(
+        f"Triton {triton.__version__}: mla_ops varlen flash-attention forward"
+    )
 
 
 def test_backend_unavailable_without_triton(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
-    assert TritonBackend.unavailable_reason() == "triton is not installed (pip install 'mla_ops[triton]')"
-    assert not TritonBackend.is_available()
-    reasons = TritonBackend.validate_configuration(DeviceCapability(9, 0), SelectorConfig(torch.bfloat16))
-    assert reasons == ["triton is not installed (pip install 'mla_ops[triton]')"]
-    assert "not installed" in TritonBackend.implementation()
+    backend, config = TritonBackend(), SelectorConfig(torch.bfloat16)
+    assert backend.reasons(DeviceCapability(9, 0), config) == [
+        "triton is not installed (pip install 'mla_ops[triton]')"
+    ]
+    assert backend.describe(DeviceCapability(9, 0), config).startswith("Triton (not installed)")
 
 
 def test_backend_module_imports_without_triton():
     """The registry imports the backend module to ask it why it is unavailable: that must not need triton."""
     code = (
         "import sys; sys.modules['triton'] = None\n"
+        "import torch\n"
         "from mla_ops.backends.triton import TritonBackend\n"
-        "print(TritonBackend.unavailable_reason())\n"
+        "print(TritonBackend().library_reasons(None, None))\n"
     )
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "triton is not installed (pip install 'mla_ops[triton]')"
-
-
-@interpreted
-def test_backend_runs_both_paths():
-    """The class methods call the kernel (the op layer sends CUDA tensors here; CPU ones are interpreted)."""
-    batch = make_batch([12, 0, 5], HEADS, 64, 64, torch.float16, seed=14)
-    out, lse = TritonBackend.prefill(batch.q, batch.k, batch.v, batch.cu_seqlens, 12, 0.125)
-    assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 0.125, True)
-    q, k, v, cu_q, cu_k = _chunk_inputs([3, 4], [0, 9], 64, 64, torch.float16, seed=15)
-    out, lse = TritonBackend.prefill_context_chunk(q, k, v, cu_q, cu_k, 4, 9, 0.125)
-    assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.125, False)
+    assert result.stdout.strip() == "[\"triton is not installed (pip install 'mla_ops[triton]')\"]"
 
 
 def test_backend_warmup_rejects_cpu():
     with pytest.raises(ValueError, match="runs on CUDA devices only"):
-        TritonBackend.warmup(torch.device("cpu"), SelectorConfig(torch.bfloat16), num_heads=2)
+        TritonBackend().warmup(torch.device("cpu"), SelectorConfig(torch.bfloat16), num_heads=2)
 
 
 @interpreted

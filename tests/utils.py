@@ -176,3 +176,44 @@ def assert_attention_close(
         lse_err = (lse[finite] - ref_lse[finite]).abs().max().item()
         lse_bound = factor * (low_lse[finite] - ref_lse[finite]).abs().max().item() + 1e-5
         assert lse_err <= lse_bound, f"lse error {lse_err:.3e} exceeds {lse_bound:.3e}"
+
+
+class GraphBuffers:
+    """The static buffers a captured CUDA graph reads, for a token budget and a maximum batch.
+
+    ``q``/``k`` ``[budget, H, Dqk]`` and ``v`` ``[budget, H, Dv]``, a strided view of ``kv``
+    ``[budget, H, Dqk + Dv]`` as MLA makes it; one context chunk ``kc``/``vc`` ``[budget_k, H, ...]``; and
+    the offsets ``cu``/``cu_k`` int32 ``[max_batch + 1]``. :meth:`load` writes a new batch into them.
+    """
+
+    def __init__(
+        self,
+        heads: int,
+        dqk: int,
+        dv: int,
+        dtype: torch.dtype,
+        budget: int,
+        budget_k: int,
+        max_batch: int,
+        device: torch.device | str = "cuda",
+        seed: int = 0,
+    ) -> None:
+        self.budget, self.budget_k, self.max_batch = budget, budget_k, max_batch
+        self.q = torch.empty(budget, heads, dqk, dtype=dtype, device=device)
+        self.k = torch.empty_like(self.q)
+        self.kv = torch.empty(budget, heads, dqk + dv, dtype=dtype, device=device)
+        self.v = self.kv[..., dqk:]
+        self.kc = torch.empty(budget_k, heads, dqk, dtype=dtype, device=device)
+        self.vc = torch.empty(budget_k, heads, dv, dtype=dtype, device=device)
+        self.cu = torch.zeros(max_batch + 1, dtype=torch.int32, device=device)
+        self.cu_k = torch.zeros_like(self.cu)
+        self.generator = torch.Generator(device).manual_seed(seed)
+
+    def load(self, lengths: Sequence[int], context: Sequence[int]) -> None:
+        """Write a batch: new data, and the offsets of ``lengths`` new tokens and ``context`` chunk slices
+        per sequence, padded to ``max_batch`` with sequences of length 0."""
+        for buf in (self.q, self.k, self.kv, self.kc, self.vc):
+            buf.copy_(torch.randn(buf.shape, generator=self.generator, device=buf.device))
+        pad = [0] * (self.max_batch - len(lengths))
+        self.cu.copy_(cu_seqlens_of([*lengths, *pad], self.cu.device))
+        self.cu_k.copy_(cu_seqlens_of([*context, *pad], self.cu.device))

@@ -554,6 +554,11 @@ _NOTHING = (
 )
 
 
+#: flash-attn-4 (4.0.0b36) compiles another scheduler variant for batches of more than 256 sequences
+#: (``BIN_BATCH_SEARCH_THRESH`` in flash_attn/cute/interface.py), so warm-up runs a batch this large too.
+_FA4_MANY_SEQUENCES = 300
+
+
 # --- the backend ----------------------------------------------------------------------------------------
 
 
@@ -655,9 +660,9 @@ class FlashAttnBackend(PrefillBackend):
 
     def warmup(self, device: torch.device, config: SelectorConfig, num_heads: int) -> None:
         """Compile the kernel variants the ops will launch for ``config`` (FlashAttention-4 builds them on
-        first use): both paths, with a ``max_seqlen`` bound inside one query tile and one beyond it (FA4
-        schedules the two differently), with contiguous and with strided ``v``. Nothing to do for the
-        other implementations, whose kernels are prebuilt."""
+        first use): both paths, with a ``max_seqlen`` bound inside one query tile and one beyond it, with a
+        few sequences and with more than 256 (FA4 schedules each of these differently), with contiguous
+        and with strided ``v``. Nothing to do for the other implementations, whose kernels are prebuilt."""
         device = torch.device(device)
         reasons = self.reasons(DeviceCapability.of(device), config)
         if reasons:
@@ -668,14 +673,21 @@ class FlashAttnBackend(PrefillBackend):
         def rand(*shape: int) -> torch.Tensor:
             return torch.randn(*shape, generator=gen).to(device=device, dtype=config.dtype)
 
-        cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=device)
-        cu_k = torch.tensor([0, 4, 4, 4], dtype=torch.int32, device=device)  # one empty chunk slice
+        def offsets(lengths: list[int]) -> torch.Tensor:
+            return torch.tensor([0, *lengths], dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+
+        # (new tokens, one chunk's slices): three sequences, one with an empty slice; then a batch past
+        # flash-attn-4's BIN_BATCH_SEARCH_THRESH (256 sequences), mostly empty ones, as a graph pads them.
+        many = _FA4_MANY_SEQUENCES
+        batches = [([3, 0, 5], [4, 0, 0]), ([1] * 8 + [0] * (many - 8), [1] * 4 + [0] * (many - 4))]
         q, k, kv = rand(10, num_heads, dqk), rand(10, num_heads, dqk), rand(10, num_heads, dqk + dv)
         scale = dqk**-0.5
-        for v in (rand(10, num_heads, dv), kv[..., dqk:]):
-            for bound in (8, 4096):
-                self.attention(q, k, v, cu, cu, bound, bound, scale, True)
-                self.attention(q, k[:4], v[:4], cu, cu_k, bound, bound, scale, False)
+        for lengths, slices in batches:
+            cu, cu_k = offsets(lengths), offsets(slices)
+            for v in (rand(10, num_heads, dv), kv[..., dqk:]):
+                for bound in (8, 4096):
+                    self.attention(q, k, v, cu, cu, bound, bound, scale, True)
+                    self.attention(q, k[:4], v[:4], cu, cu_k, bound, bound, scale, False)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 

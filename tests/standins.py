@@ -1,0 +1,529 @@
+"""Stand-ins for the kernel libraries the backends call, so that the backends run on a CPU.
+
+Each stand-in has the real function's signature (tests/test_standins.py checks it against the real
+library wherever that is installed), so an unknown keyword fails as it would on the real library. It
+checks what the real kernels check (dtypes, 16-byte aligned rows, int32 offsets, bounds that cover
+every sequence), computes attention with ``tests/utils.dense_attention``, and answers in the library's
+own conventions: FlashInfer's base-2 ``[T, H]`` LSE, FlashAttention-2's ``+inf`` LSE for rows without
+keys, garbage in rows past ``cu_seqlens[-1]`` that the kernels never write.
+
+A test builds a backend around them and installs it, which is how "the library is present" is
+simulated everywhere:
+
+.. code-block:: python
+
+    backend = FlashInferBackend(library=standins.flashinfer_module(), workspace_bytes=1 << 20, capability=SM90)
+    with mla_ops.selector.backend_installed(backend): ...
+    FlashAttnBackend(libraries=standins.flash_attn_libraries("flash_attn.cute"))
+
+Host reads of device tensors are allowed inside a stand-in "kernel" only (:func:`inside_kernel`), so
+that :func:`no_host_sync` can prove a backend itself never synchronises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from utils import dense_attention
+
+# --- host reads -----------------------------------------------------------------------------------
+
+_kernel_depth = 0
+
+
+@contextlib.contextmanager
+def inside_kernel() -> Iterator[None]:
+    """Host reads are allowed here: this code stands in for a CUDA kernel, which reads on the device."""
+    global _kernel_depth
+    _kernel_depth += 1
+    try:
+        yield
+    finally:
+        _kernel_depth -= 1
+
+
+_HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def no_host_sync() -> Iterator[None]:
+    """Within the block, every host read of a tensor fails, except inside a stand-in kernel."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in _HOST_READS:
+            original = getattr(torch.Tensor, name)
+
+            def guarded(self, *args, _name=name, _original=original, **kwargs):
+                if _kernel_depth == 0:
+                    raise AssertionError(f"host sync: Tensor.{_name} called outside a kernel")
+                return _original(self, *args, **kwargs)
+
+            mp.setattr(torch.Tensor, name, guarded)
+        yield
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[None]:
+    """Make the current stream look like it is capturing a CUDA graph (what ``mla_ops.capture`` asks torch)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        yield
+
+
+def _is_capturing() -> bool:
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:
+        return False
+
+
+# --- what every FlashAttention kernel checks and computes ------------------------------------------------
+
+
+def check_kernel_inputs(q, k, v, cu_q, cu_k, max_q, max_k) -> None:
+    """What FlashAttention's kernels require of their inputs (they fail or read garbage otherwise)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        assert t.dtype in (torch.float16, torch.bfloat16), f"{name}: FlashAttention only supports fp16 and bf16"
+        assert t.stride(-1) == 1, f"{name} must have contiguous last dimension"
+        assert t.data_ptr() % 16 == 0, f"{name}: misaligned base pointer"
+        for n, s in zip(t.shape[:-1], t.stride()[:-1]):
+            assert n == 1 or (s * t.element_size()) % 16 == 0, f"{name}: misaligned stride {t.stride()}"
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        assert cu.dtype == torch.int32 and cu.is_contiguous(), f"{name} must be contiguous int32"
+    assert isinstance(max_q, int) and isinstance(max_k, int)
+    with inside_kernel():
+        # The kernels size their grid from max_seqlen; a value below a real length would skip rows.
+        assert max_q >= int((cu_q[1:] - cu_q[:-1]).max()), "max_seqlen_q is below a sequence length"
+        assert max_k >= int((cu_k[1:] - cu_k[:-1]).max()), "max_seqlen_k is below a sequence length"
+
+
+def kernel_attention(q, k, v, cu_q, cu_k, scale, causal, empty_lse: float):
+    """Attention in the kernels' layout: out ``[Tq, H, v.shape[-1]]``, lse float32 ``[H, Tq]`` (natural log).
+
+    Rows without keys get ``out = 0`` and ``lse = empty_lse`` (what the library writes there); rows past
+    ``cu_q[-1]`` are never written by the kernels, so they hold NaN and a huge LSE here.
+    """
+    with inside_kernel():
+        out, lse = dense_attention(q, k, v, cu_q, cu_k, scale, causal, torch.float32)
+        valid = int(cu_q[-1])
+    out, lse = out.to(q.dtype), lse.float()
+    lse[torch.isneginf(lse)] = empty_lse
+    out[valid:] = math.nan
+    lse[:, valid:] = 1e30
+    return out, lse
+
+
+# --- FlashInfer -------------------------------------------------------------------------------------
+
+
+class FakeRaggedWrapper:
+    """Stand-in for ``flashinfer.BatchPrefillWithRaggedKVCacheWrapper`` (flashinfer 0.7.2).
+
+    It enforces the real constraints that shape the backend: ``run()`` needs ``q.shape[0] ==
+    qo_indptr[-1]``; in CUDA-graph mode the batch size is fixed by the indptr buffers, the row count by
+    the first plan, and a CUTLASS wrapper cannot be re-planned; ``plan()`` never runs under capture. It
+    returns FlashInfer's LSE: base 2, ``[T, H]``. Every wrapper a module's class creates is appended to
+    that module's ``created`` list.
+    """
+
+    registry: ClassVar[list[FakeRaggedWrapper]]
+
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        qo_indptr_buf: torch.Tensor | None = None,
+        kv_indptr_buf: torch.Tensor | None = None,
+        custom_mask_buf: torch.Tensor | None = None,
+        mask_indptr_buf: torch.Tensor | None = None,
+        backend: str = "auto",
+        jit_args: list | None = None,
+        jit_kwargs: dict | None = None,
+    ) -> None:
+        assert kv_layout in ("NHD", "HND")
+        self.workspace = float_workspace_buffer
+        self.device = float_workspace_buffer.device
+        self.backend = backend
+        self.use_cuda_graph = use_cuda_graph
+        if use_cuda_graph:
+            if not torch.is_tensor(qo_indptr_buf) or not torch.is_tensor(kv_indptr_buf):
+                raise ValueError("qo_indptr_buf and kv_indptr_buf should be tensors in cuda graph mode")
+            self.fixed_batch_size = len(qo_indptr_buf) - 1
+            if len(kv_indptr_buf) != self.fixed_batch_size + 1:
+                raise ValueError("The length of kv_indptr_buf should be the same as qo_indptr_buf")
+        self.qo_indptr_buf = qo_indptr_buf
+        self.kv_indptr_buf = kv_indptr_buf
+        self.max_total_num_rows: int | None = None
+        self.planned: dict | None = None
+        self.plan_log: list[dict] = []
+        self.run_log: list[dict] = []
+        self.registry.append(self)
+
+    def plan(
+        self,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        head_dim_vo: int | None = None,
+        custom_mask: torch.Tensor | None = None,
+        packed_custom_mask: torch.Tensor | None = None,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        window_left: int = -1,
+        logits_soft_cap: float | None = None,
+        sm_scale: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+        q_data_type: str | torch.dtype = "float16",
+        kv_data_type: str | torch.dtype | None = None,
+        o_data_type: str | torch.dtype | None = None,
+        non_blocking: bool = True,
+    ) -> None:
+        assert not _is_capturing(), "plan() called inside CUDA graph capture"
+        assert qo_indptr.dtype == torch.int32 and kv_indptr.dtype == torch.int32
+        batch_size = len(qo_indptr) - 1
+        if len(kv_indptr) != batch_size + 1:
+            raise ValueError("The kv_indptr length should be equal to mask_indptr length.")
+        qo_host, kv_host = qo_indptr.to("cpu"), kv_indptr.to("cpu")
+        assert int(qo_host[0]) == 0 and bool((qo_host[1:] >= qo_host[:-1]).all())
+        assert int(kv_host[0]) == 0 and bool((kv_host[1:] >= kv_host[:-1]).all())
+        total = int(qo_host[-1])
+        if self.use_cuda_graph:
+            if self.backend == "cutlass" and self.planned is not None:
+                raise ValueError("the cutlass backend cannot be re-planned in CUDA-graph mode")
+            if self.max_total_num_rows is None:
+                self.max_total_num_rows = total
+            elif total > self.max_total_num_rows:
+                raise ValueError(f"total rows {total} exceed the {self.max_total_num_rows} of the first plan")
+            if batch_size != self.fixed_batch_size:
+                raise ValueError(f"batch size {batch_size} != fixed batch size {self.fixed_batch_size}")
+            self.qo_indptr_buf.copy_(qo_indptr)
+            self.kv_indptr_buf.copy_(kv_indptr)
+        else:
+            self.qo_indptr_buf = qo_indptr.to(self.device)
+            self.kv_indptr_buf = kv_indptr.to(self.device)
+        self.planned = dict(
+            rows=total,
+            heads=(num_qo_heads, num_kv_heads),
+            dims=(head_dim_qk, head_dim_vo or head_dim_qk),
+            causal=causal,
+            sm_scale=sm_scale,
+            dtypes=(q_data_type, kv_data_type, o_data_type),
+        )
+        self.plan_log.append(dict(self.planned, qo=qo_host.tolist(), kv=kv_host.tolist()))
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *args,
+        q_scale: float | None = None,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+        o_scale: float | None = None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        return_lse: bool = False,
+        lse_base: str = "log2",
+        lse_layout: str = "NH",
+        enable_pdl: bool | None = None,
+        kv_cache_sf: torch.Tensor | None = None,
+    ):
+        if (lse_base, lse_layout) != ("log2", "NH"):
+            raise NotImplementedError("the stand-in returns FlashInfer's default LSE only: lse_base='log2', 'NH'")
+        plan = self.planned
+        assert plan is not None, "run() before plan()"
+        if q.size(0) != plan["rows"]:
+            raise ValueError(f"q.shape[0] ({q.size(0)}) does not match qo_indptr[-1] ({plan['rows']}).")
+        assert (q.shape[1], k.shape[1]) == plan["heads"] and (q.shape[2], v.shape[2]) == plan["dims"]
+        assert q.dtype == k.dtype == v.dtype == plan["dtypes"][0]
+        with inside_kernel():
+            o, lse_ln = dense_attention(
+                q, k, v, self.qo_indptr_buf, self.kv_indptr_buf, plan["sm_scale"], plan["causal"], torch.float32
+            )
+        out_shape = (q.shape[0], q.shape[1], v.shape[2])
+        if out is None:
+            out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+        assert out.shape == out_shape and out.dtype == q.dtype and out.is_contiguous()
+        out.copy_(o)
+        if return_lse:
+            if lse is None:
+                lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
+            # The kernels index the LSE as a dense [T, H] array.
+            assert lse.shape == (q.shape[0], q.shape[1]) and lse.dtype == torch.float32 and lse.is_contiguous()
+            lse.copy_((lse_ln / math.log(2.0)).t())
+        self.run_log.append(dict(rows=q.shape[0], capturing=_is_capturing(), v=v))
+        return (out, lse) if return_lse else out
+
+
+def flashinfer_module(version: str = "0.7.2.post1", wrapper: type | None = None) -> types.ModuleType:
+    """A ``flashinfer`` stand-in whose wrapper class records the wrappers it creates in ``module.created``.
+
+    ``wrapper``: another wrapper class to expose instead (an old API, say).
+    """
+    module = types.ModuleType("flashinfer")
+    module.__version__ = version
+    module.created = []
+    if wrapper is None:
+        wrapper = type("BatchPrefillWithRaggedKVCacheWrapper", (FakeRaggedWrapper,), {"registry": module.created})
+    module.BatchPrefillWithRaggedKVCacheWrapper = wrapper
+    return module
+
+
+# --- FlashAttention-4 (flash_attn.cute) -----------------------------------------------------------------
+
+
+def fa4_module() -> types.ModuleType:
+    """``flash_attn.cute`` (flash-attn-4 4.0.0b36) as the FLASH_ATTN backend reads it.
+
+    ``flash_attn_varlen_func`` has the real signature and returns ``(out, lse)``, ``lse`` float32
+    ``[H, total_q]`` in natural log (``-inf`` for rows without keys), or ``(out, None)`` without
+    ``return_lse``. Like the real one it compiles a kernel variant the first time it meets it, through
+    ``interface.cute.compile`` (``cutlass.cute.compile``), looked up at the call so that a replacement
+    installed there takes effect. Variants are keyed on ``(dtype, Dqk, Dv, causal, max_seqlen_q <= 128,
+    more than 256 sequences)``, the parts of the real compile key that a varlen call can change (the last
+    is ``BIN_BATCH_SEARCH_THRESH``).
+    ``module.compiled`` lists the variants compiled; ``module.calls`` what each call received.
+    """
+    module = types.ModuleType("flash_attn.cute")
+    module.__version__ = "4.0.0b36"
+    module.calls = []
+    module.compiled = []
+    cache: dict[tuple, Any] = {}
+
+    def cute_compile(*args: Any, **kwargs: Any) -> Callable[..., None]:
+        module.compiled.append(args[0])
+        return lambda *a, **k: None
+
+    module.interface = types.ModuleType("flash_attn.cute.interface")
+    module.interface.cute = types.SimpleNamespace(compile=cute_compile)
+
+    def flash_attn_varlen_func(
+        q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+        min_seqlen_k=None, seqused_q=None, seqused_k=None, gather_kv_indices=None, page_table=None,
+        softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1,
+        pack_gqa=None, deterministic=False, score_mod=None, score_mod_bwd=None, mask_mod=None,
+        block_sparse_tensors=None, aux_tensors=None, aux_scalars=None, return_lse=False, scheduler_metadata=None,
+        seqlen_k_per_split=None, disable_scheduler_metadata=False, gather_bwd_recompute_p=False,
+        gather_bwd_token_chunk=None,
+    ):  # fmt: skip
+        unsupported = dict(
+            qv=qv, min_seqlen_k=min_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k,
+            gather_kv_indices=gather_kv_indices, page_table=page_table, learnable_sink=learnable_sink,
+            score_mod=score_mod, mask_mod=mask_mod, block_sparse_tensors=block_sparse_tensors,
+        )  # fmt: skip
+        used = [name for name, value in unsupported.items() if value is not None]
+        if used or tuple(window_size) != (None, None) or softcap or num_splits != 1:
+            raise NotImplementedError(f"the FlashAttention-4 stand-in computes plain varlen attention, not {used}")
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise NotImplementedError("the FlashAttention-4 stand-in computes varlen attention only")
+        module.calls.append(dict(
+            q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, return_lse=return_lse,
+            capturing=_is_capturing(),
+        ))  # fmt: skip
+        check_kernel_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        variant = (q.dtype, q.shape[-1], v.shape[-1], causal, max_seqlen_q <= 128, cu_seqlens_q.shape[0] - 1 > 256)
+        if variant not in cache:
+            cache[variant] = module.interface.cute.compile(variant)
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        out, lse = kernel_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, -math.inf)
+        return out, (lse if return_lse else None)
+
+    module.flash_attn_varlen_func = flash_attn_varlen_func
+    return module
+
+
+# --- FlashAttention-3 (flash_attn_interface, hopper/) ---------------------------------------------------
+
+
+def fa3_module(variant: str = "new") -> types.ModuleType:
+    """``flash_attn_interface`` (flash-attention's hopper/) in the generations of its return convention.
+
+    ``old``: no flag, always ``(out, lse)`` (late 2024); ``new``: ``return_attn_probs`` (2025 main);
+    ``lse_flag``: ``return_softmax_lse`` (vLLM's fork); ``no_lse``: a build that never returns the LSE.
+    ``module.calls`` records each call, with ``flag`` the LSE flag it was given.
+    """
+    module = types.ModuleType("flash_attn_interface")
+    module.calls = []
+
+    def run(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, flag):
+        module.calls.append(dict(
+            q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+            softmax_scale=softmax_scale, causal=causal, flag=flag,
+        ))  # fmt: skip
+        check_kernel_inputs(q, k, v, cu_q, cu_k, max_q, max_k)
+        # store_zero writes -inf; the softmax epilogue writes +inf: both mean "no keys".
+        return kernel_attention(q, k, v, cu_q, cu_k, softmax_scale, causal, -math.inf if variant == "old" else math.inf)
+
+    if variant == "old":
+
+        def flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=False,
+            q_descale=None, k_descale=None, v_descale=None, window_size=(-1, -1), softcap=0.0, num_splits=1,
+            pack_gqa=None, deterministic=False,
+        ):  # fmt: skip
+            return run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, None)
+
+    elif variant == "new":
+
+        def flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None, seqused_k=None,
+            softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None, v_descale=None,
+            window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None,
+            deterministic=False, sm_margin=0, return_attn_probs=False,
+        ):  # fmt: skip
+            flag = ("return_attn_probs", return_attn_probs)
+            args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, flag)
+            out, lse = run(*args)
+            return (out, lse) if return_attn_probs else out
+
+    elif variant == "lse_flag":
+
+        def flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None, softmax_scale=None,
+            causal=False, window_size=(-1, -1), softcap=0.0, return_softmax_lse=False, out=None,
+        ):  # fmt: skip
+            flag = ("return_softmax_lse", return_softmax_lse)
+            args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, flag)
+            result = run(*args)
+            return result if return_softmax_lse else result[0]
+
+    elif variant == "no_lse":
+
+        def flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=False
+        ):
+            return run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, None)[0]
+
+    else:
+        raise ValueError(f"unknown FlashAttention-3 variant {variant!r}")
+
+    module.flash_attn_varlen_func = flash_attn_varlen_func
+    return module
+
+
+# --- FlashAttention-2 (flash_attn) and PyTorch's bundled copy ---------------------------------------------
+
+
+def fa2_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, *, value_name: str):
+    """FlashAttention-2's varlen forward (``mha_varlen_fwd``, in flash-attn and in PyTorch's copy): one head
+    size for q, k and v, and ``+inf`` in the LSE of rows without keys."""
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        raise RuntimeError(f"{value_name} must have shape (total_k, num_heads_k, head_size_og)")
+    check_kernel_inputs(q, k, v, cu_q, cu_k, max_q, max_k)
+    return kernel_attention(q, k, v, cu_q, cu_k, scale, causal, math.inf)
+
+
+def fa2_module() -> types.ModuleType:
+    """``flash_attn`` 2.8: one head dim for q, k, v; ``return_attn_probs`` gives ``(out, lse, S_dmask)``."""
+    module = types.ModuleType("flash_attn")
+    module.__version__ = "2.8.3"
+    module.calls = []
+
+    def flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+        causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+        return_attn_probs=False, block_table=None,
+    ):  # fmt: skip
+        module.calls.append(dict(
+            q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+            window_size=window_size, return_attn_probs=return_attn_probs,
+        ))  # fmt: skip
+        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+        out, lse = fa2_attention(*args, value_name="v")
+        return (out, lse, torch.empty(0, dtype=q.dtype)) if return_attn_probs else out
+
+    module.flash_attn_varlen_func = flash_attn_varlen_func
+    return module
+
+
+def bundled_op() -> Callable[..., Any]:
+    """``torch.ops.aten._flash_attention_forward`` as its schema declares it, with the keyword-only tail
+    every supported torch (2.6 and newer) has. ``op.calls`` records each call."""
+    calls: list[dict] = []
+
+    def _flash_attention_forward(
+        query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *,
+        scale=None, window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None,
+    ):  # fmt: skip
+        calls.append(dict(
+            q=query, k=key, v=value, cu_seqlens_q=cum_seq_q, cu_seqlens_k=cum_seq_k, max_seqlen_q=max_q,
+            max_seqlen_k=max_k, dropout_p=dropout_p, causal=is_causal, return_debug_mask=return_debug_mask,
+            softmax_scale=scale, window_size_left=window_size_left,
+        ))  # fmt: skip
+        args = (query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, scale, is_causal)
+        out, lse = fa2_attention(*args, value_name="value")
+        rng_state = torch.empty(2, dtype=torch.int64)
+        return out, lse, rng_state, torch.empty(()), torch.empty(0, dtype=query.dtype)
+
+    _flash_attention_forward.calls = calls
+    return _flash_attention_forward
+
+
+#: The FLASH_ATTN chain's implementation names, best first.
+FLASH_ATTN_NAMES = ("flash_attn.cute", "flash_attn_interface", "flash_attn", "torch.ops.aten._flash_attention_forward")
+
+_FA_BUILDERS: dict[str, Callable[[], Any]] = {
+    "flash_attn.cute": fa4_module,
+    "flash_attn_interface": fa3_module,
+    "flash_attn": fa2_module,
+    "torch.ops.aten._flash_attention_forward": bundled_op,
+}
+
+
+def flash_attn_libraries(*names: str, fa3: str = "new") -> dict[str, Any]:
+    """Stand-ins for the named implementations, for ``FlashAttnBackend(libraries=...)``; the others are absent.
+
+    ``fa3``: the ``flash_attn_interface`` variant (see :func:`fa3_module`).
+    """
+    unknown = set(names) - set(FLASH_ATTN_NAMES)
+    if unknown:
+        raise ValueError(f"no stand-in for {sorted(unknown)}; choose from {FLASH_ATTN_NAMES}")
+    return {name: fa3_module(fa3) if name == "flash_attn_interface" else _FA_BUILDERS[name]() for name in names}
+
+
+# --- what each stand-in models, for tests/test_standins.py -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Modelled:
+    """A stand-in callable and the real one it models: ``module`` imported, then ``attribute`` (dotted) read."""
+
+    name: str
+    standin: Callable[..., Any]
+    module: str
+    attribute: str
+
+
+def modelled() -> list[Modelled]:
+    """Every stand-in callable with the real callable it models."""
+    wrapper = FakeRaggedWrapper
+    real_wrapper = "BatchPrefillWithRaggedKVCacheWrapper"
+    return [
+        Modelled("flashinfer wrapper __init__", wrapper.__init__, "flashinfer", f"{real_wrapper}.__init__"),
+        Modelled("flashinfer wrapper plan", wrapper.plan, "flashinfer", f"{real_wrapper}.plan"),
+        Modelled("flashinfer wrapper run", wrapper.run, "flashinfer", f"{real_wrapper}.run"),
+        Modelled("FlashAttention-4", fa4_module().flash_attn_varlen_func, "flash_attn.cute", "flash_attn_varlen_func"),
+        *(
+            Modelled(f"FlashAttention-3 ({v})", fa3_module(v).flash_attn_varlen_func, "flash_attn_interface",
+                     "flash_attn_varlen_func")
+            for v in ("old", "new", "no_lse")
+        ),
+        # vLLM's fork of FlashAttention names the LSE flag return_softmax_lse.
+        Modelled("FlashAttention-3 (lse_flag)", fa3_module("lse_flag").flash_attn_varlen_func, "vllm.vllm_flash_attn",
+                 "flash_attn_varlen_func"),
+        Modelled("FlashAttention-2", fa2_module().flash_attn_varlen_func, "flash_attn", "flash_attn_varlen_func"),
+    ]  # fmt: skip
