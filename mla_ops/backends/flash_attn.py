@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ..capture import is_capturing
+from ..capture import is_capturing, on_device
 from ..config import DeviceCapability, SelectorConfig
 from .base import PrefillBackend
 
@@ -672,10 +672,12 @@ class FlashAttnBackend(PrefillBackend):
         cu_k = torch.tensor([0, 4, 4, 4], dtype=torch.int32, device=device)  # one empty chunk slice
         q, k, kv = rand(10, num_heads, dqk), rand(10, num_heads, dqk), rand(10, num_heads, dqk + dv)
         scale = dqk**-0.5
-        for v in (rand(10, num_heads, dv), kv[..., dqk:]):
-            for bound in (8, 4096):
-                self.attention(q, k, v, cu, cu, bound, bound, scale, True)
-                self.attention(q, k[:4], v[:4], cu, cu_k, bound, bound, scale, False)
+        # attention() expects the tensors' device to be current, as the ops make it; so must this.
+        with on_device(device):
+            for v in (rand(10, num_heads, dv), kv[..., dqk:]):
+                for bound in (8, 4096):
+                    self.attention(q, k, v, cu, cu, bound, bound, scale, True)
+                    self.attention(q, k[:4], v[:4], cu, cu_k, bound, bound, scale, False)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 

@@ -37,7 +37,6 @@ a test builds one around a stand-in library (``FlashInferBackend(library=module)
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import logging
@@ -51,7 +50,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..capture import is_capturing, version_of
+from ..capture import is_capturing, on_device, version_of
 from ..config import DeviceCapability, SelectorConfig
 from ..meta.checks import check_cu_seqlens_values, check_offsets_start_and_order
 from .base import PrefillBackend, dtype_name
@@ -467,7 +466,7 @@ class FlashInferBackend(PrefillBackend):
         start = time.perf_counter()
         device = wrapper.device
         # The planner sizes its schedule by the current device's SM count.
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        with on_device(device):
             try:
                 wrapper.plan(
                     qo_indptr,

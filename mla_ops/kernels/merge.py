@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..capture import on_device
 from .configs import merge_config
 
 __all__ = ["merge_attn_states_triton"]
@@ -111,7 +112,8 @@ def merge_attn_states_triton(
 
     Returns:
         ``out`` ``[T, H, Dv]`` contiguous in prefix_out's dtype and ``lse`` float32 ``[H, T]``
-        contiguous. Rows empty on both sides give ``out = 0``, ``lse = -inf``.
+        contiguous. Rows empty on both sides give ``out = 0``, ``lse = -inf``. The kernel runs on the
+        tensors' device and its current stream, whichever device is current.
     """
     num_tokens, num_heads, dv = prefix_out.shape
     out = torch.empty((num_tokens, num_heads, dv), dtype=prefix_out.dtype, device=prefix_out.device)
@@ -121,12 +123,14 @@ def merge_attn_states_triton(
     config = merge_config(prefix_out.device)
     block_t = block_t or config.block_t
     grid = (triton.cdiv(num_tokens, block_t), num_heads)
-    _merge_kernel[grid](
-        prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse, num_tokens,
-        prefix_out.stride(0), prefix_out.stride(1), suffix_out.stride(0), suffix_out.stride(1),
-        prefix_lse.stride(0), prefix_lse.stride(1), suffix_lse.stride(0), suffix_lse.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0),
-        DV=dv, BLOCK_D=triton.next_power_of_2(dv), BLOCK_T=block_t,
-        num_warps=num_warps or config.num_warps,
-    )  # fmt: skip
+    # Triton launches on the current device and its current stream, not on the tensors' device.
+    with on_device(prefix_out.device):
+        _merge_kernel[grid](
+            prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse, num_tokens,
+            prefix_out.stride(0), prefix_out.stride(1), suffix_out.stride(0), suffix_out.stride(1),
+            prefix_lse.stride(0), prefix_lse.stride(1), suffix_lse.stride(0), suffix_lse.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0),
+            DV=dv, BLOCK_D=triton.next_power_of_2(dv), BLOCK_T=block_t,
+            num_warps=num_warps or config.num_warps,
+        )  # fmt: skip
     return out, lse
