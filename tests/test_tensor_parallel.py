@@ -8,7 +8,13 @@ own capability. ``tests/test_gpu_multi.py`` repeats the two-rank checks on GPUs 
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,3 +136,56 @@ def test_selection_reads_the_capability_of_the_tensors_device(monkeypatch: pytes
     finally:
         mla_ops.clear_cache()
     assert asked == [1, 0, 1]
+
+
+# --- benchmarks/bench_tp.py: what runs without GPUs -----------------------------------------------------
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_tp.py"
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_tp", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_tp_without_gpus_says_so_and_fails() -> None:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, str(BENCH)], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1
+    assert "bench_tp: no CUDA GPU is visible" in proc.stderr and "NVIDIA GPUs" in proc.stderr
+
+
+def test_bench_tp_takes_the_slowest_rank_and_scales_against_one_gpu(tmp_path) -> None:
+    bench = _load_bench()
+    shape = {"tokens": 8192, "context": 8192, "sequences": 1, "backend": "TRITON", "attention_tflops": 500.0}
+    single = {"gpus": 1, "heads_per_gpu": 128, "layer_ms": 12.0, "attention_ms": 8.0, "projections_ms": 4.0}
+    one = [[{**shape, **single, "allreduce_ms": None}]]  # one rank, which has no all-reduce
+    ranks = [
+        [{**shape, "gpus": 2, "heads_per_gpu": 64, "layer_ms": t, "attention_ms": a, "projections_ms": 2.0,
+          "allreduce_ms": r, "allreduce_alone_ms": 0.5, "allreduce_busbw_gbs": bw}]
+        for t, a, r, bw in ((7.0, 4.0, 1.0, 300.0), (7.5, 4.2, 0.9, 280.0))
+    ]  # fmt: skip
+    rows = bench.slowest_rank(one) + bench.slowest_rank(ranks)
+    bench.add_scaling(rows)
+    two = rows[1]
+    assert (two["layer_ms"], two["attention_ms"], two["allreduce_ms"], two["allreduce_busbw_gbs"]) == (
+        7.5,
+        4.2,
+        1.0,
+        280,
+    )
+    assert two["speedup"] == pytest.approx(12.0 / 7.5)
+    assert two["scaling_efficiency"] == pytest.approx(12.0 / (2 * 7.5))
+    assert rows[0]["scaling_efficiency"] == pytest.approx(1.0)
+    bench.write_csv(tmp_path / "tp.csv", rows)
+    with (tmp_path / "tp.csv").open() as f:
+        written = list(csv.DictReader(f))
+    assert [r["gpus"] for r in written] == ["1", "2"] and written[1]["scaling_efficiency"] == "0.8000"
+    args = bench.parse_args([])
+    report = bench.render_markdown(rows, {"gpu": "NVIDIA H200"}, args, "python benchmarks/bench_tp.py", ["4 GPUs"])
+    assert "| 2 | 8192 | 8192 | 64 | TRITON | 7.500 | 4.200 |" in report and "80%" in report
+    assert "Not measured: 4 GPUs." in report
+    assert bench.gpu_slug("NVIDIA H200") == "h200"

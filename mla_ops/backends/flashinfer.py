@@ -763,7 +763,8 @@ class FlashInferBackend(PrefillBackend):
                 cfg = _LayerConfig(num_heads, dqk, dv, config.dtype, 1.0 / math.sqrt(dqk), causal)
                 self._plan(wrapper, kernel, lengths, lengths, cfg, warn_build=False)
                 out, lse = _empty_outputs(q, dv)
-                _run(wrapper, q, k, v, out, lse)
+                with on_device(device):  # as the ops run attention(): on the tensors' device
+                    _run(wrapper, q, k, v, out, lse)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 logger.info("FlashInfer %s ready (causal=%s) in %.1f s", kernel, causal, time.perf_counter() - start)
