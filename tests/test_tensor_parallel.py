@@ -2,8 +2,9 @@
 
 Two ranks with the gloo backend, started by torchrun on a free localhost port (``tests/tp_worker.py``),
 run the split layer on REFERENCE eagerly, in float64 and under ``torch.compile``. The in-process tests
-check the sharding arithmetic with no process group, the errors, and that selection reads each device's
-own capability. ``tests/test_gpu_multi.py`` repeats the two-rank checks on GPUs with NCCL.
+check the sharding arithmetic with no process group, the errors, when the ops switch devices, that
+selection reads each device's own capability, and what ``benchmarks/bench_tp.py`` does without GPUs.
+``tests/test_gpu_multi.py`` repeats the two-rank checks on GPUs with NCCL.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from tp_worker import launch
 
 import mla_ops
+from mla_ops.capture import on_device
 from mla_ops.config import DeviceCapability
 from mla_ops.demo import attention_fp64
 from mla_ops.model import MLAAttention, MLAConfig, random_batch
@@ -113,7 +115,18 @@ def test_layer_needs_an_initialised_process_group() -> None:
         TensorParallelMLAAttention(CONFIG)
 
 
-# --- selection reads each device's own capability -------------------------------------------------------
+# --- devices: launches and selection follow the tensors' device ------------------------------------------
+
+
+def test_on_device_switches_only_to_another_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    switch = on_device(torch.device("cuda", 1))
+    assert isinstance(switch, torch.cuda.device) and switch.idx == 1
+    for device in (torch.device("cuda", 0), torch.device("cpu")):
+        stay = on_device(device)
+        assert not isinstance(stay, torch.cuda.device), f"{device} is current (or no CUDA device): nothing to switch"
+        with stay, stay:  # the shared no-op context can be entered again, also nested
+            pass
 
 
 def test_selection_reads_the_capability_of_the_tensors_device(monkeypatch: pytest.MonkeyPatch) -> None:
