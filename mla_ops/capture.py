@@ -1,9 +1,15 @@
-"""Two facts about tensors and streams that several backends need: whether the current stream is
-capturing a CUDA graph, and a tensor's version counter. A leaf module: it imports only torch."""
+"""Three facts about tensors, streams and devices that several backends need: whether the current
+stream is capturing a CUDA graph, a tensor's version counter, and how to launch on a tensor's device.
+A leaf module: it imports only torch."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+# One shared no-op context: ``nullcontext`` keeps no state, so it can be entered any number of times.
+_NO_SWITCH = contextlib.nullcontext()
 
 
 def is_capturing() -> bool:
@@ -21,3 +27,23 @@ def version_of(t: torch.Tensor) -> int | None:
         return t._version
     except RuntimeError:
         return None
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """A context in which ``device`` is the current CUDA device; the previous one is restored on exit.
+
+    Kernel libraries launch on the *current* device and on that device's current stream, whatever
+    device their tensors live on: Triton's ``JITFunction.run`` asks ``torch.cuda.current_device()``
+    for the device to compile for and launch on, and its launcher accepts any pointer that unified
+    addressing can resolve, so a tensor on ``cuda:1`` launched while ``cuda:0`` is current runs on the
+    wrong GPU, on a stream that is not ordered with ``cuda:1``'s work (or faults). Code that launches
+    kernels on tensors that may sit on another GPU enters this context first, as PyTorch's own
+    operators do with their device guard.
+
+    A shared no-op when ``device`` is not a CUDA device or is already current (the common case:
+    one query of the current device, no switch). Inside CUDA-graph capture on a stream of ``device``
+    that device is current already, so nothing changes there either.
+    """
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return _NO_SWITCH
+    return torch.cuda.device(device.index)

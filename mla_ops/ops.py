@@ -5,7 +5,10 @@ the cheapest dispatch path PyTorch offers from Python (measured in DESIGN.md: ab
 against 21 us for ``torch.library.custom_op``). They are forward-only: there is no autograd formula.
 
 - ``CPU`` and ``CUDA``: one kernel per op for both keys. It validates the inputs and runs the backend
-  that :func:`mla_ops.selector.backend_for` picks (on CPU that is always REFERENCE).
+  that :func:`mla_ops.selector.backend_for` picks (on CPU that is always REFERENCE), with the inputs'
+  device current (:func:`mla_ops.capture.on_device`): the kernel libraries launch on the current
+  device and stream, so a call on ``cuda:1`` tensors while ``cuda:0`` is current runs on ``cuda:1``,
+  on its current stream, and leaves ``cuda:0`` current afterwards.
 - ``Meta``/fake: :mod:`mla_ops.meta` (shapes), plus :func:`mla_ops.graph_trees.check_graph_trees`, which
   refuses a host-planning backend inside CUDA-graph trees at compile time.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import meta
+from .capture import on_device
 from .graph_trees import GRAPH_UNSAFE_TAGS, HOST_PLANNED_TWINS, check_graph_trees
 from .merge import merge_kernel
 from .meta.checks import check_attention_inputs, check_merge_inputs
@@ -49,17 +53,20 @@ for _name, _twin in HOST_PLANNED_TWINS.items():
 
 def _prefill(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
     check_attention_inputs("mla.prefill", q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
-    return backend_for(q, v).attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
+    with on_device(q.device):
+        return backend_for(q, v).attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
 
 
 def _prefill_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale):
     check_attention_inputs("mla.prefill_context_chunk", q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
-    return backend_for(q, v).attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
+    with on_device(q.device):
+        return backend_for(q, v).attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
 
 
 def _merge(prefix_out, prefix_lse, suffix_out, suffix_lse):
     check_merge_inputs(prefix_out, prefix_lse, suffix_out, suffix_lse)
-    return merge_kernel(prefix_out.device)(prefix_out, prefix_lse, suffix_out, suffix_lse)
+    with on_device(prefix_out.device):
+        return merge_kernel(prefix_out.device)(prefix_out, prefix_lse, suffix_out, suffix_lse)
 
 
 # --- fake: shapes from mla_ops.meta, plus the one check only compile time can make -----------------

@@ -24,15 +24,21 @@ if not HAS_CUDA:
 import mla_ops  # noqa: E402
 
 _NO_CUDA = "needs a CUDA device: torch.cuda.is_available() is False on this machine"
+_GPU_COUNT = torch.cuda.device_count() if HAS_CUDA else 0
+_FEW_GPUS = f"needs at least 2 CUDA devices: torch.cuda.device_count() is {_GPU_COUNT} on this machine"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason=_NO_CUDA)
+    skips = []
+    if not HAS_CUDA:
+        skips.append(("gpu", pytest.mark.skip(reason=_NO_CUDA)))
+    if _GPU_COUNT < 2:
+        skips.append(("multi_gpu", pytest.mark.skip(reason=_FEW_GPUS)))
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for keyword, skip in skips:
+            if keyword in item.keywords:
+                item.add_marker(skip)
+                break
 
 
 @pytest.fixture(autouse=True)

@@ -139,7 +139,10 @@ class PrefillBackend(abc.ABC):
         ``k``/``v`` hold the chunk, packed as ``cu_seqlens_k`` says, and a sequence may have no keys.
 
         Shapes: ``q`` ``[Tq, H, Dqk]``, ``k`` ``[Tk, H, Dqk]``, ``v`` ``[Tk, H, Dv]`` (bf16 or fp16,
-        last-dimension stride 1), offsets int32 ``[B+1]``; ``max_seqlen_*`` are upper bounds.
+        last-dimension stride 1), offsets int32 ``[B+1]``; ``max_seqlen_*`` are upper bounds. All of
+        them sit on one device, and the ops call this with that device current
+        (:func:`mla_ops.capture.on_device`), so a library that launches on the current device and
+        stream runs where the tensors are; a caller outside the ops does the same.
 
         Returns ``(out, lse)`` in the package's conventions: ``out`` ``[Tq, H, Dv]`` contiguous in the
         dtype of ``q``; ``lse`` float32 ``[H, Tq]`` contiguous, natural log, ``-inf`` for a row that

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ..capture import is_capturing
+from ..capture import is_capturing, on_device
 from ..config import DeviceCapability, SelectorConfig
 from .base import PrefillBackend
 
@@ -682,12 +682,14 @@ class FlashAttnBackend(PrefillBackend):
         batches = [([3, 0, 5], [4, 0, 0]), ([1] * 8 + [0] * (many - 8), [1] * 4 + [0] * (many - 4))]
         q, k, kv = rand(10, num_heads, dqk), rand(10, num_heads, dqk), rand(10, num_heads, dqk + dv)
         scale = dqk**-0.5
-        for lengths, slices in batches:
-            cu, cu_k = offsets(lengths), offsets(slices)
-            for v in (rand(10, num_heads, dv), kv[..., dqk:]):
-                for bound in (8, 4096):
-                    self.attention(q, k, v, cu, cu, bound, bound, scale, True)
-                    self.attention(q, k[:4], v[:4], cu, cu_k, bound, bound, scale, False)
+        # attention() expects the tensors' device to be current, as the ops make it; so must this.
+        with on_device(device):
+            for lengths, slices in batches:
+                cu, cu_k = offsets(lengths), offsets(slices)
+                for v in (rand(10, num_heads, dv), kv[..., dqk:]):
+                    for bound in (8, 4096):
+                        self.attention(q, k, v, cu, cu, bound, bound, scale, True)
+                        self.attention(q, k[:4], v[:4], cu, cu_k, bound, bound, scale, False)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 

@@ -37,7 +37,6 @@ a test builds one around a stand-in library (``FlashInferBackend(library=module)
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import logging
@@ -51,7 +50,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..capture import is_capturing, version_of
+from ..capture import is_capturing, on_device, version_of
 from ..config import DeviceCapability, SelectorConfig
 from ..meta.checks import check_cu_seqlens_values, check_offsets_start_and_order
 from .base import PrefillBackend, dtype_name
@@ -467,7 +466,7 @@ class FlashInferBackend(PrefillBackend):
         start = time.perf_counter()
         device = wrapper.device
         # The planner sizes its schedule by the current device's SM count.
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        with on_device(device):
             try:
                 wrapper.plan(
                     qo_indptr,
@@ -764,7 +763,8 @@ class FlashInferBackend(PrefillBackend):
                 cfg = _LayerConfig(num_heads, dqk, dv, config.dtype, 1.0 / math.sqrt(dqk), causal)
                 self._plan(wrapper, kernel, lengths, lengths, cfg, warn_build=False)
                 out, lse = _empty_outputs(q, dv)
-                _run(wrapper, q, k, v, out, lse)
+                with on_device(device):  # as the ops run attention(): on the tensors' device
+                    _run(wrapper, q, k, v, out, lse)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 logger.info("FlashInfer %s ready (causal=%s) in %.1f s", kernel, causal, time.perf_counter() - start)

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from ..capture import on_device
 from .configs import CONFIG_ENV_VAR, AttentionConfig, attention_config, env_attention_config, shrink
 from .launch import CachedLaunch, pointer_alignment
 
@@ -464,6 +465,9 @@ def attention_triton(
         ``cu_seqlens_q[-1]`` get ``lse = -inf``; their ``out`` is not written (unspecified).
 
     Nothing is read back to the host, so the call can be captured in a CUDA graph (once compiled).
+    The kernel runs on q's device and that device's current stream, whichever device is current;
+    the current device is the same after the call. Triton compiles and loads a kernel once per
+    device, so warm up each device before capturing on it.
     """
     num_tokens, num_heads, dqk = q.shape
     dv = v.shape[-1]
@@ -493,9 +497,12 @@ def attention_triton(
                 config = _table_configs[key] = attention_config(q.device, dqk, dv, causal, q.dtype)
     while True:
         try:
-            _launch(
-                q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, config
-            )
+            # Triton launches on the current device and its current stream, not on q's device.
+            with on_device(q.device):
+                _launch(
+                    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                    config,
+                )  # fmt: skip
             return out, lse
         except OutOfResources as exc:
             # The table is tuned for one GPU; on a smaller one, step down instead of failing. An

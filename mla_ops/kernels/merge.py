@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..capture import on_device
 from .configs import merge_config
 from .launch import CachedLaunch, pointer_alignment
 
@@ -115,7 +116,8 @@ def merge_attn_states_triton(
 
     Returns:
         ``out`` ``[T, H, Dv]`` contiguous in prefix_out's dtype and ``lse`` float32 ``[H, T]``
-        contiguous. Rows empty on both sides give ``out = 0``, ``lse = -inf``.
+        contiguous. Rows empty on both sides give ``out = 0``, ``lse = -inf``. The kernel runs on the
+        tensors' device and its current stream, whichever device is current.
     """
     num_tokens, num_heads, dv = prefix_out.shape
     out = torch.empty((num_tokens, num_heads, dv), dtype=prefix_out.dtype, device=prefix_out.device)
@@ -141,7 +143,9 @@ def merge_attn_states_triton(
         tuple(constexprs.values()), num_warps,
     )  # fmt: skip
     args = (prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse, num_tokens, *strides)
-    _launcher(key, prefix_out.device, grid, args, constexprs, num_warps=num_warps)
+    # Triton launches on the current device and its current stream, not on the tensors' device.
+    with on_device(prefix_out.device):
+        _launcher(key, prefix_out.device, grid, args, constexprs, num_warps=num_warps)
     return out, lse
 
 
