@@ -118,7 +118,7 @@ def test_grid_does_not_grow_with_max_seqlen(monkeypatch):
             grids.append(grid)
             return real_kernel[grid]
 
-    monkeypatch.setattr(attention, "_attn_fwd_kernel", Recorder())
+    monkeypatch.setattr(attention._launcher, "kernel", Recorder())  # every launch of the interpreter goes through it
     batch = make_batch([30, 0, 7], HEADS, 64, 64, torch.float16, padding=4, seed=19)
     for max_seqlen in (30, 1_000_000):
         out, lse = attention_triton(
@@ -479,3 +479,60 @@ def test_out_of_resources_steps_down_unless_explicit(monkeypatch):
     assert tried == [AttentionConfig(16, 16, 4, 1)], "the working config is remembered"
     with pytest.raises(RuntimeError, match="does not fit this GPU"):
         attention_triton(*args, config=AttentionConfig(16, 64, 4, 1))
+
+
+def test_cached_launch_skips_the_jit_after_the_first_launch(monkeypatch):
+    """CachedLaunch's bookkeeping, with a stand-in for a @triton.jit kernel and its compiled variant."""
+    from types import SimpleNamespace
+
+    from mla_ops.kernels import launch
+
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = "function", "metadata"
+
+        def __init__(self, key):
+            self.key = key
+
+        def launch_metadata(self, *args):
+            raise AssertionError("no launch hook is set: no metadata is built")
+
+        def run(self, *args):
+            calls.append(("direct", self.key, args))
+
+    def kernel_fn(X, n, stride, BLOCK: tl.constexpr, MODE: tl.constexpr):  # noqa: F821
+        pass
+
+    class Jit:
+        fn = staticmethod(kernel_fn)
+
+        def __init__(self):
+            names = ("X", "n", "stride", "BLOCK", "MODE")
+            self.params = [SimpleNamespace(name=n, is_constexpr=n.isupper()) for n in names]
+
+        def __getitem__(self, grid):
+            def launch_(*args, **kwargs):
+                calls.append(("jit", grid, args, kwargs))
+                return Compiled(len(calls))
+
+            return launch_
+
+    monkeypatch.setattr(
+        launch, "_knobs", SimpleNamespace(runtime=SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
+    )
+    monkeypatch.setattr(launch, "_current_stream", lambda index: f"stream{index}")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    launcher = launch.CachedLaunch(Jit())
+    assert launcher.enabled and launcher.constexpr_names == ["BLOCK", "MODE"]
+    cuda0 = torch.device("cuda", 0)
+    constexprs = {"MODE": 1, "BLOCK": 64}  # given out of order: the launcher orders them by the signature
+    launcher(("variant-a",), cuda0, (4, 2), ("x", 7, 16), constexprs, num_warps=4)
+    launcher(("variant-a",), cuda0, (5,), ("y", 8, 16), constexprs, num_warps=4)
+    launcher(("variant-b",), cuda0, (5,), ("z", 8, 32), constexprs, num_warps=4)
+    launcher(("variant-a",), torch.device("cuda", 1), (5,), ("w", 8, 16), constexprs, num_warps=4)  # not current
+    assert [c[0] for c in calls] == ["jit", "direct", "jit", "jit"]
+    assert calls[0] == ("jit", (4, 2), ("x", 7, 16), {"MODE": 1, "BLOCK": 64, "num_warps": 4})
+    _, compiled_key, args = calls[1]
+    assert compiled_key == 1  # the variant compiled by the first launch
+    assert args == (5, 1, 1, "stream0", "function", "metadata", None, None, None, "y", 8, 16, 64, 1)
