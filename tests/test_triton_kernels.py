@@ -501,14 +501,14 @@ def test_cached_launch_skips_the_jit_after_the_first_launch(monkeypatch):
         def run(self, *args):
             calls.append(("direct", self.key, args))
 
-    def kernel_fn(X, n, stride, BLOCK: tl.constexpr, MODE: tl.constexpr):  # noqa: F821
+    def kernel_fn(x_ptr, n, stride, BLOCK, MODE):  # the stand-in marks BLOCK and MODE constexpr
         pass
 
     class Jit:
         fn = staticmethod(kernel_fn)
 
         def __init__(self):
-            names = ("X", "n", "stride", "BLOCK", "MODE")
+            names = ("x_ptr", "n", "stride", "BLOCK", "MODE")
             self.params = [SimpleNamespace(name=n, is_constexpr=n.isupper()) for n in names]
 
         def __getitem__(self, grid):
