@@ -207,48 +207,22 @@ def measure_merge(args: argparse.Namespace, device: torch.device) -> dict[str, A
     return row
 
 
+#: The columns of dispatch.md: the per-call figures in µs.
+COLUMNS: list[R.Column] = [
+    ("path", R.text("path")),
+    ("backend", R.text("backend")),
+    ("auto", lambda r: "yes" if r.get("auto_selected") else ""),
+    *((header, R.num(key, ".2f")) for header, key in (
+        ("routing µs", "routing_us"), ("mla_ops.* µs", "api_us"), ("torch.ops.mla.* µs", "op_us"),
+        ("direct µs", "direct_us"), ("raw µs", "raw_us"), ("op − direct", "op_minus_direct_us"),
+        ("op − raw", "op_minus_raw_us"), ("graph op µs", "graph_op_us"), ("graph raw µs", "graph_raw_us"),
+    )),
+    ("raw call / note", R.text("raw_call", "note")),
+]  # fmt: skip
+
+
 def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
     """The results as Markdown: header, the table, and what the columns mean."""
-    headers = [
-        "path",
-        "backend",
-        "auto",
-        "routing µs",
-        "mla_ops.* µs",
-        "torch.ops.mla.* µs",
-        "direct µs",
-        "raw µs",
-        "op − direct",
-        "op − raw",
-        "graph op µs",
-        "graph raw µs",
-        "raw call / note",
-    ]
-    table = []
-    for r in rows:
-        detail = "; ".join(x for x in (r.get("raw_call"), r.get("note")) if x)
-        table.append(
-            [
-                r["path"],
-                r["backend"],
-                "yes" if r.get("auto_selected") else "",
-                *(
-                    R.fmt(r.get(k), ".2f")
-                    for k in (
-                        "routing_us",
-                        "api_us",
-                        "op_us",
-                        "direct_us",
-                        "raw_us",
-                        "op_minus_direct_us",
-                        "op_minus_raw_us",
-                        "graph_op_us",
-                        "graph_raw_us",
-                    )
-                ),
-                detail,
-            ]
-        )
     shape = f"T={rows[0]['tokens']}, H={rows[0]['heads']}, (Dqk, Dv) = ({P.DQK}, {P.DV})" if rows else ""
     intro = (
         "Per-call wall time in µs (median over rounds of back-to-back calls; on CUDA the larger of host issue "
@@ -257,7 +231,7 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         "*graph* columns: device time per call inside a replayed CUDA graph. Design goal: op − raw <= 5 µs."
     )
     title = f"MLA op dispatch overhead: {env.get('gpu')}, {env.get('dtype')}, {shape}"
-    return R.results_markdown(title, env, intro, R.markdown_table(headers, table))
+    return R.results_markdown(title, env, intro, R.rows_table(rows, COLUMNS))
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -307,10 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     import torch
 
-    device = P.pick_device(args.device)
-    dtype = getattr(torch, args.dtype)
-    if args.iters is None:
-        args.iters = 2000 if device.type == "cuda" else 100
+    device, dtype = P.setup_device(args, {"iters": 2000}, {"iters": 100})
     if device.type == "cpu":
         # One thread: the figures are host overheads, and on a shared machine a thread pool waiting for
         # cores would swamp them.

@@ -223,39 +223,25 @@ def measure_backend(
     return rows
 
 
+#: The columns of graph_trees.md.
+COLUMNS: list[R.Column] = [
+    ("batch", R.text("size")),
+    ("backend", R.text("backend")),
+    ("mode", R.text("mode")),
+    ("step ms", R.num("step_ms", ".3f")),
+    ("range", R.span("step_ms_min", "step_ms_max", ".3f")),
+    ("ms/layer", R.num("layer_ms", ".3f")),
+    ("eager / mode", R.num("eager_over_mode", ".2f")),
+    ("rel diff vs eager", R.num("rel_diff_vs_eager", ".1e")),
+    ("graphs recorded while timed", R.num("graphs_recorded_while_timed", "d")),
+    ("cudagraph skips", R.num("cudagraph_skips", "d")),
+    ("status", R.text("status")),
+    ("note", R.text("note")),
+]
+
+
 def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argparse.Namespace) -> str:
     """The rows as a Markdown page with the environment record."""
-    table = [
-        [
-            r["size"],
-            r["backend"],
-            r["mode"],
-            R.fmt(r.get("step_ms"), ".3f"),
-            f"{R.fmt(r.get('step_ms_min'), '.3f')}..{R.fmt(r.get('step_ms_max'), '.3f')}",
-            R.fmt(r.get("layer_ms"), ".3f"),
-            R.fmt(r.get("eager_over_mode"), ".2f"),
-            R.fmt(r.get("rel_diff_vs_eager"), ".1e"),
-            R.fmt(r.get("graphs_recorded_while_timed"), "d"),
-            R.fmt(r.get("cudagraph_skips"), "d"),
-            r["status"],
-            r.get("note") or "",
-        ]
-        for r in rows
-    ]
-    headers = [
-        "batch",
-        "backend",
-        "mode",
-        "step ms",
-        "range",
-        "ms/layer",
-        "eager / mode",
-        "rel diff vs eager",
-        "graphs recorded while timed",
-        "cudagraph skips",
-        "status",
-        "note",
-    ]
     intro = (
         f"A stack of {args.layers} MLA layers (hidden {args.hidden}, H={args.heads}, (Dqk, Dv) = ({P.DQK}, {P.DV})). "
         f"Per backend and mode: the median time of a forward over {args.steps} timed steps, each a new batch "
@@ -264,19 +250,15 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argpa
         "faster). *rel diff vs eager*: ||compiled - eager|| / ||eager|| on the first timed batch."
     )
     title = f"MLA layers under CUDA-graph trees: {env.get('gpu')}, {env.get('dtype')}"
-    return R.results_markdown(title, env, intro, R.markdown_table(headers, table))
+    return R.results_markdown(title, env, intro, R.rows_table(rows, COLUMNS))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    device = P.pick_device(args.device)
-    dtype = getattr(torch, args.dtype)
+    device, dtype = P.setup_device(args, GPU_DEFAULTS, CPU_DEFAULTS)
     cuda = device.type == "cuda"
-    for key, value in (GPU_DEFAULTS if cuda else CPU_DEFAULTS).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
     try:
         sizes = [P.ServingSize.parse(text) for text in args.sizes.split(",")]
     except ValueError as exc:
@@ -300,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"backends: {', '.join(r['name'] for r in timed) or 'none'}",
         flush=True,
     )
-    warmed = M.warm_backends(timed, device, dtype, [args.heads], log=lambda line: print(line, flush=True))
+    warmed = M.warm_backends(timed, device, dtype, [args.heads])
     if warmed:
         env["warmup_s"] = warmed
     stack = P.mla_stack(P.mla_config(args.hidden, args.heads), args.layers, device, dtype, args.seed)

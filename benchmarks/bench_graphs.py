@@ -29,6 +29,15 @@ if TYPE_CHECKING:
     import torch
 
 CSV_FIELDS = ["backend", "eager_ms", "graph_ms", "speedup", "max_abs_diff", "note"]
+#: The columns of the Markdown file written beside the CSV.
+COLUMNS: list[R.Column] = [
+    ("backend", R.text("backend")),
+    ("eager ms", R.num("eager_ms", ".3f")),
+    ("graph ms", R.num("graph_ms", ".3f")),
+    ("speed-up", R.num("speedup", ".2f")),
+    ("max abs diff", R.num("max_abs_diff", ".1e")),
+    ("note", R.text("note")),
+]
 
 
 def measure(name: str, stack: Any, batch: Any, iters: int, device: torch.device) -> dict[str, Any]:
@@ -96,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env.update(layers=args.layers, heads=args.heads, hidden=args.hidden, lengths=args.lengths, iters=args.iters)
     timed, skipped = M.backends_to_time(backends, device, args.backends.split(","))
     print(f"# {env['gpu']}, torch {env['torch']}, {args.layers} layers, H={args.heads}, lengths {args.lengths}")
+    M.warm_backends(timed, device, dtype, [args.heads])
     stack = P.mla_stack(P.mla_config(args.hidden, args.heads), args.layers, device, dtype, args.seed)
     batch = random_batch(stack.layers[0], args.lengths, generator=torch.Generator().manual_seed(args.seed))
     rows = []
@@ -117,26 +127,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append({"backend": name, "note": f"skipped: {why}"})
     env["not_measured"] = skipped
     if args.out:
-        table = [
-            [
-                r["backend"],
-                R.fmt(r.get("eager_ms"), ".3f"),
-                R.fmt(r.get("graph_ms"), ".3f"),
-                R.fmt(r.get("speedup"), ".2f"),
-                R.fmt(r.get("max_abs_diff"), ".1e"),
-                r.get("note", ""),
-            ]
-            for r in rows
-        ]
         intro = (
             f"A stack of {args.layers} MLA layers (hidden {args.hidden}, H={args.heads}) on new tokens "
             f"{args.lengths}: milliseconds per forward, eager and replayed from one CUDA graph (median over five "
             f"samples of {args.iters} back-to-back forwards)."
         )
-        headers = ["backend", "eager ms", "graph ms", "speed-up", "max abs diff", "note"]
-        md = R.results_markdown(f"CUDA-graph replay: {env['gpu']}", env, intro, R.markdown_table(headers, table))
-        stem = args.out.name.removesuffix(".csv")
-        paths = R.write_results(args.out.parent, stem, CSV_FIELDS, rows, env, md)
+        md = R.results_markdown(f"CUDA-graph replay: {env['gpu']}", env, intro, R.rows_table(rows, COLUMNS))
+        paths = R.write_results_beside(args.out, CSV_FIELDS, rows, env, md)
         print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 

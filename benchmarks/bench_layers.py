@@ -149,33 +149,22 @@ def measure_backend(
     return out
 
 
+#: The columns of layers.md.
+COLUMNS: list[R.Column] = [
+    ("backend", R.text("backend")),
+    ("op ms/layer", R.num("op_layer_ms", ".4f")),
+    ("raw ms/layer", R.num("raw_layer_ms", ".4f")),
+    ("op cost µs/layer", R.num("op_cost_us_per_layer", ".1f")),
+    ("raw / op", R.num("raw_over_op", ".3f")),
+    ("rounds' range", R.span("raw_over_op_min", "raw_over_op_max", ".3f")),
+    ("rel diff", R.num("rel_diff", ".1e")),
+    ("status", R.text("status")),
+    ("raw call / note", R.text("raw_call", "note")),
+]
+
+
 def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argparse.Namespace) -> str:
     """The rows as a Markdown page with the environment record."""
-    table = [
-        [
-            r["backend"],
-            R.fmt(r.get("op_layer_ms"), ".4f"),
-            R.fmt(r.get("raw_layer_ms"), ".4f"),
-            R.fmt(r.get("op_cost_us_per_layer"), ".1f"),
-            R.fmt(r.get("raw_over_op"), ".3f"),
-            f"{R.fmt(r.get('raw_over_op_min'), '.3f')}..{R.fmt(r.get('raw_over_op_max'), '.3f')}",
-            R.fmt(r.get("rel_diff"), ".1e"),
-            r["status"],
-            "; ".join(x for x in (r.get("raw_call"), r.get("note")) if x),
-        ]
-        for r in rows
-    ]
-    headers = [
-        "backend",
-        "op ms/layer",
-        "raw ms/layer",
-        "op cost µs/layer",
-        "raw / op",
-        "rounds' range",
-        "rel diff",
-        "status",
-        "raw call / note",
-    ]
     intro = (
         f"A stack of {args.layers} MLA layers (hidden {args.hidden}, H={args.heads}, (Dqk, Dv) = ({P.DQK}, {P.DV})), "
         f"eager, on one batch of {args.size.label}. Per layer: the forward's time through the ops and with the "
@@ -183,25 +172,17 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argpa
         "from an idle device; *op cost* is their difference. *rel diff*: ||op - raw|| / ||raw|| of the outputs."
     )
     title = f"MLA layers, ops against raw library calls: {env.get('gpu')}, {env.get('dtype')}"
-    return R.results_markdown(title, env, intro, R.markdown_table(headers, table))
+    return R.results_markdown(title, env, intro, R.rows_table(rows, COLUMNS))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch
 
-    device = P.pick_device(args.device)
-    dtype = getattr(torch, args.dtype)
-    cuda = device.type == "cuda"
-    for key, value in (GPU_DEFAULTS if cuda else CPU_DEFAULTS).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    device, dtype = P.setup_device(args, GPU_DEFAULTS, CPU_DEFAULTS)
     try:
         args.size = P.ServingSize.parse(args.batch)
     except ValueError as exc:
         raise SystemExit(f"--batch: {exc}") from None
-    args.warmup_ms = args.warmup_ms if args.warmup_ms is not None else (timing.DEFAULT_WARMUP_MS if cuda else 2.0)
-    args.rep_ms = args.rep_ms if args.rep_ms is not None else (timing.DEFAULT_REP_MS if cuda else 10.0)
     started = time.perf_counter()
     backends = R.backend_table(device, dtype, P.DQK, P.DV)
     env = R.collect_env(device, dtype, P.DQK, P.DV, backends, command=R.command_line("bench_layers.py", argv))
@@ -220,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"batch {args.size.label}; backends: {', '.join(r['name'] for r in timed) or 'none'}",
         flush=True,
     )
-    warmed = M.warm_backends(timed, device, dtype, [args.heads], log=lambda line: print(line, flush=True))
+    warmed = M.warm_backends(timed, device, dtype, [args.heads])
     if warmed:
         env["warmup_s"] = warmed
     stack = P.mla_stack(P.mla_config(args.hidden, args.heads), args.layers, device, dtype, args.seed)

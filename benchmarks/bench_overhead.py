@@ -127,41 +127,36 @@ def measure_pair(op: M.OpMethod, raw: M.Method, problem: P.Problem, reference: A
     return row
 
 
+#: The columns of overhead.md.
+COLUMNS: list[R.Column] = [
+    ("backend", R.text("backend")),
+    ("shape", R.text("shape")),
+    ("heads", R.text("heads")),
+    ("op ms", R.num("op_ms", ".4f")),
+    ("raw call", R.text("raw_call")),
+    ("raw ms", R.num("raw_ms", ".4f")),
+    ("raw / op", R.num("raw_over_op_median", ".3f")),
+    ("rounds' range", R.span("raw_over_op_min", "raw_over_op_max", ".3f")),
+    ("note", R.text("note")),
+]
+
+
 def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
     """The rows as a Markdown page with the environment record."""
-    table = [
-        [
-            r["backend"],
-            r["shape"],
-            f"H={r['heads']}",
-            R.fmt(r.get("op_ms"), ".4f"),
-            r["raw_call"],
-            R.fmt(r.get("raw_ms"), ".4f"),
-            R.fmt(r.get("raw_over_op_median"), ".3f"),
-            f"{R.fmt(r.get('raw_over_op_min'), '.3f')}..{R.fmt(r.get('raw_over_op_max'), '.3f')}",
-            r.get("note") or "",
-        ]
-        for r in rows
-    ]
-    headers = ["backend", "shape", "heads", "op ms", "raw call", "raw ms", "raw / op", "rounds' range", "note"]
     intro = (
         f"Raw call time / op time, the median over {env.get('rounds')} alternating rounds on the same tensors "
         "(above 1: the op is faster; target >= 0.97). Times are the medians over rounds."
     )
-    return R.results_markdown(
-        f"MLA op overhead: {env.get('gpu')}, {env.get('dtype')}", env, intro, R.markdown_table(headers, table)
-    )
+    title = f"MLA op overhead: {env.get('gpu')}, {env.get('dtype')}"
+    return R.results_markdown(title, env, intro, R.rows_table(rows, COLUMNS))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    device = P.pick_device(args.device)
-    dtype = getattr(torch, args.dtype)
+    device, dtype = P.setup_device(args)
     cuda = device.type == "cuda"
-    args.warmup_ms = args.warmup_ms if args.warmup_ms is not None else (timing.DEFAULT_WARMUP_MS if cuda else 2.0)
-    args.rep_ms = args.rep_ms if args.rep_ms is not None else (timing.DEFAULT_REP_MS if cuda else 10.0)
     backends = R.backend_table(device, dtype, P.DQK, P.DV)
     env = R.collect_env(device, dtype, P.DQK, P.DV, backends, command=R.command_line("bench_overhead.py", argv))
     env.update(rounds=args.rounds, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
@@ -173,12 +168,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"pairs: {', '.join(f'{op.name}/{raw.name}' for op, raw in pairs)}",
         flush=True,
     )
-    if cuda:
-        print(
-            "the first call of each kernel may JIT-compile it (FlashInfer fa3: about 80 s on a fresh machine); "
-            "first calls are never timed",
-            flush=True,
-        )
+    compared = {op.name for op, _ in pairs}
+    heads = [s.heads for s in P.reference_shapes(device)]
+    warmed = M.warm_backends([r for r in backends if r["name"] in compared], device, dtype, heads)
+    if warmed:
+        env["warmup_s"] = warmed
     rows = []
     for shape in P.reference_shapes(device):
         problem = P.make_problem(shape, device, dtype, args.seed)
@@ -200,8 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cuda:
             torch.cuda.empty_cache()
     if args.out:
-        stem = args.out.name.removesuffix(".csv")
-        paths = R.write_results(args.out.parent, stem, CSV_FIELDS, rows, env, render_markdown(rows, env))
+        paths = R.write_results_beside(args.out, CSV_FIELDS, rows, env, render_markdown(rows, env))
         print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 

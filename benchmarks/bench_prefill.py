@@ -307,7 +307,7 @@ def warm_up(
     timed = {m.name for m in methods if isinstance(m, M.OpMethod)}
     heads = [s.heads for s in shapes if s.suite != "merge"]
     rows = [row for row in backends if row["name"] in timed]
-    return {**seconds, **M.warm_backends(rows, device, dtype, heads, log=lambda line: print(line, flush=True))}
+    return {**seconds, **M.warm_backends(rows, device, dtype, heads)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -315,14 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.from_csv is not None:
         return replot(args.from_csv, args.out)
 
-    import torch
-
-    device = P.pick_device(args.device)
-    dtype = getattr(torch, args.dtype)
+    device, dtype = P.setup_device(args, {"ratio_rounds": timing.DEFAULT_ROUNDS}, {"ratio_rounds": 3})
     cuda = device.type == "cuda"
-    args.warmup_ms = args.warmup_ms if args.warmup_ms is not None else (timing.DEFAULT_WARMUP_MS if cuda else 2.0)
-    args.rep_ms = args.rep_ms if args.rep_ms is not None else (timing.DEFAULT_REP_MS if cuda else 10.0)
-    args.ratio_rounds = args.ratio_rounds or (timing.DEFAULT_ROUNDS if cuda else 3)
     all_shapes = P.gpu_shapes() if cuda else P.cpu_shapes()
     shapes = P.select_shapes(all_shapes, args.shapes, args.quick)
     out_dir = args.out or R.default_out_dir(device)

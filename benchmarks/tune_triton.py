@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     import torch
 
 #: The shapes timed: the reference causal shapes, then the chunk shapes.
-SHAPES = (*P.REFERENCE_SHAPES, *P.TUNING_CHUNK_SHAPES)
+SHAPES = (*(s for s in P.gpu_shapes() if "ref" in s.tags), *P.TUNING_CHUNK_SHAPES)
 #: The ragged batches every candidate is checked on first (both paths; 3 padding rows).
 CHECK_SHAPES = (
     P.Shape("causal", 16, (1, 17, 0, 127, 300, 64)),

@@ -94,7 +94,7 @@ def _main(module, argv: list[str]) -> str:
 @pytest.fixture(scope="module")
 def prefill_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_prefill")
-    printed = _main(BP, ["--device", "cpu", "--out", str(out), *FAST])
+    printed = _main(BP, ["--device", "cpu", "--out", str(out), *FAST, "--ratio-rounds", "2"])
     return out, printed
 
 
@@ -240,7 +240,7 @@ def test_overhead_cpu_run(tmp_path):
     printed = _main(BO, ["--device", "cpu", "--rounds", "2", "--out", str(out), *FAST])
     rows = _read_rows(out)
     assert [(r["backend"], r["shape"], r["heads"]) for r in rows] == [
-        ("REFERENCE", s.short_label, str(s.heads)) for s in P.CPU_REFERENCE_SHAPES
+        ("REFERENCE", s.short_label, str(s.heads)) for s in P.reference_shapes(CPU)
     ]
     for r in rows:
         assert r["raw_call"] == "reference_raw" and r["rounds"] == "2"
@@ -373,7 +373,11 @@ def test_gpu_shape_sets():
     assert [s.suite for s in quick].count("chunk") == 1
     assert [s.suite for s in quick].count("merge") == 2
     assert [s.id for s in P.select_shapes(shapes, ["merge"], quick=False)] == ["merge-h16-t16384", "merge-h128-t16384"]
-    assert {s.id for s in P.REFERENCE_SHAPES} == {s.id for s in shapes if "ref" in s.tags}
+    assert [s.id for s in P.reference_shapes(torch.device("cuda"))] == [
+        "causal-h16-4x4096",
+        "causal-h128-2x8192",
+        "causal-h128-512+1024+2048+3000+700",
+    ]
     with pytest.raises(SystemExit, match="matches no shape"):
         P.select_shapes(shapes, ["nothing-*"], quick=False)
 

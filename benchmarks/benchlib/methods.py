@@ -872,12 +872,16 @@ def capture_cuda_graph(fn: Callable[[], Any], device: torch.device, warmup_calls
     return graph, output
 
 
+def _print_now(line: str) -> None:
+    print(line, flush=True)
+
+
 def warm_backends(
     rows: Sequence[dict[str, Any]],
     device: torch.device,
     dtype: torch.dtype,
     heads: Sequence[int],
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] | None = None,
 ) -> dict[str, float]:
     """Let each backend of ``rows`` build its just-in-time kernels (its ``warmup``) before anything is
     timed, announcing each; returns the seconds each took. A failure is reported, not raised: the
@@ -886,6 +890,7 @@ def warm_backends(
 
     import mla_ops
 
+    log = log or _print_now
     seconds: dict[str, float] = {}
     if device.type != "cuda":
         return seconds

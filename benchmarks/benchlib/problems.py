@@ -51,6 +51,32 @@ def pick_device(requested: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def setup_device(
+    args: Any, gpu_defaults: dict[str, Any] | None = None, cpu_defaults: dict[str, Any] | None = None
+) -> tuple[torch.device, torch.dtype]:
+    """The device (``args.device``, see :func:`pick_device`) and dtype (``args.dtype``) of a run.
+
+    Every attribute of ``args`` that is still ``None`` and has a default for the device's kind gets it:
+    ``warmup_ms`` / ``rep_ms`` the timer's (smaller on CPU, where runs test the scripts), then those of
+    ``gpu_defaults`` or ``cpu_defaults``.
+    """
+    import torch
+
+    from .timing import CPU_REP_MS, CPU_WARMUP_MS, DEFAULT_REP_MS, DEFAULT_WARMUP_MS
+
+    device = pick_device(getattr(args, "device", None))
+    cuda = device.type == "cuda"
+    defaults = {
+        "warmup_ms": DEFAULT_WARMUP_MS if cuda else CPU_WARMUP_MS,
+        "rep_ms": DEFAULT_REP_MS if cuda else CPU_REP_MS,
+    }
+    defaults.update((gpu_defaults if cuda else cpu_defaults) or {})
+    for key, value in defaults.items():
+        if getattr(args, key, value) is None:
+            setattr(args, key, value)
+    return device, getattr(torch, getattr(args, "dtype", "bfloat16"))
+
+
 def require_cuda(script: str, needs: str) -> torch.device:
     """The current CUDA device; without one, print why ``script`` needs it (for ``needs``) and exit with
     status 2, having measured nothing."""
@@ -160,64 +186,56 @@ class Shape:
         return 3 * rows * DV * elem_size + 3 * rows * 4
 
 
-_MIXED = (512, 1024, 2048, 3000, 700)
-
-#: The three reference shapes of the op-overhead figures: 4x4096 at H=16, 2x8192 and a mixed batch at H=128.
-REFERENCE_SHAPES = (
-    Shape("causal", 16, (4096,) * 4),
-    Shape("causal", 128, (8192,) * 2),
-    Shape("causal", 128, _MIXED),
-)
-#: Their CPU stand-ins (REFERENCE on tiny shapes; the figures say nothing about speed).
-CPU_REFERENCE_SHAPES = (
-    Shape("causal", 2, (32,) * 4),
-    Shape("causal", 4, (64,) * 2),
-    Shape("causal", 4, (16, 40, 64, 24)),
-)
-#: Context-chunk shapes of the Triton tuning sweep: 1024 new tokens over 8192 of context.
-TUNING_CHUNK_SHAPES = (Shape("chunk", 16, (1024,), (8192,)), Shape("chunk", 128, (1024,), (8192,)))
-
-
-def reference_shapes(device: torch.device) -> tuple[Shape, ...]:
-    """:data:`REFERENCE_SHAPES` on CUDA, :data:`CPU_REFERENCE_SHAPES` elsewhere."""
-    return REFERENCE_SHAPES if device.type == "cuda" else CPU_REFERENCE_SHAPES
+def _shape_set(
+    heads: tuple[int, int],
+    sweep: tuple[int, ...],
+    sweep_tokens: int,
+    reference: set[tuple[int, int]],
+    mixed: tuple[int, ...],
+    chunk_new: int,
+    contexts: tuple[int, ...],
+    quick_chunk: tuple[int, int],
+    merge_tokens: int,
+) -> list[Shape]:
+    """bench_prefill's structure: causal length sweeps of ``sweep_tokens`` tokens per batch at both head
+    counts, a mixed batch at the larger, chunks of ``chunk_new`` new tokens (1 and 4 sequences) over each
+    total context, and the merge. ``reference`` (heads, length) pairs and the mixed batch are tagged
+    ``ref`` and ``quick``; the ``quick_chunk`` (heads, context) chunk and the merges ``quick``."""
+    ref, quick = frozenset({"ref", "quick"}), frozenset({"quick"})
+    shapes = []
+    for h in heads:
+        for s in sweep:
+            tags = ref if (h, s) in reference else frozenset()
+            shapes.append(Shape("causal", h, (s,) * (sweep_tokens // s), series="causal", x=s, tags=tags))
+    shapes.append(Shape("causal", heads[-1], mixed, tags=ref))
+    for h in heads:
+        for ctx in contexts:
+            tags = quick if (h, ctx) == quick_chunk else frozenset()
+            shapes.append(Shape("chunk", h, (chunk_new,), (ctx,), series="chunk 1 seq", x=ctx, tags=tags))
+            shapes.append(Shape("chunk", h, (chunk_new // 4,) * 4, (ctx // 4,) * 4, series="chunk 4 seqs", x=ctx))
+    shapes += [Shape("merge", h, (merge_tokens,), tags=quick) for h in heads]
+    return shapes
 
 
 def gpu_shapes() -> list[Shape]:
-    """bench_prefill's GPU set: length sweeps at H=16 and 128, the reference shapes, chunks and the merge."""
-    shapes = []
-    reference = {(16, 4096), (128, 8192)}
-    for heads in (16, 128):
-        for s in (512, 1024, 2048, 4096, 8192, 16384):
-            tags = frozenset({"ref", "quick"}) if (heads, s) in reference else frozenset()
-            shapes.append(Shape("causal", heads, (s,) * (16384 // s), series="causal", x=s, tags=tags))
-    shapes.append(Shape("causal", 128, _MIXED, tags=frozenset({"ref", "quick"})))
-    for heads in (16, 128):
-        for ctx in (8192, 16384, 32768):
-            quick = frozenset({"quick"}) if (heads, ctx) == (128, 16384) else frozenset()
-            shapes.append(Shape("chunk", heads, (1024,), (ctx,), series="chunk 1 seq", x=ctx, tags=quick))
-            shapes.append(Shape("chunk", heads, (256,) * 4, (ctx // 4,) * 4, series="chunk 4 seqs", x=ctx))
-    for heads in (16, 128):
-        shapes.append(Shape("merge", heads, (16384,), tags=frozenset({"quick"})))
-    return shapes
+    """bench_prefill's GPU set: length sweeps of 16384 tokens at H=16 and 128, the reference shapes (4x4096
+    at H=16, 2x8192 and a mixed batch at H=128), 1024 new tokens over 8k to 32k of context, the merge."""
+    return _shape_set((16, 128), (512, 1024, 2048, 4096, 8192, 16384), 16384, {(16, 4096), (128, 8192)},
+                      (512, 1024, 2048, 3000, 700), 1024, (8192, 16384, 32768), (128, 16384), 16384)  # fmt: skip
 
 
 def cpu_shapes() -> list[Shape]:
     """bench_prefill's CPU set: the same structure at tiny sizes (H=2 and 4, lengths 16..64), for CI."""
-    shapes = []
-    for heads in (2, 4):
-        for s in (16, 32, 64):
-            tags = frozenset({"ref", "quick"}) if (heads, s) in {(2, 32), (4, 64)} else frozenset()
-            shapes.append(Shape("causal", heads, (s,) * (128 // s), series="causal", x=s, tags=tags))
-    shapes.append(Shape("causal", 4, (16, 40, 64, 24), tags=frozenset({"ref", "quick"})))
-    for heads in (2, 4):
-        for ctx in (64, 128):
-            quick = frozenset({"quick"}) if (heads, ctx) == (4, 64) else frozenset()
-            shapes.append(Shape("chunk", heads, (16,), (ctx,), series="chunk 1 seq", x=ctx, tags=quick))
-            shapes.append(Shape("chunk", heads, (4,) * 4, (ctx // 4,) * 4, series="chunk 4 seqs", x=ctx))
-    for heads in (2, 4):
-        shapes.append(Shape("merge", heads, (256,), tags=frozenset({"quick"})))
-    return shapes
+    return _shape_set((2, 4), (16, 32, 64), 128, {(2, 32), (4, 64)}, (16, 40, 64, 24), 16, (64, 128), (4, 64), 256)
+
+
+def reference_shapes(device: torch.device) -> list[Shape]:
+    """The reference shapes (tag ``ref``) of the device's set: the shapes of the op-overhead figures."""
+    return [s for s in (gpu_shapes() if device.type == "cuda" else cpu_shapes()) if "ref" in s.tags]
+
+
+#: Context-chunk shapes of the Triton tuning sweep: 1024 new tokens over 8192 of context.
+TUNING_CHUNK_SHAPES = (Shape("chunk", 16, (1024,), (8192,)), Shape("chunk", 128, (1024,), (8192,)))
 
 
 def select_shapes(shapes: list[Shape], patterns: Sequence[str], quick: bool) -> list[Shape]:

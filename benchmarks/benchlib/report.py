@@ -23,7 +23,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -321,6 +321,30 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> 
     return "\n".join(lines)
 
 
+#: A table column: its header, and how a row (a dict) becomes the cell's text.
+Column = tuple[str, Callable[[dict[str, Any]], str]]
+
+
+def num(key: str, spec: str) -> Callable[[dict[str, Any]], str]:
+    """A cell: the number ``row[key]`` formatted with ``spec`` (``—`` when missing)."""
+    return lambda row: fmt(row.get(key), spec)
+
+
+def span(low: str, high: str, spec: str) -> Callable[[dict[str, Any]], str]:
+    """A cell: ``low..high`` of two numbers of the row (a range over rounds or samples)."""
+    return lambda row: f"{fmt(row.get(low), spec)}..{fmt(row.get(high), spec)}"
+
+
+def text(*keys: str) -> Callable[[dict[str, Any]], str]:
+    """A cell: the row's non-empty values of ``keys``, joined by ``; ``."""
+    return lambda row: "; ".join(str(row[k]) for k in keys if row.get(k) not in (None, ""))
+
+
+def rows_table(rows: Iterable[dict[str, Any]], columns: Sequence[Column]) -> str:
+    """A Markdown table of ``rows`` with ``columns``."""
+    return markdown_table([header for header, _ in columns], [[cell(row) for _, cell in columns] for row in rows])
+
+
 def fmt(value: object, spec: str = ".1f", missing: str = "—") -> str:
     """Format a number, or ``missing`` for ``None``/NaN/empty."""
     if value is None or value == "" or (isinstance(value, float) and math.isnan(value)):
@@ -401,6 +425,13 @@ def write_results(
     write_json(paths[1], env)
     paths[2].write_text(markdown)
     return paths
+
+
+def write_results_beside(
+    csv_path: Path, fieldnames: Sequence[str], rows: list[dict[str, Any]], env: dict[str, Any], markdown: str
+) -> list[Path]:
+    """:func:`write_results` for a script told a CSV file: ``<stem>.md`` and ``<stem>.env.json`` go beside it."""
+    return write_results(csv_path.parent, csv_path.name.removesuffix(".csv"), fieldnames, rows, env, markdown)
 
 
 def results_markdown(title: str, env: dict[str, Any], intro: str, table: str, notes: Sequence[str] = ()) -> str:

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 #: Defaults of :func:`measure` on CUDA (``triton.testing.do_bench``'s); the scripts use smaller ones on CPU.
 DEFAULT_WARMUP_MS = 25.0
 DEFAULT_REP_MS = 100.0
+#: Smaller budgets for CPU runs, which test the scripts rather than measure.
+CPU_WARMUP_MS = 2.0
+CPU_REP_MS = 10.0
 #: Rounds of :func:`alternating` for an op/raw ratio, shared by every script that reports one.
 DEFAULT_ROUNDS = 7
 #: Bytes zeroed before each CUDA sample: larger than any GPU's L2 (the H200's is 50 MiB), as do_bench does.
