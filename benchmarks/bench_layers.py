@@ -177,7 +177,6 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argpa
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-
     device, dtype = P.setup_device(args, GPU_DEFAULTS, CPU_DEFAULTS)
     try:
         args.size = P.ServingSize.parse(args.batch)

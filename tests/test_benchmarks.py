@@ -559,6 +559,58 @@ def test_raw_layer_attention_matches_prefill_with_context():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def _fake_flashinfer(plans: list) -> types.ModuleType:
+    """A stand-in for ``flashinfer``: a ragged wrapper computing with the reference, with FlashInfer's
+    conventions (base-2 LSE ``[T, H]``), and ``merge_state`` on base-2 LSEs."""
+    from mla_ops.backends.reference import attention_reference, merge_attn_states_reference
+
+    class Wrapper:
+        def __init__(self, workspace, layout, backend):
+            assert layout == "NHD"
+            self.backend = backend
+
+        def plan(self, cu_q, cu_k, heads_q, heads_kv, dqk, head_dim_vo, causal, sm_scale, q_data_type, kv_data_type):
+            plans.append((cu_q.tolist(), cu_k.tolist(), causal))
+            self.cu_q, self.cu_k, self.causal, self.scale = cu_q, cu_k, causal, sm_scale
+
+        def run(self, q, k, v, return_lse):
+            out, lse = attention_reference(q, k, v, self.cu_q, self.cu_k, self.scale, self.causal)
+            return out, (lse / math.log(2)).t().contiguous()
+
+    def merge_state(v_a, s_a, v_b, s_b):
+        out, lse = merge_attn_states_reference(v_a, s_a.t() * math.log(2), v_b, s_b.t() * math.log(2))
+        return out, (lse / math.log(2)).t()
+
+    return types.SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=Wrapper, merge_state=merge_state)
+
+
+def test_raw_layer_attention_with_flashinfer_plans_once_per_batch(monkeypatch):
+    import mla_ops
+    from mla_ops.api import ContextChunk
+
+    plans: list = []
+    monkeypatch.setitem(sys.modules, "flashinfer", _fake_flashinfer(plans))
+    p = P.make_problem(P.Shape("causal", 2, (5, 3)), CPU, torch.bfloat16)
+    chunk = P.make_problem(P.Shape("chunk", 2, (5, 3), (4, 0)), CPU, torch.bfloat16, seed=1)
+    chunks = [ContextChunk(chunk.k, chunk.v, chunk.cu_k, chunk.max_k)]
+    attention = M.RawLayerAttention(M.FlashInferRaw("fa3"), CPU)
+    attention.plan(p.cu_q, [chunk.cu_k], 2, torch.bfloat16, p.scale)
+    assert plans == [([0, 5, 8], [0, 5, 8], True), ([0, 5, 8], [0, 4, 4], False)]
+    for _ in range(3):  # every layer of a model: the two plans serve them all
+        out, _ = attention(p.q, p.k, p.v, p.cu_q, p.max_q, chunks, p.scale)
+    assert len(plans) == 2
+    want, _ = mla_ops.prefill_with_context(p.q, p.k, p.v, p.cu_q, p.max_q, chunks, p.scale)
+    assert M.relative_difference(out, want) < 1e-2
+
+
+def test_graph_tree_mode_follows_host_planning():
+    from mla_ops.backends.flashinfer import FlashInferBackend
+    from mla_ops.backends.triton import TritonBackend
+
+    assert BGT.graph_tree_mode({"backend": FlashInferBackend()}) == "compile_options(reduce-overhead)"
+    assert BGT.graph_tree_mode({"backend": TritonBackend()}) == "reduce-overhead"
+
+
 def test_backends_to_time_on_cpu():
     rows = R.backend_table(CPU, torch.bfloat16, P.DQK, P.DV)
     timed, skipped = M.backends_to_time(rows, CPU)
