@@ -77,7 +77,7 @@ def module_version(module: str, *dists: str) -> str:
     """The installed version of ``module`` (by distribution metadata, else ``__version__``), or why not."""
     try:
         found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a submodule whose parent package is missing
+    except Exception:  # a submodule whose parent package is missing, or fails to import
         found = False
     if not found:
         return "not installed"
