@@ -288,9 +288,11 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         torch.set_num_threads(1)
     args.fi_backend = M.flashinfer_kernel(device, args.fi_backend)
     started = time.perf_counter()
-    backends = R.backend_table(device, dtype, P.DQK, P.DV)
-    env = R.collect_env(device, dtype, P.DQK, P.DV, backends, command=R.command_line("bench_dispatch.py", argv))
-    env.update(
+    backends, env = R.start_run(
+        "bench_dispatch.py",
+        argv,
+        device,
+        dtype,
         timer="CUDA events (time.perf_counter on CPU) around back-to-back calls, the device synchronised before "
         "each round's batch; CUDA events around graph replays",
         iters=args.iters,

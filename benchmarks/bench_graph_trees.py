@@ -264,9 +264,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         raise SystemExit(f"--sizes: {exc}") from None
     started = time.perf_counter()
-    backends = R.backend_table(device, dtype, P.DQK, P.DV)
-    env = R.collect_env(device, dtype, P.DQK, P.DV, backends, command=R.command_line("bench_graph_trees.py", argv))
-    env.update(
+    backends, env = R.start_run(
+        "bench_graph_trees.py",
+        argv,
+        device,
+        dtype,
         layers=args.layers,
         heads=args.heads,
         hidden=args.hidden,

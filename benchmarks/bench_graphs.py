@@ -100,9 +100,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     device = P.require_cuda("bench_graphs.py", "capturing and replaying CUDA graphs")
     dtype = torch.bfloat16
-    backends = R.backend_table(device, dtype, P.DQK, P.DV)
-    env = R.collect_env(device, dtype, P.DQK, P.DV, backends, command=R.command_line("bench_graphs.py", argv))
-    env.update(layers=args.layers, heads=args.heads, hidden=args.hidden, lengths=args.lengths, iters=args.iters)
+    backends, env = R.start_run(
+        "bench_graphs.py",
+        argv,
+        device,
+        dtype,
+        layers=args.layers,
+        heads=args.heads,
+        hidden=args.hidden,
+        lengths=args.lengths,
+        iters=args.iters,
+    )
     timed, skipped = M.backends_to_time(backends, device, args.backends.split(","))
     print(f"# {env['gpu']}, torch {env['torch']}, {args.layers} layers, H={args.heads}, lengths {args.lengths}")
     M.warm_backends(timed, device, dtype, [args.heads])

@@ -183,9 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         raise SystemExit(f"--batch: {exc}") from None
     started = time.perf_counter()
-    backends = R.backend_table(device, dtype, P.DQK, P.DV)
-    env = R.collect_env(device, dtype, P.DQK, P.DV, backends, command=R.command_line("bench_layers.py", argv))
-    env.update(
+    backends, env = R.start_run(
+        "bench_layers.py",
+        argv,
+        device,
+        dtype,
         layers=args.layers,
         heads=args.heads,
         hidden=args.hidden,

@@ -157,9 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     device, dtype = P.setup_device(args)
     cuda = device.type == "cuda"
-    backends = R.backend_table(device, dtype, P.DQK, P.DV)
-    env = R.collect_env(device, dtype, P.DQK, P.DV, backends, command=R.command_line("bench_overhead.py", argv))
-    env.update(rounds=args.rounds, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    backends, env = R.start_run(
+        "bench_overhead.py", argv, device, dtype, rounds=args.rounds, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms
+    )
     pairs = build_pairs(backends, device, args.backends)
     if not pairs:
         raise SystemExit("bench_overhead: no backend can be compared with its raw call here (see the reasons above)")

@@ -322,8 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_dir = args.out or R.default_out_dir(device)
 
     started = time.perf_counter()
-    backends = R.backend_table(device, dtype, P.DQK, P.DV)
-    env = R.collect_env(device, dtype, P.DQK, P.DV, backends, command=R.command_line("bench_prefill.py", argv))
+    backends, env = R.start_run("bench_prefill.py", argv, device, dtype)
     fi_kernel = M.flashinfer_kernel(device, args.flashinfer_backend)
     methods, not_measured = build_methods(args, device, backends, fi_kernel)
     env.update(

@@ -259,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     device = P.require_cuda("tune_triton.py", "timing the Triton kernels")
     dtype = torch.bfloat16
-    env = R.collect_env(device, dtype, P.DQK, P.DV, command=R.command_line("tune_triton.py", argv))
+    _, env = R.start_run("tune_triton.py", argv, device, dtype)
     clocks = R.query_clocks(device)
     meta = {
         "gpu": env["gpu"],

@@ -248,6 +248,19 @@ def collect_env(
     return env
 
 
+def start_run(
+    script: str, argv: Sequence[str] | None, device: torch.device, dtype: torch.dtype, **record: Any
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``(backend table, environment record)`` of a run of ``script`` for (192, 128) heads; ``record``
+    (the run's settings) is added to the record."""
+    from .problems import DQK, DV
+
+    backends = backend_table(device, dtype, DQK, DV)
+    env = collect_env(device, dtype, DQK, DV, backends, command=command_line(script, argv))
+    env.update(record)
+    return backends, env
+
+
 def env_markdown(env: dict[str, Any]) -> str:
     """The environment record as Markdown: a key/value list and the backend table."""
     lines = []
