@@ -1,7 +1,11 @@
+#!/usr/bin/env python
 """Eager against CUDA-graph replay for a stack of MLA layers on small batches.
 
 Small prefill batches are launch-bound: a layer is a dozen kernels of a few microseconds each. This
-measures how much replaying the whole stack from one captured graph saves, per backend.
+measures how much replaying the whole stack from one captured ``torch.cuda.CUDAGraph`` saves, per
+backend: the median over five samples of ``--iters`` back-to-back forwards, eager and replayed, after
+ten untimed ones, and the largest difference between the replayed and the eager output. Needs a
+CUDA device; without one it says so and exits.
 
     python benchmarks/bench_graphs.py [--layers 4] [--heads 16] [--lengths 128,128,128,128]
 """
@@ -9,109 +13,136 @@ measures how much replaying the whole stack from one captured graph saves, per b
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The shared modules live next to this script, which is not part of a package.
+from benchlib import methods as M
+from benchlib import problems as P
+from benchlib import report as R
+from benchlib import timing
 
-import mla_ops
-from mla_ops.model import MLAAttention, MLAConfig, random_batch
+if TYPE_CHECKING:
+    import torch
 
-
-class Stack(nn.Module):
-    """``depth`` MLA layers with residual connections, all reading the same ragged batch."""
-
-    def __init__(self, config: MLAConfig, depth: int) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(MLAAttention(config, device="cuda", dtype=torch.bfloat16) for _ in range(depth))
-
-    def forward(self, hidden, positions, cu_seqlens, max_seqlen):
-        for layer in self.layers:
-            hidden = hidden + layer(hidden, positions, cu_seqlens, max_seqlen)
-        return hidden
-
-
-def _time_ms(fn, iters: int) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return sorted(times)[len(times) // 2]
+CSV_FIELDS = ["backend", "eager_ms", "graph_ms", "speedup", "max_abs_diff", "note"]
+#: The columns of the Markdown file written beside the CSV.
+COLUMNS: list[R.Column] = [
+    ("backend", R.text("backend")),
+    ("eager ms", R.num("eager_ms", ".3f")),
+    ("graph ms", R.num("graph_ms", ".3f")),
+    ("speed-up", R.num("speedup", ".2f")),
+    ("max abs diff", R.num("max_abs_diff", ".1e")),
+    ("note", R.text("note")),
+]
 
 
-@torch.no_grad()
-def measure(backend: str, depth: int, heads: int, lengths: list[int], iters: int) -> tuple[float, float, float]:
+def measure(name: str, stack: Any, batch: Any, iters: int, device: torch.device) -> dict[str, Any]:
     """Median milliseconds per forward, eager and replayed, and the largest difference between them."""
-    torch.manual_seed(0)
-    stack = Stack(MLAConfig(hidden_size=2048, num_heads=heads), depth)
-    batch = random_batch(stack.layers[0], lengths, generator=torch.Generator().manual_seed(0))
-    args = (batch.hidden, batch.positions, batch.cu_seqlens, batch.max_seqlen)
-    with mla_ops.prefill_backend(backend):
-        mla_ops.plan_cuda_graph(batch.cu_seqlens)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            stack(*args)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = stack(*args)
-        eager_ms = _time_ms(lambda: stack(*args), iters)
-        graph_ms = _time_ms(graph.replay, iters)
-        graph.replay()
-        diff = (replayed.float() - stack(*args).float()).abs().max().item()
-    mla_ops.release_cuda_graph_buffers()
-    return eager_ms, graph_ms, diff
+    import torch
+
+    import mla_ops
+
+    args = P.batch_args(batch)
+    forward = lambda: stack(*args)
+    counts = {"samples": 5, "warmup_calls": 10, "calls_per_sample": iters, "flush_l2": False}
+    try:
+        with torch.no_grad(), mla_ops.prefill_backend(name):
+            mla_ops.plan_cuda_graph(batch.cu_seqlens)
+            graph, replayed = M.capture_cuda_graph(forward, device, warmup_calls=1)
+            eager_ms = timing.measure(forward, device, **counts).median_ms
+            graph_ms = timing.measure(graph.replay, device, **counts).median_ms
+            graph.replay()
+            diff = (replayed.float() - forward().float()).abs().max().item()
+    finally:
+        mla_ops.release_cuda_graph_buffers()
+    return {
+        "backend": name,
+        "eager_ms": eager_ms,
+        "graph_ms": graph_ms,
+        "speedup": eager_ms / graph_ms,
+        "max_abs_diff": diff,
+    }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=4, help="layers in the stack (default %(default)s)")
-    parser.add_argument("--heads", type=int, default=16, help="query heads (default %(default)s)")
-    parser.add_argument("--lengths", default="128,128,128,128", help="new tokens per sequence (default %(default)s)")
-    parser.add_argument("--iters", type=int, default=50, help="forwards per timing (default %(default)s)")
-    parser.add_argument("--backends", default="TRITON,FLASH_ATTN,FLASHINFER", help="comma-separated backends")
-    parser.add_argument("--out", type=Path, default=None, help="CSV file to write (default: print only)")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_graphs: needs a CUDA device; none is visible", file=sys.stderr)
-        return 2
-    lengths = [int(x) for x in args.lengths.split(",")]
-    device = torch.cuda.get_device_name()
-    print(
-        f"# {device}, torch {torch.__version__}, {datetime.date.today()}, {args.layers} layers, H={args.heads}, "
-        f"lengths {lengths}"
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
+    parser.add_argument("--layers", type=int, default=4, help="layers in the stack")
+    parser.add_argument("--heads", type=int, default=16, help="query heads")
+    parser.add_argument("--hidden", type=int, default=2048, help="hidden size of the layers")
+    parser.add_argument("--lengths", default="128,128,128,128", help="new tokens per sequence, comma-separated")
+    parser.add_argument("--iters", type=int, default=50, help="forwards per timing sample")
+    parser.add_argument("--backends", default="TRITON,FLASH_ATTN,FLASHINFER", help="comma-separated backends")
+    parser.add_argument(
+        "--out", type=Path, help="CSV file to write, with <stem>.md and <stem>.env.json beside it (default: print only)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        args.lengths = [int(x) for x in args.lengths.split(",")]
+    except ValueError:
+        parser.error(f"--lengths: expected comma-separated integers, got {args.lengths!r}")
+    if args.layers < 1 or args.iters < 1 or min(args.lengths) < 0 or not any(args.lengths):
+        parser.error("--layers and --iters must be positive, and --lengths must hold at least one token")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from mla_ops.model import random_batch
+
+    device = P.require_cuda("bench_graphs.py", "capturing and replaying CUDA graphs")
+    dtype = torch.bfloat16
+    backends, env = R.start_run(
+        "bench_graphs.py",
+        argv,
+        device,
+        dtype,
+        layers=args.layers,
+        heads=args.heads,
+        hidden=args.hidden,
+        lengths=args.lengths,
+        iters=args.iters,
+    )
+    timed, skipped = M.backends_to_time(backends, device, args.backends.split(","))
+    print(f"# {env['gpu']}, torch {env['torch']}, {args.layers} layers, H={args.heads}, lengths {args.lengths}")
+    M.warm_backends(timed, device, dtype, [args.heads])
+    stack = P.mla_stack(P.mla_config(args.hidden, args.heads), args.layers, device, dtype, args.seed)
+    batch = random_batch(stack.layers[0], args.lengths, generator=torch.Generator().manual_seed(args.seed))
     rows = []
-    for backend in args.backends.split(","):
+    for row in timed:
+        print(f"{row['name']}: capturing and timing...", flush=True)
         try:
-            eager_ms, graph_ms, diff = measure(backend, args.layers, args.heads, lengths, args.iters)
-        except (ValueError, RuntimeError) as exc:
-            print(f"{backend:<11} skipped: {exc}")
+            result = measure(row["name"], stack, batch, args.iters, device)
+        except Exception as exc:
+            skipped[row["name"]] = R.short_error(exc)
             continue
-        rows.append([backend, f"{eager_ms:.3f}", f"{graph_ms:.3f}", f"{eager_ms / graph_ms:.2f}", f"{diff:.2e}"])
+        rows.append(result)
         print(
-            f"{backend:<11} eager {eager_ms:7.3f} ms  graph replay {graph_ms:7.3f} ms  "
-            f"speed-up {eager_ms / graph_ms:5.2f}x  (max |replay - eager| {diff:.1e})",
+            f"{row['name']:<11} eager {result['eager_ms']:7.3f} ms  graph replay {result['graph_ms']:7.3f} ms  "
+            f"speed-up {result['speedup']:5.2f}x  (max |replay - eager| {result['max_abs_diff']:.1e})",
             flush=True,
         )
+    for name, why in skipped.items():
+        print(f"{name:<11} skipped: {why}")
+        rows.append({"backend": name, "note": f"skipped: {why}"})
+    env["not_measured"] = skipped
     if args.out:
-        with args.out.open("w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow([f"# {device}", f"torch {torch.__version__}", str(datetime.date.today())])
-            writer.writerow(["backend", "eager_ms", "graph_ms", "speedup", "max_abs_diff"])
-            writer.writerows(rows)
+        intro = (
+            f"A stack of {args.layers} MLA layers (hidden {args.hidden}, H={args.heads}) on new tokens "
+            f"{args.lengths}: milliseconds per forward, eager and replayed from one CUDA graph (median over five "
+            f"samples of {args.iters} back-to-back forwards)."
+        )
+        md = R.results_markdown(f"CUDA-graph replay: {env['gpu']}", env, intro, R.rows_table(rows, COLUMNS))
+        paths = R.write_results_beside(args.out, CSV_FIELDS, rows, env, md)
+        print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 
 

@@ -1,111 +1,201 @@
-"""Op overhead on the reference shapes, measured in alternating rounds.
+#!/usr/bin/env python
+"""Op overhead on the reference shapes: each backend's op against its own raw call, in alternating rounds.
 
-``bench_prefill.py`` times each method once per shape, one after another; on long kernels the GPU's
-clocks and temperature drift between those measurements by more than the few percent this ratio is
-about. Here each backend's op and its own raw library call take turns, round after round, and the
-ratio is the median over rounds of (raw time / op time).
+Each backend's op (``mla_ops.prefill`` under ``prefill_backend(NAME)``) and the library call its
+backend makes take turns, round after round, on the same tensors; the figure is the median over
+rounds of (raw time / op time), computed by the same function as ``bench_prefill.py``'s ``ratio_raw``.
+The raw calls: FlashInfer's planned ``wrapper.run`` for FLASHINFER; for FLASH_ATTN, the implementation
+it runs here, called directly (FlashAttention-4's ``flash_attn.cute.flash_attn_varlen_func`` when
+installed, else FlashAttention-3, FlashAttention-2 or PyTorch's bundled kernel); the Triton kernel
+function for TRITON. When FLASH_ATTN runs a FlashAttention-2 kernel, it is also compared with that
+kernel plus the copy into the contiguous ``[T, H, Dv]`` output the op contract requires (``+copy``),
+which splits its gap into the copy's cost and the op layer's.
 
-FLASH_ATTN is compared twice: with the bare bundled FA2 kernel, and with that kernel plus the copy
-into the contiguous ``[T, H, Dv]`` output the op contract requires (``fa2_raw+copy``), which splits
-its gap into the copy's cost and the op layer's.
+Without a GPU it compares REFERENCE with its own function on tiny shapes (a test of the script, not a
+measurement).
 
-    python benchmarks/bench_overhead.py [--rounds 7] [--out results/h200/overhead.csv]
+    python benchmarks/bench_overhead.py [--rounds 7] [--out benchmarks/results/h200/overhead.csv]
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The shared modules live next to this script, which is not part of a package.
+from benchlib import methods as M
+from benchlib import problems as P
+from benchlib import report as R
+from benchlib import timing
 
-import _common as C
-import bench_prefill as B
+if TYPE_CHECKING:
+    import torch
 
-# The three reference shapes: 4x4096 at H=16, 2x8192 at H=128, and a mixed batch at H=128.
-SHAPES = [
-    B.Shape("causal", 16, (4096,) * 4),
-    B.Shape("causal", 128, (8192,) * 2),
-    B.Shape("causal", 128, (512, 1024, 2048, 3000, 700)),
+CSV_FIELDS = [
+    "backend",
+    "shape",
+    "heads",
+    "op_ms",
+    "raw_call",
+    "raw_ms",
+    "raw_over_op_median",
+    "raw_over_op_min",
+    "raw_over_op_max",
+    "rounds",
+    "note",
 ]
 
 
-class FlashAttn2RawContiguous(B.FlashAttn2Raw):
-    """The bundled FA2 kernel plus the copy that makes its ``[T, H, Dqk]`` output the contiguous
-    ``[T, H, Dv]`` the op contract promises. FA2 has no ``Dv != Dqk`` and no ``out=``, so this copy is
-    part of any FA2 call that returns the contract's tensor; the gap between this baseline and the
-    plain kernel is the copy's cost, the gap between the op and this baseline is the op layer's."""
-
-    name = "fa2_raw+copy"
-    implementation = B.FlashAttn2Raw.implementation + ", output sliced to Dv and made contiguous"
-
-    def prepare(self, p: B.Problem) -> B.Prepared:
-        kernel = super().prepare(p)
-        return B.Prepared(lambda: kernel.fn()[0][..., : B.DV].contiguous(), lambda r: (r, None))
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=7, help="alternating rounds per pair (default %(default)s)")
-    parser.add_argument("--rep-ms", type=float, default=60.0, help="timed milliseconds per measurement")
-    parser.add_argument("--out", type=Path, default=None, help="CSV file to write")
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=timing.DEFAULT_ROUNDS, help="alternating rounds per pair")
+    parser.add_argument("--warmup-ms", type=float, help="warm-up per measurement (default: 25 on GPU, 2 on CPU)")
+    parser.add_argument(
+        "--rep-ms", type=float, help="timed milliseconds per measurement (default: 100 on GPU, 10 on CPU)"
+    )
+    parser.add_argument(
+        "--out", type=Path, help="CSV file to write, with <stem>.md and <stem>.env.json beside it (default: print only)"
+    )
+    parser.add_argument("--backends", nargs="+", metavar="NAME", help="backends to compare (default: all valid here)")
+    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
+
+
+def build_pairs(
+    backends: list[dict[str, Any]], device: torch.device, wanted: Sequence[str] | None
+) -> list[tuple[M.OpMethod, M.Method]]:
+    """``(op, raw call)`` pairs, one per backend measured here (two for a FlashAttention-2 kernel)."""
+    timed, skipped = M.backends_to_time(backends, device, wanted)
+    fi_kernel = M.flashinfer_kernel(device)
+    pairs = []
+    for row in timed:
+        name = row["name"]
+        raw = M.raw_method_for(name, row["backend"], device, fi_kernel)
+        why = "it has no raw call to compare with" if raw is None else raw.unavailable(device)
+        if why is not None:
+            skipped[name] = why
+            continue
+        op = M.OpMethod(name, row["implementation"], raw.name)
+        pairs.append((op, raw))
+        if isinstance(raw, M.FlashAttnRaw) and raw.impl.pads_v:
+            pairs.append((op, M.FlashAttnRaw(raw.impl_name, contiguous_output=True)))
+    for name, why in skipped.items():
+        print(f"{name}: skipped ({why})")
+    return pairs
+
+
+def measure_pair(op: M.OpMethod, raw: M.Method, problem: P.Problem, reference: Any, args: argparse.Namespace) -> dict:
+    """One CSV row: the op against the raw call on ``problem``, both checked first."""
+    row: dict[str, Any] = {
+        "backend": op.name,
+        "shape": problem.shape.short_label,
+        "heads": problem.heads,
+        "raw_call": raw.name,
+        "rounds": args.rounds,
+    }
+    checks = [M.check_and_time(method, problem, reference, timed=False) for method in (op, raw)]
+    failed = [f"{m.name}: {c.status} {c.note}".strip() for m, c in zip((op, raw), checks) if c.status != "ok"]
+    if failed:
+        row["note"] = "not measured: " + "; ".join(failed)
+        return row
+    ratio = M.overhead_ratio(
+        checks[0].prepared,
+        checks[1].prepared,
+        problem.device,
+        args.rounds,
+        warmup_ms=args.warmup_ms,
+        rep_ms=args.rep_ms,
+    )
+    row.update(
+        op_ms=ratio.denominator_ms,
+        raw_ms=ratio.numerator_ms,
+        raw_over_op_median=ratio.median,
+        raw_over_op_min=ratio.low,
+        raw_over_op_max=ratio.high,
+    )
+    return row
+
+
+#: The columns of overhead.md.
+COLUMNS: list[R.Column] = [
+    ("backend", R.text("backend")),
+    ("shape", R.text("shape")),
+    ("heads", R.text("heads")),
+    ("op ms", R.num("op_ms", ".4f")),
+    ("raw call", R.text("raw_call")),
+    ("raw ms", R.num("raw_ms", ".4f")),
+    ("raw / op", R.num("raw_over_op_median", ".3f")),
+    ("rounds' range", R.span("raw_over_op_min", "raw_over_op_max", ".3f")),
+    ("note", R.text("note")),
+]
+
+
+def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
+    """The rows as a Markdown page with the environment record."""
+    intro = (
+        f"Raw call time / op time, the median over {env.get('rounds')} alternating rounds on the same tensors "
+        "(above 1: the op is faster; target >= 0.97). Times are the medians over rounds."
+    )
+    title = f"MLA op overhead: {env.get('gpu')}, {env.get('dtype')}"
+    return R.results_markdown(title, env, intro, R.rows_table(rows, COLUMNS))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     import torch
 
-    import mla_ops
-    from mla_ops.backends.registry import PrefillBackendEnum
-
-    if not torch.cuda.is_available():
-        print("bench_overhead: needs a CUDA device; none is visible", file=sys.stderr)
-        return 2
-    device = torch.device("cuda")
-    capability = mla_ops.DeviceCapability.of(device)
-    config = mla_ops.SelectorConfig(torch.bfloat16, mla_ops.MLADimensions.from_head_dims(B.DQK, B.DV))
-    raw_of = {"FLASHINFER": B.FlashInferRaw("fa3" if capability == (9, 0) else "fa2"), "FLASH_ATTN": B.FlashAttn2Raw()}
-    pairs = []
-    for name in ("TRITON", "FLASH_ATTN", "FLASHINFER"):
-        cls, reasons = mla_ops.selector.validate_backend(PrefillBackendEnum[name], capability, config)
-        if reasons:
-            print(f"{name}: skipped ({'; '.join(reasons)})")
-            continue
-        raw = raw_of.get(name) or B.BackendDirect(name, cls)
-        pairs.append((B.OpMethod(name, cls.implementation()), raw))
-        if name == "FLASH_ATTN":
-            pairs.append((B.OpMethod(name, cls.implementation()), FlashAttn2RawContiguous()))
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, rounds={args.rounds}")
+    device, dtype = P.setup_device(args)
+    cuda = device.type == "cuda"
+    backends, env = R.start_run(
+        "bench_overhead.py", argv, device, dtype, rounds=args.rounds, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms
+    )
+    pairs = build_pairs(backends, device, args.backends)
+    if not pairs:
+        raise SystemExit("bench_overhead: no backend can be compared with its raw call here (see the reasons above)")
+    print(
+        f"# {env['gpu']}, torch {env['torch']}, {args.dtype}, rounds={args.rounds}, "
+        f"pairs: {', '.join(f'{op.name}/{raw.name}' for op, raw in pairs)}",
+        flush=True,
+    )
+    compared = {op.name for op, _ in pairs}
+    heads = [s.heads for s in P.reference_shapes(device)]
+    warmed = M.warm_backends([r for r in backends if r["name"] in compared], device, dtype, heads)
+    if warmed:
+        env["warmup_s"] = warmed
     rows = []
-    for shape in SHAPES:
-        problem = B.make_problem(shape, device, torch.bfloat16, seed=0)
+    for shape in P.reference_shapes(device):
+        problem = P.make_problem(shape, device, dtype, args.seed)
+        reference = M.reference_outputs(problem)
         for op, raw in pairs:
-            prepared = [op.prepare(problem), raw.prepare(problem)]
-            times: list[list[float]] = [[], []]
-            # Prepared.context is single-use; the override is set once for the whole pair instead.
-            mla_ops.set_prefill_backend(op.name)
-            for _ in range(args.rounds):
-                for i, p in enumerate(prepared):
-                    times[i].append(C.time_ms(p.fn, device, warmup_ms=10.0, rep_ms=args.rep_ms))
-            mla_ops.set_prefill_backend(None)
-            ratios = [r / o for o, r in zip(*times)]
-            ratio = statistics.median(ratios)
-            op_ms, raw_ms = statistics.median(times[0]), statistics.median(times[1])
-            label = f"{len(shape.q_lens)}x{shape.q_lens[0]}" if len(set(shape.q_lens)) == 1 else "mixed"
+            print(f"{op.name:<11} {shape.short_label:<8} H={shape.heads:<4} vs {raw.name}...", flush=True)
+            row = measure_pair(op, raw, problem, reference, args)
+            rows.append(row)
+            if row.get("raw_over_op_median") is None:
+                print(f"  {row['note']}", flush=True)
+                continue
             print(
-                f"{op.name:<11} {label:<8} H={shape.heads:<4} op {op_ms:8.3f} ms  {raw.name:<15} {raw_ms:8.3f} ms  "
-                f"ratio {ratio:.3f} (rounds {min(ratios):.3f}..{max(ratios):.3f})",
+                f"{op.name:<11} {row['shape']:<8} H={shape.heads:<4} op {row['op_ms']:8.3f} ms  {raw.name:<15} "
+                f"{row['raw_ms']:8.3f} ms  ratio {row['raw_over_op_median']:.3f} "
+                f"(rounds {row['raw_over_op_min']:.3f}..{row['raw_over_op_max']:.3f})",
                 flush=True,
             )
-            rows.append([op.name, label, shape.heads, f"{op_ms:.4f}", raw.name, f"{raw_ms:.4f}", f"{ratio:.4f}"])
-        del problem
-        torch.cuda.empty_cache()
+        del problem, reference
+        if cuda:
+            torch.cuda.empty_cache()
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["backend", "shape", "heads", "op_ms", "raw_call", "raw_ms", "raw_over_op_median"])
-            writer.writerows(rows)
+        paths = R.write_results_beside(args.out, CSV_FIELDS, rows, env, render_markdown(rows, env))
+        print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 
 

@@ -1,17 +1,19 @@
+#!/usr/bin/env python
 """Sweep launch configurations of the Triton kernels on a CUDA GPU and print the best ones.
 
 For DeepSeek's (Dqk, Dv) = (192, 128) in bfloat16 it times every candidate configuration on:
 
 - the new-tokens (causal) path: 4 x 4096 tokens at H=16, 2 x 8192 at H=128, and a mixed batch
-  [512, 1024, 2048, 3000, 700] at H=128;
+  [512, 1024, 2048, 3000, 700] at H=128 (the reference shapes of bench_prefill.py and bench_overhead.py);
 - the context-chunk (non-causal) path: 1024 new tokens over 8192 of context, at H=16 and H=128;
 
-after first checking each candidate against the package's reference on a small ragged batch. It
+with ``v`` the strided view MLA produces, after first checking each candidate against the package's
+reference on a small ragged batch (zero-length sequences, an empty chunk slice, padding rows). It
 reports TFLOP/s (FLOPs = 2 * H * (Dqk + Dv) * pairs, pairs = s(s+1)/2 causal, sq * sk for a chunk),
 the best configuration per shape, and FlashInfer's fa3 kernel on the same shapes when ``flashinfer``
 imports, so the ratio comes from one run. It also sweeps the merge kernel (GB/s) at T=16384, H=128,
-Dv=128. Results go to a CSV (``--out``); the best configurations are printed as lines to paste into
-``mla_ops/kernels/configs.py``.
+Dv=128. Results go to a CSV (``--out``, with ``<stem>.env.json`` beside it); the best configurations
+are printed as lines to paste into ``mla_ops/kernels/configs.py``. Needs a CUDA device.
 
 Usage::
 
@@ -24,29 +26,29 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import platform
-import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The shared modules live next to this script, which is not part of a package.
+from benchlib import methods as M
+from benchlib import problems as P
+from benchlib import report as R
+from benchlib import timing
 
-DQK, DV = 192, 128
-DTYPE = torch.bfloat16
+if TYPE_CHECKING:
+    import torch
 
-#: (label, lengths of the new tokens, heads)
-CAUSAL_SHAPES = [
-    ("4x4096 H16", [4096] * 4, 16),
-    ("2x8192 H128", [8192] * 2, 128),
-    ("mixed H128", [512, 1024, 2048, 3000, 700], 128),
-]
-#: (label, new-token lengths, context lengths, heads)
-CHUNK_SHAPES = [
-    ("1k over 8k H16", [1024], [8192], 16),
-    ("1k over 8k H128", [1024], [8192], 128),
-]
+#: The shapes timed: the reference causal shapes, then the chunk shapes.
+SHAPES = (*(s for s in P.gpu_shapes() if "ref" in s.tags), *P.TUNING_CHUNK_SHAPES)
+#: The ragged batches every candidate is checked on first (both paths; 3 padding rows).
+CHECK_SHAPES = (
+    P.Shape("causal", 16, (1, 17, 0, 127, 300, 64)),
+    P.Shape("chunk", 16, (1, 17, 0, 127, 300, 64), (40, 0, 5, 130, 257, 64)),
+)
 
 #: Candidates for SM90 (227 KiB shared memory). "tma" loads K/V through TMA descriptors.
 DEFAULT_CANDIDATES = [
@@ -71,248 +73,161 @@ def log(*args: object) -> None:
     print(*args, flush=True)
 
 
-def causal_flops(lengths: list[int], heads: int) -> float:
-    return 2.0 * heads * (DQK + DV) * sum(s * (s + 1) // 2 for s in lengths)
+def label(shape: P.Shape) -> str:
+    """The CSV's shape label: ``4x4096 H16``, ``mixed H128``, ``1k over 8k H16``."""
+    if shape.suite == "chunk":
+        return f"{shape.q_lens[0] // 1024}k over {shape.k_lens[0] // 1024}k H{shape.heads}"
+    return f"{shape.short_label} H{shape.heads}"
 
 
-def chunk_flops(lengths_q: list[int], lengths_k: list[int], heads: int) -> float:
-    return 2.0 * heads * (DQK + DV) * sum(a * b for a, b in zip(lengths_q, lengths_k))
-
-
-def offsets(lengths: list[int], device: torch.device) -> torch.Tensor:
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32, device=device)
-
-
-def bench(fn: Callable[[], object], warmup: int, rep: int) -> float:
-    """Median milliseconds of ``fn`` (triton.testing.do_bench, which flushes L2 between runs)."""
-    import triton.testing
-
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-
-
-_TENSORS: dict[tuple[str, str], tuple[torch.Tensor, ...]] = {}
-
-
-@dataclass
-class Problem:
-    label: str
-    causal: bool
-    heads: int
-    lengths_q: list[int]
-    lengths_k: list[int]
-    flops: float
-
-    def tensors(self, device: torch.device):
-        """``(q, k, v, cu_q, cu_k)``, built once per problem (about 3.5 GB for all of them)."""
-        key = (self.label, str(device))
-        if key not in _TENSORS:
-            _TENSORS[key] = self._build(device)
-        return _TENSORS[key]
-
-    def _build(self, device: torch.device):
-        gen = torch.Generator(device=device).manual_seed(0)
-        tq, tk = sum(self.lengths_q), sum(self.lengths_k)
-        q = torch.randn(tq, self.heads, DQK, device=device, dtype=DTYPE, generator=gen)
-        k = torch.randn(tk, self.heads, DQK, device=device, dtype=DTYPE, generator=gen)
-        v = torch.randn(tk, self.heads, DV, device=device, dtype=DTYPE, generator=gen)
-        cu_q = offsets(self.lengths_q, device)
-        cu_k = cu_q if self.causal else offsets(self.lengths_k, device)
-        return q, k, v, cu_q, cu_k
-
-
-def problems() -> list[Problem]:
-    out = [Problem(label, True, h, lens, lens, causal_flops(lens, h)) for label, lens, h in CAUSAL_SHAPES]
-    out += [Problem(label, False, h, lq, lk, chunk_flops(lq, lk, h)) for label, lq, lk, h in CHUNK_SHAPES]
-    return out
-
-
-def check_candidate(config, device: torch.device) -> str | None:
-    """Run ``config`` on small ragged batches (both paths) against the reference; the problem, or None."""
-    from mla_ops.backends.reference import attention_reference
-    from mla_ops.kernels.attention import attention_triton
-
-    gen = torch.Generator(device=device).manual_seed(1)
-    heads = 16
-    lengths_q = [1, 17, 0, 127, 300, 64]
-    lengths_k = [40, 0, 5, 130, 257, 64]
-    for causal in (True, False):
-        lk = lengths_q if causal else lengths_k
-        q = torch.randn(sum(lengths_q) + 3, heads, DQK, device=device, dtype=DTYPE, generator=gen)
-        k = torch.randn(sum(lk) + 3, heads, DQK, device=device, dtype=DTYPE, generator=gen)
-        kv = torch.randn(sum(lk) + 3, heads, DQK + DV, device=device, dtype=DTYPE, generator=gen)
-        v = kv[..., DQK:]
-        cu_q = offsets(lengths_q, device)
-        cu_k = cu_q if causal else offsets(lk, device)
-        scale = DQK**-0.5
-        out, lse = attention_triton(q, k, v, cu_q, cu_k, max(lengths_q), max(lk), scale, causal, config=config)
-        ref_out, ref_lse = attention_reference(q, k, v, cu_q, cu_k, scale, causal)
-        n = sum(lengths_q)
-        out, lse, ref_out, ref_lse = out[:n].float(), lse[:, :n], ref_out[:n].float(), ref_lse[:, :n]
-        if torch.isnan(out).any() or torch.isnan(lse).any():
-            return f"NaN in {'causal' if causal else 'chunk'} output"
-        if not torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)):
-            return f"{'causal' if causal else 'chunk'}: empty rows differ"
-        finite = torch.isfinite(ref_lse)
-        # bf16 output of a softmax average of N(0, 1) values: a correct kernel is within a few bf16
-        # ulps (~1e-2); a broken configuration is off by O(1).
-        out_err = (out - ref_out).abs().max().item()
-        lse_err = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
-        if out_err > 5e-2 or lse_err > 1e-2:
-            return f"{'causal' if causal else 'chunk'}: out error {out_err:.3g}, lse error {lse_err:.3g}"
+def check_candidate(config: Any, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Run ``config`` on :data:`CHECK_SHAPES` against the reference; the problem found, or ``None``."""
+    method = M.TritonRaw(config)
+    for shape in CHECK_SHAPES:
+        p = P.make_problem(shape, device, dtype, seed=1, padding_rows=3)
+        checked = M.check_and_time(method, p, M.reference_outputs(p), timed=False)
+        if checked.status != "ok":
+            detail = checked.note or f"out error {checked.rel_err:.3g}, lse error {checked.lse_err:.3g}"
+            return f"{shape.suite}: {checked.status} ({detail})"
     return None
 
 
-def gpu_clocks() -> str:
-    try:
-        result = subprocess.run(
-            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm,clocks.mem", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return result.stdout.strip().splitlines()[0] if result.returncode == 0 and result.stdout.strip() else ""
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def sweep_attention(args, device, writer, meta) -> tuple[dict, dict]:
+def sweep_attention(
+    args: argparse.Namespace, problems: dict[str, P.Problem], device: torch.device, writer: Any, meta: dict
+) -> tuple[dict, dict]:
     """Time every candidate on every problem; returns ({label: (tflops, config)}, {config: {label: tflops}})."""
-    from mla_ops.kernels.attention import attention_triton, tma_supported
+    import torch
+
+    from mla_ops.kernels.attention import tma_supported
     from mla_ops.kernels.configs import AttentionConfig, table_attention_config
 
     texts = args.candidates.split(";") if args.candidates else (QUICK_CANDIDATES if args.quick else DEFAULT_CANDIDATES)
     candidates = [AttentionConfig.parse(t, "--candidates") for t in texts]
-    if not tma_supported() or torch.cuda.get_device_capability(device) < (9, 0):
+    cap = torch.cuda.get_device_capability(device)
+    if not tma_supported() or cap < (9, 0):
         # Without descriptors the launcher would silently run the pointer path under a "tma" label.
         log("TMA descriptors unavailable here (needs Triton >= 3.3 and SM90+): skipping the 'tma' candidates")
         candidates = [c for c in candidates if not c.use_tma]
-    cap = torch.cuda.get_device_capability(device)
     for causal in (True, False):
-        table = table_attention_config(cap, DQK, DV, causal, DTYPE)
+        table = table_attention_config(cap, P.DQK, P.DV, causal, torch.bfloat16)
         if table not in candidates:
             candidates.append(table)
         log(f"table config ({'causal' if causal else 'chunk'}): {table}")
-    probs = problems()
-    best: dict[str, tuple[float, object]] = {}
-    results: dict[object, dict[str, float]] = {}
+    best: dict[str, tuple[float, Any]] = {}
+    results: dict[Any, dict[str, float]] = {}
     started = time.time()
     for i, config in enumerate(candidates):
         log(f"[{i + 1}/{len(candidates)}] {config}  ({time.time() - started:.0f} s)")
         try:
-            problem = check_candidate(config, device)
+            problem = check_candidate(config, device, torch.bfloat16)
         except Exception as exc:  # a configuration the compiler rejects is a result, not a crash
-            problem = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+            problem = R.short_error(exc, 200)
         if problem is not None:
             log(f"    rejected: {problem}")
             writer.writerow({**meta, "kind": "triton", "shape": "check", "config": str(config), "error": problem})
             continue
         results[config] = {}
-        for prob in probs:
-            q, k, v, cu_q, cu_k = prob.tensors(device)
-            scale = DQK**-0.5
-
-            def run(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, prob=prob, scale=scale, config=config):
-                return attention_triton(
-                    q, k, v, cu_q, cu_k, max(prob.lengths_q), max(prob.lengths_k), scale, prob.causal, config=config
-                )
-
+        method = M.TritonRaw(config)
+        for name, p in problems.items():
             try:
-                ms = bench(run, args.warmup, args.rep)
+                ms = timing.measure(method.prepare(p).fn, device, warmup_ms=args.warmup, rep_ms=args.rep).median_ms
             except Exception as exc:
-                log(f"    {prob.label}: {type(exc).__name__}: {exc}")
-                writer.writerow(
-                    {**meta, "kind": "triton", "shape": prob.label, "config": str(config), "error": repr(exc)}
-                )
+                log(f"    {name}: {R.short_error(exc)}")
+                writer.writerow({**meta, "kind": "triton", "shape": name, "config": str(config), "error": repr(exc)})
                 continue
-            tflops = prob.flops / ms / 1e9
-            results[config][prob.label] = tflops
-            log(f"    {prob.label:<18} {ms:8.3f} ms  {tflops:7.1f} TFLOP/s")
+            tflops = p.shape.flops() / ms / 1e9
+            results[config][name] = tflops
+            log(f"    {name:<18} {ms:8.3f} ms  {tflops:7.1f} TFLOP/s")
             writer.writerow(
-                {**meta, "kind": "triton", "path": "causal" if prob.causal else "chunk", "shape": prob.label,
-                 "heads": prob.heads, "config": str(config), "ms": f"{ms:.4f}", "tflops": f"{tflops:.1f}"}
-            )  # fmt: skip
-            if prob.label not in best or tflops > best[prob.label][0]:
-                best[prob.label] = (tflops, config)
+                {
+                    **meta,
+                    "kind": "triton",
+                    "path": p.shape.suite,
+                    "shape": name,
+                    "heads": p.heads,
+                    "config": str(config),
+                    "ms": f"{ms:.4f}",
+                    "tflops": f"{tflops:.1f}",
+                }
+            )
+            if name not in best or tflops > best[name][0]:
+                best[name] = (tflops, config)
     return best, results
 
 
-def time_flashinfer(args, device, writer, meta) -> dict[str, float]:
-    """FlashInfer fa3 on the same problems, planned once per shape; {} when flashinfer is absent."""
+def time_flashinfer(
+    args: argparse.Namespace, problems: dict[str, P.Problem], device: torch.device, writer: Any, meta: dict
+) -> dict[str, float]:
+    """FlashInfer fa3 on the same problems, planned once per shape; {} when it is not timed."""
     if args.no_flashinfer:
         return {}
-    try:
-        import flashinfer
-    except Exception as exc:
-        log(f"flashinfer not timed: import failed ({exc!r})")
+    method = M.FlashInferRaw("fa3")
+    why = method.unavailable(device)
+    if why is not None:
+        log(f"flashinfer not timed: {why}")
         return {}
-    log(f"flashinfer {flashinfer.__version__}: the first plan compiles the fa3 kernel (a minute or more)")
-    workspace = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=device)
-    wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend="fa3")
+    log(f"flashinfer {meta['flashinfer']}: the first plan compiles the fa3 kernel (a minute or more)")
     out: dict[str, float] = {}
-    for prob in problems():
-        q, k, v, cu_q, cu_k = prob.tensors(device)
+    for name, p in problems.items():
         started = time.time()
         try:
-            wrapper.plan(
-                cu_q, cu_k, num_qo_heads=prob.heads, num_kv_heads=prob.heads, head_dim_qk=DQK, head_dim_vo=DV,
-                causal=prob.causal, sm_scale=DQK**-0.5, q_data_type=DTYPE,
-            )  # fmt: skip
-            ms = bench(lambda q=q, k=k, v=v: wrapper.run(q, k, v, return_lse=True), args.warmup, args.rep)
+            ms = timing.measure(method.prepare(p).fn, device, warmup_ms=args.warmup, rep_ms=args.rep).median_ms
         except Exception as exc:
-            log(f"    fa3 {prob.label}: {type(exc).__name__}: {exc}")
-            writer.writerow({**meta, "kind": "flashinfer-fa3", "shape": prob.label, "error": repr(exc)})
+            log(f"    fa3 {name}: {R.short_error(exc)}")
+            writer.writerow({**meta, "kind": "flashinfer-fa3", "shape": name, "error": repr(exc)})
             continue
-        tflops = prob.flops / ms / 1e9
-        out[prob.label] = tflops
-        log(f"    fa3 {prob.label:<18} {ms:8.3f} ms  {tflops:7.1f} TFLOP/s  (plan+bench {time.time() - started:.0f} s)")
+        tflops = p.shape.flops() / ms / 1e9
+        out[name] = tflops
+        log(f"    fa3 {name:<18} {ms:8.3f} ms  {tflops:7.1f} TFLOP/s  (plan+bench {time.time() - started:.0f} s)")
         writer.writerow(
-            {**meta, "kind": "flashinfer-fa3", "path": "causal" if prob.causal else "chunk", "shape": prob.label,
-             "heads": prob.heads, "config": "fa3", "ms": f"{ms:.4f}", "tflops": f"{tflops:.1f}"}
-        )  # fmt: skip
+            {
+                **meta,
+                "kind": "flashinfer-fa3",
+                "path": p.shape.suite,
+                "shape": name,
+                "heads": p.heads,
+                "config": "fa3",
+                "ms": f"{ms:.4f}",
+                "tflops": f"{tflops:.1f}",
+            }
+        )
     return out
 
 
-def sweep_merge(args, device, writer, meta) -> None:
-    from mla_ops.backends.reference import merge_attn_states_reference
+def sweep_merge(args: argparse.Namespace, device: torch.device, writer: Any, meta: dict) -> None:
+    """Time every merge configuration at T=16384, H=128, Dv=128 (one LSE row in seven empty)."""
+    import torch
+
     from mla_ops.kernels.merge import merge_attn_states_triton
 
-    tokens, heads, dv = 16384, 128, 128
-    gen = torch.Generator(device=device).manual_seed(2)
-    prefix_out = torch.randn(tokens, heads, dv, device=device, dtype=DTYPE, generator=gen)
-    suffix_out = torch.randn(tokens, heads, dv, device=device, dtype=DTYPE, generator=gen)
-    prefix_lse = torch.randn(heads, tokens, device=device, generator=gen) * 3
-    suffix_lse = torch.randn(heads, tokens, device=device, generator=gen) * 3
-    prefix_lse[:, ::7] = -math.inf
-    ref_out, ref_lse = merge_attn_states_reference(prefix_out, prefix_lse, suffix_out, suffix_lse)
-    moved = 3 * tokens * heads * dv * prefix_out.element_size() + 3 * tokens * heads * 4
-    log(f"merge T={tokens} H={heads} Dv={dv} bf16: {moved / 1e9:.2f} GB moved per call")
+    shape = P.Shape("merge", 128, (16384,))
+    p = P.make_problem(shape, device, torch.bfloat16, seed=2)
+    p.merge[1][:, ::7] = -math.inf  # empty prefix rows: the kernel must give them weight 0
+    reference = M.reference_outputs(p)
+    tol = M.OUT_TOL_EPS * torch.finfo(torch.bfloat16).eps
+    moved = shape.merge_bytes(2)
+    log(f"merge T={shape.q_lens[0]} H={shape.heads} Dv={P.DV} bf16: {moved / 1e9:.2f} GB moved per call")
     best = None
     for block_t, warps in MERGE_CANDIDATES:
-
-        def run(block_t=block_t, warps=warps):
-            return merge_attn_states_triton(
-                prefix_out, prefix_lse, suffix_out, suffix_lse, block_t=block_t, num_warps=warps
-            )
-
-        out, lse = run()
-        err = (out.float() - ref_out.float()).abs().max().item()
-        # Two bf16 ulps at the outputs' magnitude: configs may round the fp32 weights differently.
-        ok = err <= 2 * 2**-8 * ref_out.float().abs().max().item() and torch.equal(
-            torch.isneginf(lse), torch.isneginf(ref_lse)
-        )
-        ms = bench(run, args.warmup, args.rep)
+        run = lambda block_t=block_t, warps=warps: merge_attn_states_triton(*p.merge, block_t=block_t, num_warps=warps)
+        rel, lse_err = M.compare(*run(), *reference)
+        ok = rel <= tol and lse_err is not None and lse_err <= M.LSE_TOL
+        ms = timing.measure(run, device, warmup_ms=args.warmup, rep_ms=args.rep).median_ms
         gbps = moved / ms / 1e6
         log(f"    block_t={block_t:<3} warps={warps}  {ms:7.3f} ms  {gbps:7.1f} GB/s{'' if ok else '  WRONG'}")
         writer.writerow(
-            {**meta, "kind": "merge", "path": "merge", "shape": f"T{tokens} H{heads} Dv{dv}", "heads": heads,
-             "config": f"block_t={block_t},warps={warps}", "ms": f"{ms:.4f}", "gbps": f"{gbps:.1f}",
-             "error": "" if ok else f"max error {err:.3g}"}
-        )  # fmt: skip
+            {
+                **meta,
+                "kind": "merge",
+                "path": "merge",
+                "shape": f"T{shape.q_lens[0]} H{shape.heads} Dv{P.DV}",
+                "heads": shape.heads,
+                "config": f"block_t={block_t},warps={warps}",
+                "ms": f"{ms:.4f}",
+                "gbps": f"{gbps:.1f}",
+                "error": "" if ok else f"out error {rel:.3g}, lse error {lse_err}",
+            }
+        )
         if ok and (best is None or gbps > best[0]):
             best = (gbps, block_t, warps)
     if best is not None:
@@ -320,11 +235,11 @@ def sweep_merge(args, device, writer, meta) -> None:
         log(f"  -> SM90_MERGE = MergeConfig(block_t={best[1]}, num_warps={best[2]})")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--out", required=True, help="CSV file to write (one row per candidate and shape)")
+    parser.add_argument("--out", type=Path, required=True, help="CSV file to write (one row per candidate and shape)")
     parser.add_argument(
         "--candidates",
         default="",
@@ -333,70 +248,76 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="three candidates only (a smoke run)")
     parser.add_argument("--no-flashinfer", action="store_true", help="skip timing FlashInfer fa3")
     parser.add_argument("--no-merge", action="store_true", help="skip the merge kernel sweep")
-    parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up time, ms (default 25)")
-    parser.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms (default 100)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--warmup", type=int, default=25, help="warm-up time per measurement, ms (default 25)")
+    parser.add_argument("--rep", type=int, default=100, help="measuring time per measurement, ms (default 100)")
+    return parser.parse_args(argv)
 
-    if not torch.cuda.is_available():
-        log("tune_triton.py needs a CUDA device: torch.cuda.is_available() is False")
-        return 2
-    import triton
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    name = torch.cuda.get_device_name(device)
-    cap = torch.cuda.get_device_capability(device)
-    try:
-        import flashinfer
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
 
-        fi_version = flashinfer.__version__
-    except Exception:
-        fi_version = ""
+    device = P.require_cuda("tune_triton.py", "timing the Triton kernels")
+    dtype = torch.bfloat16
+    _, env = R.start_run("tune_triton.py", argv, device, dtype)
+    clocks = R.query_clocks(device)
     meta = {
-        "gpu": name,
-        "capability": f"{cap[0]}.{cap[1]}",
-        "clocks": gpu_clocks(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda or "",
-        "triton": triton.__version__,
-        "flashinfer": fi_version,
-        "python": platform.python_version(),
+        "gpu": env["gpu"],
+        "capability": env["compute_capability"],
+        "clocks": f"{clocks['sm_clock_mhz']} MHz, {clocks['max_sm_clock_mhz']} MHz, {clocks['mem_clock_mhz']} MHz",
+        "torch": env["torch"],
+        "cuda": env["cuda"],
+        "triton": env["triton"],
+        "flashinfer": env["flashinfer"],
+        "python": env["python"],
     }
     log(" | ".join(f"{k}={v}" for k, v in meta.items()))
     fields = [*meta, "kind", "path", "shape", "heads", "config", "ms", "tflops", "gbps", "ratio_vs_fa3", "error"]
     started = time.time()
-    with open(args.out, "w", newline="") as f:
+    # About 3.5 GB for all of them, built once.
+    problems = {label(s): P.make_problem(s, device, dtype) for s in SHAPES}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, restval="")
         writer.writeheader()
-        best, results = sweep_attention(args, device, writer, meta)
-        fa3 = time_flashinfer(args, device, writer, meta)
-        _TENSORS.clear()
+        best, results = sweep_attention(args, problems, device, writer, meta)
+        fa3 = time_flashinfer(args, problems, device, writer, meta)
+        problems.clear()
         torch.cuda.empty_cache()
         if not args.no_merge:
             sweep_merge(args, device, writer, meta)
         log("")
         log("best Triton configuration per shape (192/128 bf16):")
-        for label, (tflops, config) in best.items():
-            ratio = f"  {tflops / fa3[label]:.2f}x fa3 ({fa3[label]:.0f})" if label in fa3 else ""
-            log(f"  {label:<18} {tflops:7.1f} TFLOP/s  {config}{ratio}")
+        for name, (tflops, config) in best.items():
+            ratio = f"  {tflops / fa3[name]:.2f}x fa3 ({fa3[name]:.0f})" if name in fa3 else ""
+            log(f"  {name:<18} {tflops:7.1f} TFLOP/s  {config}{ratio}")
             writer.writerow(
-                {**meta, "kind": "best", "shape": label, "config": str(config), "tflops": f"{tflops:.1f}",
-                 "ratio_vs_fa3": f"{tflops / fa3[label]:.3f}" if label in fa3 else ""}
-            )  # fmt: skip
+                {
+                    **meta,
+                    "kind": "best",
+                    "shape": name,
+                    "config": str(config),
+                    "tflops": f"{tflops:.1f}",
+                    "ratio_vs_fa3": f"{tflops / fa3[name]:.3f}" if name in fa3 else "",
+                }
+            )
         # One entry per path: the configuration with the best geometric mean over that path's shapes.
-        for causal, labels in ((True, [s[0] for s in CAUSAL_SHAPES]), (False, [s[0] for s in CHUNK_SHAPES])):
+        for causal in (True, False):
+            names = [label(s) for s in SHAPES if (s.suite == "causal") == causal]
             scored = [
-                (math.exp(sum(math.log(r[lb]) for lb in labels) / len(labels)), c)
+                (math.exp(sum(math.log(r[n]) for n in names) / len(names)), c)
                 for c, r in results.items()
-                if all(lb in r for lb in labels)
+                if all(n in r for n in names)
             ]
             if scored:
                 score, config = max(scored, key=lambda t: t[0])
                 tma = ", use_tma=True" if config.use_tma else ""
                 log(
-                    f"  -> SM90_ATTENTION[({DQK}, {DV}, {causal})] = AttentionConfig("
+                    f"  -> SM90_ATTENTION[({P.DQK}, {P.DV}, {causal})] = AttentionConfig("
                     f"{config.block_m}, {config.block_n}, {config.num_warps}, {config.num_stages}{tma})"
                     f"  # geomean {score:.1f} TFLOP/s"
                 )
+    R.write_json(args.out.with_name(args.out.name.removesuffix(".csv") + ".env.json"), env)
     log(f"wrote {args.out} in {time.time() - started:.0f} s")
     return 0
 

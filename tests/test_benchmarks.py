@@ -1,4 +1,5 @@
-"""The benchmark scripts: ``--help``, a tiny CPU run of each, the report files, and their arithmetic.
+"""The benchmark scripts and their shared modules: ``--help``, a tiny CPU run of each script that can run
+on CPU, a clean exit of those that cannot, the report files, and the arithmetic and plumbing underneath.
 
 The CPU runs time the REFERENCE backend on tiny shapes; they check that the scripts work end to end
 and write what they promise, not the figures themselves.
@@ -12,20 +13,40 @@ import importlib.util
 import io
 import json
 import math
+import random
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
-SCRIPTS = ["bench_prefill.py", "bench_dispatch.py"]
+SCRIPTS = [
+    "bench_prefill.py",
+    "bench_dispatch.py",
+    "bench_overhead.py",
+    "bench_graphs.py",
+    "bench_graph_trees.py",
+    "bench_layers.py",
+    "tune_triton.py",
+]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+CPU = torch.device("cpu")
 
 sys.path.insert(0, str(BENCH_DIR))
 import bench_dispatch as BD  # noqa: E402
+import bench_graph_trees as BGT  # noqa: E402
+import bench_layers as BL  # noqa: E402
+import bench_overhead as BO  # noqa: E402
 import bench_prefill as BP  # noqa: E402
+from benchlib import methods as M  # noqa: E402
+from benchlib import problems as P  # noqa: E402
+from benchlib import report as R  # noqa: E402
+from benchlib import timing  # noqa: E402
+
+FAST = ["--rep-ms", "1", "--warmup-ms", "0.5"]
 
 
 def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
@@ -47,6 +68,18 @@ def test_help(script):
     assert "--out" in proc.stdout
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given on machines without CUDA")
+@pytest.mark.parametrize(
+    ("script", "args"), [("bench_graphs.py", []), ("tune_triton.py", ["--out", "unused.csv", "--quick"])]
+)
+def test_gpu_only_scripts_exit_cleanly_without_cuda(script, args, tmp_path):
+    proc = _run([str(BENCH_DIR / script), *args])
+    assert proc.returncode == 2
+    assert "needs a CUDA device" in proc.stderr and "nothing was measured" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (BENCH_DIR.parent / "unused.csv").exists()
+
+
 def _main(module, argv: list[str]) -> str:
     """Run a script's ``main`` in this process (no second torch import); returns what it printed."""
     buffer = io.StringIO()
@@ -55,10 +88,13 @@ def _main(module, argv: list[str]) -> str:
     return buffer.getvalue()
 
 
+# --- bench_prefill ----------------------------------------------------------------------------------
+
+
 @pytest.fixture(scope="module")
 def prefill_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_prefill")
-    printed = _main(BP, ["--device", "cpu", "--out", str(out), "--rep-ms", "1", "--warmup-ms", "0.5"])
+    printed = _main(BP, ["--device", "cpu", "--out", str(out), *FAST, "--ratio-rounds", "2"])
     return out, printed
 
 
@@ -66,11 +102,10 @@ def test_cpu_run_writes_csv(prefill_run):
     out, _ = prefill_run
     rows = _read_rows(out / "results.csv")
     assert set(BP.CSV_FIELDS) == set(rows[0])
-    shapes = {s.id for s in BP.cpu_shapes()}
-    assert {r["shape"] for r in rows} == shapes
+    assert {r["shape"] for r in rows} == {s.id for s in P.cpu_shapes()}
     ops = [r for r in rows if r["method"] == "REFERENCE"]
     assert {r["suite"] for r in ops} == {"causal", "chunk"}
-    tol = BP.OUT_TOL_EPS * torch.finfo(torch.bfloat16).eps
+    tol = M.OUT_TOL_EPS * torch.finfo(torch.bfloat16).eps
     for r in rows:
         assert r["status"] == "ok", r
         assert float(r["time_ms"]) > 0
@@ -80,33 +115,30 @@ def test_cpu_run_writes_csv(prefill_run):
     # The reference checked against itself: its LSE must agree exactly with the ground truth.
     assert all(float(r["lse_err"]) == 0.0 for r in ops)
     assert all(r["best_baseline"] == "sdpa_cpu" and float(r["ratio_best"]) > 0 for r in ops)
+    # Each op is measured against its own raw call in alternating rounds; the spread brackets the median.
+    for r in ops:
+        assert r["raw_method"] == "reference_raw"
+        assert float(r["ratio_raw_min"]) <= float(r["ratio_raw"]) <= float(r["ratio_raw_max"])
+    raw = [r for r in rows if r["method"] == "reference_raw"]
+    assert len(raw) == len(ops) and all(r["kind"] == "direct" for r in raw)
 
 
 def test_cpu_run_writes_markdown_and_env(prefill_run):
     out, printed = prefill_run
     md = (out / "results.md").read_text()
     env = json.loads((out / "results.env.json").read_text())
-    for key in (
-        "gpu",
-        "sm_clock_mhz",
-        "mem_clock_mhz",
-        "date",
-        "torch",
-        "cuda",
-        "triton",
-        "flashinfer",
-        "flash_attn",
-        "mla_ops",
-        "backends",
-    ):
+    for key in ("gpu", "sm_clock_mhz", "mem_clock_mhz", "date", "torch", "cuda", "triton", "flashinfer",
+                "flash_attn", "flash_attn.cute (FA4)", "mla_ops", "timer", "ratio_rounds", "backends"):  # fmt: skip
         assert key in env, key
         assert f"**{key}**" in md or key == "backends"
     assert env["torch"] == torch.__version__
     assert env["backends"]["REFERENCE"]["valid"] and env["backends"]["REFERENCE"]["implementation"]
     assert "| REFERENCE | yes |" in md
-    for title in BP.SUITE_TITLES.values():
+    for title in R.SUITE_TITLES.values():
         assert f"## {title}" in md
-    assert "not measured: flashinfer_raw" in printed
+    assert "REFERENCE / reference_raw" in md
+    for skipped in ("flashinfer_raw", "fa4_raw", "fa2_varlen_raw"):
+        assert f"not measured: {skipped}: " in printed and "CUDA devices only" in env["not_measured"][skipped]
     if HAS_MATPLOTLIB:
         png = out / "results.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -128,17 +160,60 @@ def test_from_csv_rerenders_the_report(prefill_run, tmp_path):
     assert normalised(tmp_path / "results.md") == normalised(out / "results.md")
 
 
+def test_from_csv_renders_the_committed_results(tmp_path):
+    # Results written before the ratio's spread columns existed still render.
+    committed = BENCH_DIR / "results" / "h200" / "results.csv"
+    _main(BP, ["--from-csv", str(committed), "--out", str(tmp_path)])
+    md = (tmp_path / "results.md").read_text()
+    assert "NVIDIA H200" in md and "FLASHINFER / flashinfer_raw" in md
+
+
 def test_runs_without_tqdm_and_matplotlib(tmp_path, monkeypatch):
     # A None entry in sys.modules makes the import fail, as if the package were not installed.
     monkeypatch.setitem(sys.modules, "tqdm", None)
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    printed = _main(BP, ["--device", "cpu", "--quick", "--out", str(tmp_path), "--rep-ms", "1"])
-    total = sum(1 for s in BP.select_shapes(BP.cpu_shapes(), [], quick=True) for _ in range(2))
+    printed = _main(BP, ["--device", "cpu", "--quick", "--out", str(tmp_path), *FAST, "--ratio-rounds", "1"])
+    # 4 attention shapes x (REFERENCE, reference_raw, sdpa_cpu, the ratio rounds) + 2 merges x (op, eager merge).
+    total = 4 * 4 + 2 * 2
     assert f"[1/{total}]" in printed and f"[{total}/{total}]" in printed
     assert "matplotlib is not installed" in printed
     assert not (tmp_path / "results.png").exists()
     assert (tmp_path / "results.csv").exists() and "No plot:" in (tmp_path / "results.md").read_text()
+
+
+def test_append_merges_runs_of_different_shapes(tmp_path):
+    common = ["--device", "cpu", "--out", str(tmp_path), "--rep-ms", "1", "--no-progress", "--ratio-rounds", "1"]
+    _main(BP, [*common, "--shapes", "merge-h2-*"])
+    _main(BP, [*common, "--shapes", "causal-h2-4x32", "merge-h2-*", "--append"])
+    rows = _read_rows(tmp_path / "results.csv")
+    # The merge shape was measured twice: its rows were replaced, not duplicated; the order is the shape list's.
+    assert [(r["shape"], r["method"]) for r in rows] == [
+        ("causal-h2-4x32", "REFERENCE"),
+        ("causal-h2-4x32", "reference_raw"),
+        ("causal-h2-4x32", "sdpa_cpu"),
+        ("merge-h2-t256", "mla.merge_attn_states"),
+        ("merge-h2-t256", "torch_eager_merge"),
+    ]
+    env = json.loads((tmp_path / "results.env.json").read_text())
+    assert len(env["appended_to"]) == 1 and "merge-h2-*" in env["appended_to"][0]
+    assert env["command"].endswith("--append")
+
+
+def test_bad_arguments_give_clear_errors():
+    with pytest.raises(SystemExit, match="unknown backend"):
+        _main(BP, ["--device", "cpu", "--backends", "NOPE", "--list"])
+    with pytest.raises(SystemExit, match="unknown \\['nope'\\]"):
+        _main(BP, ["--device", "cpu", "--baselines", "nope", "--list"])
+    with pytest.raises(SystemExit, match="does not exist"):
+        _main(BP, ["--from-csv", "/nonexistent/results.csv"])
+    with pytest.raises(SystemExit, match="--sizes: cannot parse"):
+        _main(BGT, ["--device", "cpu", "--sizes", "lots"])
+    with pytest.raises(SystemExit, match=r"--batch: .*at least one new token"):
+        _main(BL, ["--device", "cpu", "--batch", "4x8"])
+
+
+# --- the other scripts on CPU ---------------------------------------------------------------------------
 
 
 def test_dispatch_cpu_run(tmp_path):
@@ -153,27 +228,132 @@ def test_dispatch_cpu_run(tmp_path):
         # The CSV keeps 6 significant digits of each figure.
         tol = 1e-5 * (abs(float(r["op_us"])) + abs(float(r["direct_us"])))
         assert math.isclose(float(r["op_minus_direct_us"]), expected, abs_tol=tol)
+        assert r["raw_call"] == M.ReferenceRaw.implementation
     assert any(path == "merge_attn_states" for path, _ in rows)
     md = (tmp_path / "dispatch.md").read_text()
     assert "| prefill | REFERENCE | yes |" in md and "**torch**" in md
     assert json.loads((tmp_path / "dispatch.env.json").read_text())["iters"] == 5
 
 
-# --- arithmetic and checks, in process --------------------------------------------------------------
+def test_overhead_cpu_run(tmp_path):
+    out = tmp_path / "overhead.csv"
+    printed = _main(BO, ["--device", "cpu", "--rounds", "2", "--out", str(out), *FAST])
+    rows = _read_rows(out)
+    assert [(r["backend"], r["shape"], r["heads"]) for r in rows] == [
+        ("REFERENCE", s.short_label, str(s.heads)) for s in P.reference_shapes(CPU)
+    ]
+    for r in rows:
+        assert r["raw_call"] == "reference_raw" and r["rounds"] == "2"
+        assert float(r["raw_over_op_min"]) <= float(r["raw_over_op_median"]) <= float(r["raw_over_op_max"])
+        assert float(r["op_ms"]) > 0 and float(r["raw_ms"]) > 0
+    assert "REFERENCE   mixed" in printed and "FLASHINFER: skipped" in printed
+    assert (tmp_path / "overhead.md").read_text().startswith("# MLA op overhead")
+    assert json.loads((tmp_path / "overhead.env.json").read_text())["rounds"] == 2
+
+
+def test_layers_cpu_run(tmp_path):
+    _main(BL, ["--device", "cpu", "--out", str(tmp_path), "--rounds", "2", *FAST])
+    (row,) = _read_rows(tmp_path / "layers.csv")
+    assert row["backend"] == "REFERENCE" and row["status"] == "ok"
+    # The raw layers compute what the ops compute, with the same functions: the outputs agree exactly.
+    assert float(row["rel_diff"]) == 0.0
+    assert float(row["op_layer_ms"]) > 0 and float(row["raw_layer_ms"]) > 0
+    assert math.isclose(
+        float(row["op_cost_us_per_layer"]),
+        (float(row["op_layer_ms"]) - float(row["raw_layer_ms"])) * 1e3,
+        rel_tol=1e-4,
+        abs_tol=1e-3,
+    )
+    assert "| REFERENCE |" in (tmp_path / "layers.md").read_text()
+
+
+def test_graph_trees_cpu_run(tmp_path):
+    _main(BGT, ["--device", "cpu", "--out", str(tmp_path), "--steps", "2", "--warmup-steps", "1"])
+    rows = _read_rows(tmp_path / "graph_trees.csv")
+    sizes = [P.ServingSize.parse(text) for text in BGT.CPU_DEFAULTS["sizes"].split(",")]
+    assert [(r["size"], r["backend"], r["mode"]) for r in rows] == [(s.label, "REFERENCE", "eager") for s in sizes]
+    assert all(r["status"] == "ok" and float(r["step_ms"]) > 0 and r["steps"] == "2" for r in rows)
+    env = json.loads((tmp_path / "graph_trees.env.json").read_text())
+    assert "needs a CUDA device" in env["not_measured"]["CUDA-graph trees"]
+
+
+# --- the timer ------------------------------------------------------------------------------------------
+
+
+def test_measure_counts_calls_and_samples():
+    calls = []
+    result = timing.measure(lambda: calls.append(1), CPU, samples=4, warmup_calls=3, calls_per_sample=5)
+    assert len(calls) == 3 + 4 * 5 and len(result.samples_ms) == 4
+    assert result.min_ms <= result.median_ms <= result.max_ms
+    calls.clear()
+    timing.measure(lambda: calls.append(1), CPU, warmup_ms=0.0, rep_ms=0.0, min_samples=7)
+    assert len(calls) >= 1 + 5 + 7  # the untimed first call, the estimate, the samples
+
+
+def test_alternating_takes_turns_within_each_round(monkeypatch):
+    order = []
+    monkeypatch.setattr(timing, "measure", lambda fn, device, **kw: (order.append(fn()), timing.Timing((1.0,)))[1])
+    series = timing.alternating({"a": lambda: "a", "b": lambda: "b"}, CPU, rounds=3)
+    assert order == ["a", "b"] * 3 and series == {"a": [1.0] * 3, "b": [1.0] * 3}
+    with pytest.raises(ValueError, match="at least 1"):
+        timing.alternating({"a": lambda: None}, CPU, rounds=0)
+
+
+def test_ratio_of_rounds_is_the_median_of_per_round_ratios():
+    # Per-round ratios 2, 1, 3: median 2; the ratio of the two medians would be 4 / 4 = 1.
+    r = timing.ratio_of_rounds([2.0, 4.0, 30.0], [1.0, 4.0, 10.0])
+    assert (r.median, r.low, r.high, r.rounds) == (2.0, 1.0, 3.0, 3)
+    assert (r.numerator_ms, r.denominator_ms) == (4.0, 4.0)
+
+
+def test_overhead_ratio_is_raw_over_op_with_the_op_backend_selected(monkeypatch):
+    import mla_ops
+
+    seen = []
+    times = {"op": iter([2.0, 2.0, 4.0]), "raw": iter([1.0, 3.0, 2.0])}
+
+    def fake_measure(fn, device, **kw):
+        name = fn()
+        seen.append((name, mla_ops.selector.current_override()))
+        return timing.Timing((next(times[name]),))
+
+    monkeypatch.setattr(timing, "measure", fake_measure)
+    op = M.Prepared(lambda: "op", lambda r: r, lambda: mla_ops.prefill_backend("TRITON"))
+    raw = M.Prepared(lambda: "raw", lambda r: r)
+    ratio = M.overhead_ratio(op, raw, CPU, rounds=3)
+    assert ratio.median == 0.5 and ratio.low == 0.5 and ratio.high == 1.5  # rounds: 0.5, 1.5, 0.5
+    assert [name for name, _ in seen] == ["op", "raw"] * 3
+    assert {backend.name for _, backend in seen} == {"TRITON"}
+    assert mla_ops.selector.current_override() is None
+
+
+def test_prefill_and_overhead_report_the_same_ratio(tmp_path, monkeypatch):
+    # Both scripts take the op/raw ratio from methods.overhead_ratio on the same problem, so for one shape
+    # they report one figure: what they measure agrees by construction.
+    fixed = timing.RoundsRatio(median=0.987, low=0.95, high=1.01, rounds=3, numerator_ms=1.0, denominator_ms=1.0)
+    monkeypatch.setattr(M, "overhead_ratio", lambda *args, **kwargs: fixed)
+    _main(BP, ["--device", "cpu", "--out", str(tmp_path), "--shapes", "causal-h2-4x32", "--no-progress", *FAST])
+    _main(BO, ["--device", "cpu", "--rounds", "3", "--out", str(tmp_path / "overhead.csv"), *FAST])
+    prefill = next(r for r in _read_rows(tmp_path / "results.csv") if r["method"] == "REFERENCE")
+    overhead = next(r for r in _read_rows(tmp_path / "overhead.csv") if r["shape"] == "4x32")
+    assert float(prefill["ratio_raw"]) == float(overhead["raw_over_op_median"]) == 0.987
+
+
+# --- problems ---------------------------------------------------------------------------------------------
 
 
 def test_flops_follow_the_design_formula():
-    causal = BP.Shape("causal", 16, (4096,) * 4)
+    causal = P.Shape("causal", 16, (4096,) * 4)
     assert causal.flops() == 2 * 16 * (192 + 128) * 4 * (4096 * 4097 // 2)
-    chunk = BP.Shape("chunk", 128, (256,) * 4, (2048,) * 4)
+    chunk = P.Shape("chunk", 128, (256,) * 4, (2048,) * 4)
     assert chunk.flops() == 2 * 128 * (192 + 128) * 4 * 256 * 2048
-    merge = BP.Shape("merge", 16, (16384,))
+    merge = P.Shape("merge", 16, (16384,))
     rows = 16384 * 16
     assert merge.merge_bytes(2) == 3 * rows * 128 * 2 + 3 * rows * 4
 
 
 def test_gpu_shape_sets():
-    shapes = BP.gpu_shapes()
+    shapes = P.gpu_shapes()
     ids = {s.id for s in shapes}
     for required in (
         "causal-h16-4x4096",
@@ -188,56 +368,264 @@ def test_gpu_shape_sets():
     assert {s.heads for s in sweep} == {16, 128}
     assert {s.x for s in sweep} == {512, 1024, 2048, 4096, 8192, 16384}
     assert all(16384 <= sum(s.q_lens) <= 32768 for s in sweep)
-    quick = BP.select_shapes(shapes, [], quick=True)
+    quick = P.select_shapes(shapes, [], quick=True)
     assert [s.suite for s in quick].count("causal") == 3
     assert [s.suite for s in quick].count("chunk") == 1
     assert [s.suite for s in quick].count("merge") == 2
-    assert [s.id for s in BP.select_shapes(shapes, ["merge"], quick=False)] == ["merge-h16-t16384", "merge-h128-t16384"]
+    assert [s.id for s in P.select_shapes(shapes, ["merge"], quick=False)] == ["merge-h16-t16384", "merge-h128-t16384"]
+    assert [s.id for s in P.reference_shapes(torch.device("cuda"))] == [
+        "causal-h16-4x4096",
+        "causal-h128-2x8192",
+        "causal-h128-512+1024+2048+3000+700",
+    ]
     with pytest.raises(SystemExit, match="matches no shape"):
-        BP.select_shapes(shapes, ["nothing-*"], quick=False)
+        P.select_shapes(shapes, ["nothing-*"], quick=False)
+
+
+def test_problem_layout_is_mla_s():
+    p = P.make_problem(P.Shape("chunk", 2, (3, 0, 5), (4, 2, 0)), CPU, torch.bfloat16, padding_rows=2)
+    assert p.q.shape == (8 + 2, 2, 192) and p.k.shape == (6 + 2, 2, 192)
+    # v is the last 128 channels of a [T, H, 256] projection: a strided view, as MLA hands it over.
+    assert p.v.shape == (8, 2, 128) and p.v.stride() == (2 * 256, 256, 1) and p.v.storage_offset() == 128
+    assert p.cu_q.tolist() == [0, 3, 3, 8] and p.cu_k.tolist() == [0, 4, 6, 6] and p.cu_q.dtype == torch.int32
+    assert (p.max_q, p.max_k, p.causal) == (5, 4, False)
+    causal = P.make_problem(P.Shape("causal", 2, (3, 5)), CPU, torch.bfloat16)
+    assert causal.cu_k is causal.cu_q and causal.causal
+
+
+def test_split_lengths():
+    rng = random.Random(0)
+    for total, parts in ((512, 8), (17, 17), (8192, 32)):
+        lengths = P.split_lengths(total, parts, rng)
+        assert len(lengths) == parts and sum(lengths) == total and min(lengths) >= 1
+    with pytest.raises(ValueError, match="cannot split 3 tokens into 4"):
+        P.split_lengths(3, 4, rng)
+
+
+def test_serving_batches_keep_shapes_and_change_lengths():
+    stack = P.mla_stack(P.mla_config(64, 2), 1, CPU, torch.bfloat16)
+    size = P.ServingSize.parse("24x4+40")
+    batches = P.serving_batches(stack.layers[0], size, 4, seed=3)
+    assert len({tuple(b.new_lengths) for b in batches}) > 1  # a new split each step
+    for b in batches:
+        assert b.hidden.shape == (24, 64) and b.cu_seqlens.tolist()[-1] == 24 and b.max_seqlen == 24
+        (chunk,) = b.context
+        assert chunk.kv_c.shape[0] == 40 and chunk.cu_seqlens_k.tolist()[-1] == 40 and chunk.max_seqlen_k == 40
+    again = P.serving_batches(stack.layers[0], size, 4, seed=3)
+    assert [b.new_lengths for b in again] == [b.new_lengths for b in batches]
+    assert torch.equal(again[0].hidden, batches[0].hidden)
+    (exact,) = P.serving_batches(stack.layers[0], size, 1, seed=3, exact_bounds=True)
+    assert exact.max_seqlen == max(exact.new_lengths)
+    assert exact.context[0].max_seqlen_k == max(exact.context_lengths)
+
+
+# --- methods --------------------------------------------------------------------------------------------
 
 
 def test_compare_flags_wrong_masks_and_lse_conventions():
     from mla_ops.backends.reference import attention_reference
 
-    p = BP.make_problem(BP.Shape("causal", 2, (16, 40, 9)), torch.device("cpu"), torch.bfloat16, seed=0)
-    ref_out, ref_lse = BP.reference_outputs(p)
-    t = p.tensors
-    out, lse = attention_reference(t["q"], t["k"], t["v"], t["cu_q"], t["cu_k"], p.scale, causal=True)
-    tol = BP.OUT_TOL_EPS * torch.finfo(torch.bfloat16).eps
-    rel, lse_err = BP.compare(out, lse, ref_out, ref_lse)
-    assert rel <= tol and lse_err <= BP.LSE_TOL
-    wrong, wrong_lse = attention_reference(t["q"], t["k"], t["v"], t["cu_q"], t["cu_k"], p.scale, causal=False)
-    rel, lse_err = BP.compare(wrong, wrong_lse, ref_out, ref_lse)
-    assert rel > tol and lse_err > BP.LSE_TOL
-    _, lse_err = BP.compare(out, lse / math.log(2), ref_out, ref_lse)  # base-2 LSE
-    assert lse_err > BP.LSE_TOL
-    _, lse_err = BP.compare(out, lse.t().reshape(lse.shape), ref_out, ref_lse)  # [T, H] data in an [H, T] shape
-    assert lse_err > BP.LSE_TOL
+    p = P.make_problem(P.Shape("causal", 2, (16, 40, 9)), CPU, torch.bfloat16, seed=0)
+    ref_out, ref_lse = M.reference_outputs(p)
+    out, lse = attention_reference(p.q, p.k, p.v, p.cu_q, p.cu_k, p.scale, causal=True)
+    tol = M.OUT_TOL_EPS * torch.finfo(torch.bfloat16).eps
+    rel, lse_err = M.compare(out, lse, ref_out, ref_lse)
+    assert rel <= tol and lse_err <= M.LSE_TOL
+    wrong, wrong_lse = attention_reference(p.q, p.k, p.v, p.cu_q, p.cu_k, p.scale, causal=False)
+    rel, lse_err = M.compare(wrong, wrong_lse, ref_out, ref_lse)
+    assert rel > tol and lse_err > M.LSE_TOL
+    _, lse_err = M.compare(out, lse / math.log(2), ref_out, ref_lse)  # base-2 LSE
+    assert lse_err > M.LSE_TOL
+    _, lse_err = M.compare(out, lse.t().reshape(lse.shape), ref_out, ref_lse)  # [T, H] data in an [H, T] shape
+    assert lse_err > M.LSE_TOL
     nan_out = out.clone()
     nan_out[3, 1, 5] = float("nan")
-    assert BP.compare(nan_out, None, ref_out, ref_lse)[0] == math.inf
+    assert M.compare(nan_out, None, ref_out, ref_lse)[0] == math.inf
+    # Rows past the batch's tokens are padding: not compared when told where the batch ends.
+    padded = torch.cat([out, torch.full_like(out[:2], 7.0)])
+    ref_padded = (torch.cat([ref_out, ref_out[:2] * 0]), torch.cat([ref_lse, ref_lse[:, :2]], dim=1))
+    assert M.compare(padded, None, *ref_padded, rows=out.shape[0])[0] <= tol
+    assert M.compare(padded, None, *ref_padded)[0] > tol
 
 
-def test_ratios_use_the_own_raw_call_and_the_best_baseline():
+def test_check_and_time_marks_wrong_and_failed_methods():
+    p = P.make_problem(P.Shape("causal", 2, (8, 5)), CPU, torch.bfloat16)
+    reference = M.reference_outputs(p)
+
+    class Broken(M.Method):
+        name = "broken"
+
+        def prepare(self, p):
+            def fail():
+                raise RuntimeError("no kernel image\nsecond line")
+
+            return M.Prepared(fail, lambda r: r)
+
+    class Noncausal(M.ReferenceRaw):
+        def prepare(self, p):
+            args = p.attention_args()
+            return M.Prepared(lambda: self.call(*args, False), lambda r: (r[0], r[1]))
+
+    good = M.check_and_time(M.ReferenceRaw(), p, reference, samples=2)
+    assert good.status == "ok" and good.time_ms > 0 and good.prepared is not None
+    wrong = M.check_and_time(Noncausal(), p, reference, samples=2)
+    assert wrong.status == "WRONG" and wrong.time_ms > 0 and wrong.lse_err > M.LSE_TOL
+    failed = M.check_and_time(Broken(), p, reference)
+    assert failed.status == "error" and failed.note == "RuntimeError: no kernel image" and failed.time_ms is None
+    unchecked = M.check_and_time(M.ReferenceRaw(), p, reference, timed=False)
+    assert unchecked.status == "ok" and unchecked.time_ms is None
+
+
+def test_best_baseline_ignores_wrong_and_failed_rows():
     rows = [
-        {"method": "FLASHINFER", "kind": "op", "status": "ok", "time_ms": 1.02, "raw_method": "flashinfer_raw"},
-        {"method": "TRITON", "kind": "op", "status": "WRONG", "time_ms": 0.5, "raw_method": "triton_direct"},
-        {"method": "flashinfer_raw", "kind": "baseline", "status": "ok", "time_ms": 1.0, "raw_method": None},
-        {"method": "sdpa_efficient", "kind": "baseline", "status": "ok", "time_ms": 3.0, "raw_method": None},
-        {"method": "flex_attention", "kind": "baseline", "status": "WRONG", "time_ms": 0.1, "raw_method": None},
+        {"method": "FLASHINFER", "kind": "op", "status": "ok", "time_ms": 1.02},
+        {"method": "TRITON", "kind": "op", "status": "WRONG", "time_ms": 0.5},
+        {"method": "triton_raw", "kind": "direct", "status": "ok", "time_ms": 0.4},
+        {"method": "flashinfer_raw", "kind": "baseline", "status": "ok", "time_ms": 1.0},
+        {"method": "sdpa_efficient", "kind": "baseline", "status": "ok", "time_ms": 3.0},
+        {"method": "flex_attention", "kind": "baseline", "status": "WRONG", "time_ms": 0.1},
+        {"method": "fa4_raw", "kind": "baseline", "status": "error", "time_ms": None},
     ]
-    BP.add_ratios(rows)
+    R.add_best_baseline(rows)
     by = {r["method"]: r for r in rows}
-    assert by["FLASHINFER"]["ratio_raw"] == pytest.approx(1.0 / 1.02)
-    assert by["FLASHINFER"]["best_baseline"] == "flashinfer_raw"  # a WRONG baseline never counts as best
+    assert {r["best_baseline"] for r in rows} == {"flashinfer_raw"}  # direct calls are not baselines
+    assert by["FLASHINFER"]["ratio_best"] == pytest.approx(1.0 / 1.02)
     assert by["sdpa_efficient"]["ratio_best"] == pytest.approx(1.0 / 3.0)
-    assert "ratio_raw" not in by["TRITON"] and "ratio_best" not in by["TRITON"]
+    assert "ratio_best" not in by["TRITON"] and "ratio_best" not in by["fa4_raw"]
+
+
+def _stand_in_flash_attn_backend(**libraries):
+    from mla_ops.backends.flash_attn import FlashAttnBackend
+
+    return FlashAttnBackend(libraries=libraries)
+
+
+def test_flash_attn_raw_call_follows_the_implementation_flash_attn_runs():
+    fa4 = types.SimpleNamespace(flash_attn_varlen_func=lambda *a, **k: None)
+    bundled = torch.ops.aten._flash_attention_forward.default
+    with_fa4 = _stand_in_flash_attn_backend(
+        **{"flash_attn.cute": fa4, "torch.ops.aten._flash_attention_forward": bundled}
+    )
+    without = _stand_in_flash_attn_backend(**{"torch.ops.aten._flash_attention_forward": bundled})
+    assert M.raw_method_for("FLASH_ATTN", with_fa4, CPU, "fa3").name == "fa4_raw"
+    assert M.raw_method_for("FLASH_ATTN", without, CPU, "fa3").name == "fa2_varlen_raw"
+    assert M.raw_method_for("FLASHINFER", None, CPU, "fa3").implementation.endswith("(backend='fa3').run")
+    assert M.raw_method_for("TRITON", None, CPU, "fa3").name == "triton_raw"
+    assert M.raw_method_for("REFERENCE", None, CPU, "fa3").name == "reference_raw"
+    assert "CUDA devices only" in M.FlashAttnRaw("flash_attn.cute").unavailable(CPU)
+
+
+def test_fa4_raw_calls_flash_attn_varlen_func_with_mla_s_tensors():
+    p = P.make_problem(P.Shape("chunk", 2, (3, 5), (4, 6)), CPU, torch.bfloat16)
+    calls = []
+
+    def flash_attn_varlen_func(q, k, v, **kwargs):
+        calls.append((q, k, v, kwargs))
+        return torch.zeros(q.shape[0], q.shape[1], v.shape[-1]), torch.zeros(q.shape[1], q.shape[0])
+
+    raw = M.FlashAttnRaw("flash_attn.cute")
+    raw._function = flash_attn_varlen_func
+    prepared = raw.prepare(p)
+    out, lse = prepared.extract(prepared.fn())
+    ((q, k, v, kwargs),) = calls
+    assert q is p.q and k is p.k and v is p.v  # the strided view, as the op gets it
+    assert kwargs == {"cu_seqlens_q": p.cu_q, "cu_seqlens_k": p.cu_k, "max_seqlen_q": 5, "max_seqlen_k": 6,
+                      "softmax_scale": p.scale, "causal": False, "return_lse": True}  # fmt: skip
+    assert out.shape == (8, 2, 128) and lse is None
+
+
+def test_fa2_raw_widens_v_as_flash_attn_does():
+    p = P.make_problem(P.Shape("causal", 2, (3, 5)), CPU, torch.bfloat16)
+    raw = M.FlashAttnRaw("torch.ops.aten._flash_attention_forward")
+    v, first = raw.widen(p.v)
+    # A wider window over v's own storage (the k_nope channels before it): no copy.
+    assert v.shape == (8, 2, 192) and first == 64 and v.data_ptr() == p.v.data_ptr() - 64 * 2
+    assert torch.equal(v[..., first:], p.v)
+    copy = M.FlashAttnRaw("torch.ops.aten._flash_attention_forward", contiguous_output=True)
+    assert copy.name == "fa2_varlen_raw+copy" and "made contiguous" in copy.implementation
+
+
+def test_raw_layer_attention_matches_prefill_with_context():
+    import mla_ops
+    from mla_ops.api import ContextChunk
+
+    p = P.make_problem(P.Shape("causal", 2, (5, 3)), CPU, torch.bfloat16)
+    chunk = P.make_problem(P.Shape("chunk", 2, (5, 3), (4, 0)), CPU, torch.bfloat16, seed=1)
+    chunks = [ContextChunk(chunk.k, chunk.v, chunk.cu_k, chunk.max_k)]
+    attention = M.RawLayerAttention(M.ReferenceRaw(), CPU)
+    attention.plan(p.cu_q, [chunk.cu_k], 2, torch.bfloat16, p.scale)
+    got = attention(p.q, p.k, p.v, p.cu_q, p.max_q, chunks, p.scale)
+    want = mla_ops.prefill_with_context(p.q, p.k, p.v, p.cu_q, p.max_q, chunks, p.scale)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _fake_flashinfer(plans: list) -> types.ModuleType:
+    """A stand-in for ``flashinfer``: a ragged wrapper computing with the reference, with FlashInfer's
+    conventions (base-2 LSE ``[T, H]``), and ``merge_state`` on base-2 LSEs."""
+    from mla_ops.backends.reference import attention_reference, merge_attn_states_reference
+
+    class Wrapper:
+        def __init__(self, workspace, layout, backend):
+            assert layout == "NHD"
+            self.backend = backend
+
+        def plan(self, cu_q, cu_k, heads_q, heads_kv, dqk, head_dim_vo, causal, sm_scale, q_data_type, kv_data_type):
+            plans.append((cu_q.tolist(), cu_k.tolist(), causal))
+            self.cu_q, self.cu_k, self.causal, self.scale = cu_q, cu_k, causal, sm_scale
+
+        def run(self, q, k, v, return_lse):
+            out, lse = attention_reference(q, k, v, self.cu_q, self.cu_k, self.scale, self.causal)
+            return out, (lse / math.log(2)).t().contiguous()
+
+    def merge_state(v_a, s_a, v_b, s_b):
+        out, lse = merge_attn_states_reference(v_a, s_a.t() * math.log(2), v_b, s_b.t() * math.log(2))
+        return out, (lse / math.log(2)).t()
+
+    return types.SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=Wrapper, merge_state=merge_state)
+
+
+def test_raw_layer_attention_with_flashinfer_plans_once_per_batch(monkeypatch):
+    import mla_ops
+    from mla_ops.api import ContextChunk
+
+    plans: list = []
+    monkeypatch.setitem(sys.modules, "flashinfer", _fake_flashinfer(plans))
+    p = P.make_problem(P.Shape("causal", 2, (5, 3)), CPU, torch.bfloat16)
+    chunk = P.make_problem(P.Shape("chunk", 2, (5, 3), (4, 0)), CPU, torch.bfloat16, seed=1)
+    chunks = [ContextChunk(chunk.k, chunk.v, chunk.cu_k, chunk.max_k)]
+    attention = M.RawLayerAttention(M.FlashInferRaw("fa3"), CPU)
+    attention.plan(p.cu_q, [chunk.cu_k], 2, torch.bfloat16, p.scale)
+    assert plans == [([0, 5, 8], [0, 5, 8], True), ([0, 5, 8], [0, 4, 4], False)]
+    for _ in range(3):  # every layer of a model: the two plans serve them all
+        out, _ = attention(p.q, p.k, p.v, p.cu_q, p.max_q, chunks, p.scale)
+    assert len(plans) == 2
+    want, _ = mla_ops.prefill_with_context(p.q, p.k, p.v, p.cu_q, p.max_q, chunks, p.scale)
+    assert M.relative_difference(out, want) < 1e-2
+
+
+def test_graph_tree_mode_follows_host_planning():
+    from mla_ops.backends.flashinfer import FlashInferBackend
+    from mla_ops.backends.triton import TritonBackend
+
+    assert BGT.graph_tree_mode({"backend": FlashInferBackend()}) == "compile_options(reduce-overhead)"
+    assert BGT.graph_tree_mode({"backend": TritonBackend()}) == "reduce-overhead"
+
+
+def test_backends_to_time_on_cpu():
+    rows = R.backend_table(CPU, torch.bfloat16, P.DQK, P.DV)
+    timed, skipped = M.backends_to_time(rows, CPU)
+    assert [r["name"] for r in timed] == ["REFERENCE"]
+    assert set(skipped) == {"TRITON", "FLASH_ATTN", "FLASHINFER"}
+    with pytest.raises(SystemExit, match=r"unknown backend.*choose from REFERENCE"):
+        M.backends_to_time(rows, CPU, ["fast"])
+
+
+# --- report ---------------------------------------------------------------------------------------------
 
 
 def test_report_marks_wrong_and_failed_methods(tmp_path):
     rows = []
-    for shape in BP.gpu_shapes()[:2]:
+    for shape in P.gpu_shapes()[:2]:
         shape_rows = []
         for method, kind, raw, status, ms in (
             ("FLASHINFER", "op", "flashinfer_raw", "WRONG", 1.0),
@@ -261,29 +649,12 @@ def test_report_marks_wrong_and_failed_methods(tmp_path):
             if ms is not None:
                 row["tflops"], row["rel_err"] = shape.flops() / ms / 1e9, 0.5 if status == "WRONG" else 0.004
             shape_rows.append(row)
-        BP.add_ratios(shape_rows)
+        R.add_best_baseline(shape_rows)
         rows += shape_rows
-    notes = BP.write_report(rows, {"gpu": "test GPU", "dtype": "bfloat16"}, tmp_path)
+    notes = R.write_prefill_report(rows, {"gpu": "test GPU", "dtype": "bfloat16"}, tmp_path)
     md = (tmp_path / "results.md").read_text()
     assert md.count("WRONG (") == 2 and md.count("| error |\n") == 2  # flex_attention is the last column
     assert "| FLASHINFER | 5.0e-01 | — | 0 | 2 | 0 |" in md
     assert "| flex_attention | — | — | 0 | 0 | 2 | RuntimeError: no kernel |" in md
     assert "FLASHINFER / flashinfer_raw" in md and "best raw baseline" in md
     assert (tmp_path / "results.png").exists() == HAS_MATPLOTLIB and len(notes) == (0 if HAS_MATPLOTLIB else 1)
-
-
-def test_append_merges_runs_of_different_shapes(tmp_path):
-    common = ["--device", "cpu", "--out", str(tmp_path), "--rep-ms", "1", "--no-progress"]
-    _main(BP, [*common, "--shapes", "merge-h2-*"])
-    _main(BP, [*common, "--shapes", "causal-h2-4x32", "merge-h2-*", "--append"])
-    rows = _read_rows(tmp_path / "results.csv")
-    # The merge shape was measured twice: its rows were replaced, not duplicated; the order is the shape list's.
-    assert [(r["shape"], r["method"]) for r in rows] == [
-        ("causal-h2-4x32", "REFERENCE"),
-        ("causal-h2-4x32", "sdpa_cpu"),
-        ("merge-h2-t256", "mla.merge_attn_states"),
-        ("merge-h2-t256", "torch_eager_merge"),
-    ]
-    env = json.loads((tmp_path / "results.env.json").read_text())
-    assert len(env["appended_to"]) == 1 and "merge-h2-*" in env["appended_to"][0]
-    assert env["command"].endswith("--append")

@@ -1,0 +1,312 @@
+#!/usr/bin/env python
+"""Step time of a stack of MLA layers under torch.compile's CUDA-graph trees, per backend, against eager.
+
+A stack of :class:`mla_ops.model.MLAAttention` layers (DeepSeek-V3's head dims, H=16, hidden 2048, 4
+layers by default) runs serving-sized ragged batches, each with one chunk of cached context, in two
+modes per backend:
+
+- **eager**;
+- **CUDA-graph trees**: ``torch.compile(stack, fullgraph=True, dynamic=False, mode="reduce-overhead")``
+  for TRITON and FLASH_ATTN, whose calls replay inside the graphs; for FLASHINFER, which plans each
+  batch on the host, ``options=mla_ops.compile_options("reduce-overhead")``: the same mode plus the
+  graph pass and partitioning that run its calls eagerly between the graphs.
+
+Every step is a new batch: the same token totals (so the same shapes, one recorded graph) split
+differently over the sequences, with the offsets passed in as inputs of the compiled function, as
+README's recipe does, and ``max_seqlen`` set to the token total (a bound every backend accepts). The
+batches are generated once per size from ``--seed`` and every backend and mode runs the same list:
+``--warmup-steps`` untimed steps (compilation and graph recording happen there), then ``--steps`` timed
+ones, each from an idle device, so a step's time holds the host's work (FLASHINFER's plans included).
+The compiled output of a timed batch is compared with the eager one, and a graph recorded during the
+timed steps, or a tree that skipped CUDA graphs, is reported.
+
+Writes ``graph_trees.csv``, ``graph_trees.md`` and ``graph_trees.env.json`` into
+``benchmarks/results/<gpu-slug>/`` (or ``--out``). Without a GPU it times the eager REFERENCE step of
+a tiny stack and records the compiled modes as not measured (CUDA-graph trees need CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The shared modules live next to this script, which is not part of a package.
+from benchlib import methods as M
+from benchlib import problems as P
+from benchlib import report as R
+from benchlib import timing
+
+if TYPE_CHECKING:
+    import torch
+
+CSV_FIELDS = [
+    "size",
+    "new_tokens",
+    "num_seqs",
+    "context_tokens",
+    "layers",
+    "heads",
+    "hidden",
+    "backend",
+    "mode",
+    "steps",
+    "step_ms",
+    "step_ms_min",
+    "step_ms_max",
+    "layer_ms",
+    "eager_over_mode",
+    "rel_diff_vs_eager",
+    "graphs_recorded_while_timed",
+    "cudagraph_skips",
+    "status",
+    "note",
+]
+#: Largest ``||compiled - eager|| / ||eager||`` accepted: the same bf16 layers, fused differently by
+#: Inductor, differ by rounding only.
+REL_DIFF_TOL = 2e-2
+GPU_DEFAULTS = {"layers": 4, "heads": 16, "hidden": 2048, "sizes": "512x8+2048,2048x16+4096,8192x32+8192"}
+CPU_DEFAULTS = {"layers": 2, "heads": 2, "hidden": 256, "sizes": "16x2+32,48x4+64"}
+EAGER = "eager"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0]
+        + " Writes graph_trees.csv, graph_trees.md and graph_trees.env.json. Defaults differ on CPU (a tiny stack).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--backends", nargs="+", metavar="NAME", help="backends to measure (default: all valid here)")
+    parser.add_argument("--layers", type=int, help=f"layers in the stack (default {GPU_DEFAULTS['layers']})")
+    parser.add_argument("--heads", type=int, help=f"query heads (default {GPU_DEFAULTS['heads']})")
+    parser.add_argument("--hidden", type=int, help=f"hidden size (default {GPU_DEFAULTS['hidden']})")
+    parser.add_argument(
+        "--sizes",
+        help="comma-separated batch sizes NEWxSEQS+CTX: new tokens over sequences, plus context tokens in one "
+        f"chunk (default {GPU_DEFAULTS['sizes']})",
+    )
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per backend and mode, each a new batch")
+    parser.add_argument("--warmup-steps", type=int, default=5, help="untimed steps first (compile, record graphs)")
+    parser.add_argument("--no-compile", action="store_true", help="eager steps only")
+    parser.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<gpu-slug>/)")
+    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup_steps < 0:
+        parser.error("--steps must be positive and --warmup-steps not negative")
+    return args
+
+
+def recorded_graphs(device: torch.device) -> int | None:
+    """How many CUDA graphs the tree manager of ``device`` has recorded (``None``: not known)."""
+    try:
+        from torch._inductor.cudagraph_trees import get_manager
+
+        manager = get_manager(device.index or 0, create_if_none_exists=False)
+        if manager is None:
+            return 0
+        nodes = [node for roots in manager.roots.values() for node in roots]
+        count = 0
+        while nodes:
+            node = nodes.pop()
+            count += 1
+            nodes.extend(child for children in node.children.values() for child in children)
+        return count
+    except Exception:  # private API: its absence must not stop the benchmark
+        return None
+
+
+def graph_tree_mode(row: dict[str, Any]) -> str:
+    """The compiled mode of a backend: ``compile_options(reduce-overhead)`` for one that plans on the host
+    (FLASHINFER), plain ``reduce-overhead`` otherwise."""
+    backend = row["backend"]
+    return "compile_options(reduce-overhead)" if backend is not None and backend.plans_on_host else "reduce-overhead"
+
+
+def measure_mode(
+    row: dict[str, Any], mode: str, stack: Any, batches: list[Any], args: argparse.Namespace, device: torch.device
+) -> tuple[dict[str, Any], Any]:
+    """One backend in one mode: step times, graph-tree counters, and the output of the first timed batch."""
+    import torch
+
+    import mla_ops
+
+    out: dict[str, Any] = {"steps": args.steps}
+    with torch.no_grad(), mla_ops.prefill_backend(row["name"]):
+        if mode == EAGER:
+            forward = stack
+        else:
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            if mode == "reduce-overhead":
+                kwargs: dict[str, Any] = {"mode": "reduce-overhead"}
+            else:
+                kwargs = {"options": mla_ops.compile_options("reduce-overhead")}
+            forward = torch.compile(stack, fullgraph=True, dynamic=False, **kwargs)
+        step = lambda batch: forward(*P.batch_args(batch))
+        for batch in batches[: args.warmup_steps]:
+            step(batch)
+        before = recorded_graphs(device) if mode != EAGER else None
+        timed = iter(batches[args.warmup_steps :])
+        times = timing.measure(lambda: step(next(timed)), device, samples=args.steps, flush_l2=False, sync_each=True)
+        if mode != EAGER:
+            after = recorded_graphs(device)
+            if before is not None and after is not None:
+                out["graphs_recorded_while_timed"] = after - before
+            out["cudagraph_skips"] = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+        # The first timed batch again, for the check; a tree's output is overwritten by its next replay.
+        result = step(batches[args.warmup_steps]).clone()
+    out.update(
+        step_ms=times.median_ms,
+        step_ms_min=times.min_ms,
+        step_ms_max=times.max_ms,
+        layer_ms=times.median_ms / args.layers,
+    )
+    return out, result
+
+
+def measure_backend(
+    row: dict[str, Any],
+    modes: list[str],
+    size: P.ServingSize,
+    stack: Any,
+    batches: list[Any],
+    args: argparse.Namespace,
+    device: torch.device,
+) -> list[dict[str, Any]]:
+    """One CSV row per mode of one backend on one batch size; the compiled modes are checked against eager."""
+    import torch
+
+    base = {"size": size.label, "new_tokens": size.new_tokens, "num_seqs": size.num_seqs,
+            "context_tokens": size.context_tokens, "layers": args.layers, "heads": args.heads,
+            "hidden": args.hidden, "backend": row["name"]}  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    eager_output = eager_ms = None
+    for mode in modes:
+        print(f"{size.label}: {row['name']} {mode}...", flush=True)
+        try:
+            result, output = measure_mode(row, mode, stack, batches, args, device)
+        except Exception as exc:
+            rows.append({**base, "mode": mode, "status": "error", "note": R.short_error(exc, 300)})
+            print(f"  error: {R.short_error(exc, 300)}", flush=True)
+            if device.type == "cuda":
+                torch._dynamo.reset()
+            continue
+        out = {**base, "mode": mode, **result, "status": "ok"}
+        notes = []
+        if mode == EAGER:
+            eager_output, eager_ms = output, result["step_ms"]
+        else:
+            if eager_ms is not None:
+                out["eager_over_mode"] = eager_ms / result["step_ms"]
+            if eager_output is not None:
+                out["rel_diff_vs_eager"] = M.relative_difference(output, eager_output)
+                if out["rel_diff_vs_eager"] > REL_DIFF_TOL:
+                    out["status"] = "WRONG"
+            if result.get("cudagraph_skips"):
+                notes.append("the tree skipped CUDA graphs (ran without them)")
+            if result.get("graphs_recorded_while_timed"):
+                notes.append("graphs were recorded during the timed steps")
+        out["note"] = "; ".join(notes)
+        rows.append(out)
+        line = [f"step {result['step_ms']:8.3f} ms (range {result['step_ms_min']:.3f}..{result['step_ms_max']:.3f})"]
+        if "eager_over_mode" in out:
+            line.append(f"eager / mode {out['eager_over_mode']:.2f}")
+        if "rel_diff_vs_eager" in out:
+            line.append(f"rel diff vs eager {out['rel_diff_vs_eager']:.1e}")
+        print("  " + ", ".join(line) + ("" if out["status"] == "ok" else f"  {out['status']}"), flush=True)
+    return rows
+
+
+#: The columns of graph_trees.md.
+COLUMNS: list[R.Column] = [
+    ("batch", R.text("size")),
+    ("backend", R.text("backend")),
+    ("mode", R.text("mode")),
+    ("step ms", R.num("step_ms", ".3f")),
+    ("range", R.span("step_ms_min", "step_ms_max", ".3f")),
+    ("ms/layer", R.num("layer_ms", ".3f")),
+    ("eager / mode", R.num("eager_over_mode", ".2f")),
+    ("rel diff vs eager", R.num("rel_diff_vs_eager", ".1e")),
+    ("graphs recorded while timed", R.num("graphs_recorded_while_timed", "d")),
+    ("cudagraph skips", R.num("cudagraph_skips", "d")),
+    ("status", R.text("status")),
+    ("note", R.text("note")),
+]
+
+
+def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argparse.Namespace) -> str:
+    """The rows as a Markdown page with the environment record."""
+    intro = (
+        f"A stack of {args.layers} MLA layers (hidden {args.hidden}, H={args.heads}, (Dqk, Dv) = ({P.DQK}, {P.DV})). "
+        f"Per backend and mode: the median time of a forward over {args.steps} timed steps, each a new batch "
+        f"(the same batches for every backend and mode, after {args.warmup_steps} untimed steps), each from an "
+        "idle device. *eager / mode*: the backend's eager step time over this mode's (above 1: the graphs are "
+        "faster). *rel diff vs eager*: ||compiled - eager|| / ||eager|| on the first timed batch."
+    )
+    title = f"MLA layers under CUDA-graph trees: {env.get('gpu')}, {env.get('dtype')}"
+    return R.results_markdown(title, env, intro, R.rows_table(rows, COLUMNS))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    device, dtype = P.setup_device(args, GPU_DEFAULTS, CPU_DEFAULTS)
+    cuda = device.type == "cuda"
+    try:
+        sizes = [P.ServingSize.parse(text) for text in args.sizes.split(",")]
+    except ValueError as exc:
+        raise SystemExit(f"--sizes: {exc}") from None
+    started = time.perf_counter()
+    backends, env = R.start_run(
+        "bench_graph_trees.py",
+        argv,
+        device,
+        dtype,
+        layers=args.layers,
+        heads=args.heads,
+        hidden=args.hidden,
+        steps=args.steps,
+        warmup_steps=args.warmup_steps,
+        sizes=[s.label for s in sizes],
+    )
+    timed, not_measured = M.backends_to_time(backends, device, args.backends)
+    if not cuda and not args.no_compile:
+        not_measured["CUDA-graph trees"] = "torch.compile's mode='reduce-overhead' needs a CUDA device"
+    print(
+        f"device: {env['gpu']} ({device}); {args.layers} layers, H={args.heads}, hidden {args.hidden}; "
+        f"backends: {', '.join(r['name'] for r in timed) or 'none'}",
+        flush=True,
+    )
+    warmed = M.warm_backends(timed, device, dtype, [args.heads])
+    if warmed:
+        env["warmup_s"] = warmed
+    stack = P.mla_stack(P.mla_config(args.hidden, args.heads), args.layers, device, dtype, args.seed)
+    rows = []
+    for size in sizes:
+        batches = P.serving_batches(stack.layers[0], size, args.warmup_steps + args.steps, args.seed)
+        for row in timed:
+            modes = [EAGER] + ([] if args.no_compile or not cuda else [graph_tree_mode(row)])
+            rows += measure_backend(row, modes, size, stack, batches, args, device)
+        del batches
+        if cuda:
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+    for name, why in not_measured.items():
+        print(f"not measured: {name}: {why}")
+    env["not_measured"] = not_measured
+    env["elapsed_s"] = round(time.perf_counter() - started, 1)
+    out_dir = args.out or R.default_out_dir(device)
+    R.write_results(out_dir, "graph_trees", CSV_FIELDS, rows, env, render_markdown(rows, env, args))
+    print(f"wrote graph_trees.csv, graph_trees.md, graph_trees.env.json to {out_dir} in {env['elapsed_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

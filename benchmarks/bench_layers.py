@@ -1,0 +1,240 @@
+#!/usr/bin/env python
+"""Eager host cost of the op layer, per MLA layer, on a chunked-prefill batch.
+
+A stack of :class:`mla_ops.model.MLAAttention` layers (DeepSeek-V3's head dims, H=16, hidden 2048 by
+default) runs one batch of 512 new tokens over 8 sequences with one chunk of cached context, eagerly,
+in two forms with the same weights:
+
+- **op**: each layer's attention is ``mla_ops.prefill_with_context``, i.e. the ops
+  (``mla.prefill``, ``mla.prefill_context_chunk``, ``mla.merge_attn_states``) under
+  ``prefill_backend(NAME)``;
+- **raw**: each layer's attention calls the backend's library directly: FlashInfer's wrappers planned
+  once for the batch, then ``run`` and ``flashinfer.merge_state``; the FlashAttention implementation
+  FLASH_ATTN runs here (FlashAttention-4, or PyTorch's bundled FlashAttention-2 on ``v`` widened as the
+  backend widens it) and the merge kernel; the Triton kernel function and the merge kernel.
+
+The two take turns in alternating rounds; a sample is one forward of the stack, timed from an idle
+device (so it holds the host's issue time). The difference per layer is what the op layer costs an
+eager model. The same batch is used in every step, so FLASHINFER plans once in both forms; a new batch
+per step would add one plan per step to both. Without a GPU it compares REFERENCE with its own
+functions on a tiny stack (a test of the script, not a measurement).
+
+Writes ``layers.csv``, ``layers.md`` and ``layers.env.json`` into ``benchmarks/results/<gpu-slug>/``
+(or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The shared modules live next to this script, which is not part of a package.
+from benchlib import methods as M
+from benchlib import problems as P
+from benchlib import report as R
+from benchlib import timing
+
+if TYPE_CHECKING:
+    import torch
+
+CSV_FIELDS = [
+    "backend",
+    "raw_call",
+    "batch",
+    "layers",
+    "heads",
+    "hidden",
+    "op_layer_ms",
+    "raw_layer_ms",
+    "op_cost_us_per_layer",
+    "raw_over_op",
+    "raw_over_op_min",
+    "raw_over_op_max",
+    "rounds",
+    "rel_diff",
+    "status",
+    "note",
+]
+#: Largest ``||op - raw|| / ||raw||`` of the stacks' outputs accepted: both compute the same layers in
+#: bf16 (same kernels; FLASHINFER's raw form merges with flashinfer.merge_state), so they differ by
+#: rounding only, far below this.
+REL_DIFF_TOL = 2e-2
+GPU_DEFAULTS = {"layers": 4, "heads": 16, "hidden": 2048, "batch": "512x8+2048"}
+CPU_DEFAULTS = {"layers": 2, "heads": 2, "hidden": 256, "batch": "32x4+64"}
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0]
+        + " Writes layers.csv, layers.md and layers.env.json. Defaults differ on CPU (a tiny stack).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--layers", type=int, help=f"layers in the stack (default {GPU_DEFAULTS['layers']})")
+    parser.add_argument("--heads", type=int, help=f"query heads (default {GPU_DEFAULTS['heads']})")
+    parser.add_argument("--hidden", type=int, help=f"hidden size (default {GPU_DEFAULTS['hidden']})")
+    parser.add_argument(
+        "--batch",
+        help=f"NEWxSEQS+CTX: new tokens over sequences, plus context tokens in one chunk (default "
+        f"{GPU_DEFAULTS['batch']})",
+    )
+    parser.add_argument("--backends", nargs="+", metavar="NAME", help="backends to measure (default: all valid here)")
+    parser.add_argument("--rounds", type=int, default=timing.DEFAULT_ROUNDS, help="alternating rounds of op and raw")
+    parser.add_argument("--warmup-ms", type=float, help="warm-up per measurement (default: 25 on GPU, 2 on CPU)")
+    parser.add_argument("--rep-ms", type=float, help="timed ms per measurement (default: 100 on GPU, 10 on CPU)")
+    parser.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<gpu-slug>/)")
+    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
+
+
+def measure_backend(
+    row: dict[str, Any], stack: Any, batch: Any, args: argparse.Namespace, device: torch.device
+) -> dict[str, Any]:
+    """One CSV row: the stack through the ops against the same stack calling the raw library."""
+    import torch
+
+    import mla_ops
+
+    name = row["name"]
+    out: dict[str, Any] = {
+        "backend": name,
+        "batch": args.size.label,
+        "layers": args.layers,
+        "heads": args.heads,
+        "hidden": args.hidden,
+        "rounds": args.rounds,
+        "status": "error",
+    }
+    raw = M.raw_method_for(name, row["backend"], device, M.flashinfer_kernel(device))
+    why = "it has no raw call" if raw is None else raw.unavailable(device)
+    if why is not None:
+        out["note"] = f"not measured: {why}"
+        return out
+    out["raw_call"] = raw.implementation
+    attention = M.RawLayerAttention(raw, device)
+    raw_stack = copy.deepcopy(stack)  # the same weights
+    for layer in raw_stack.layers:
+        layer.attention = attention
+    first = stack.layers[0]
+    chunk_offsets = [chunk.cu_seqlens_k for chunk in batch.context]
+    attention.plan(batch.cu_seqlens, chunk_offsets, args.heads, first.o_proj.weight.dtype, first.softmax_scale)
+    args_ = P.batch_args(batch)
+    op = M.Prepared(lambda: stack(*args_), lambda r: (r, None), lambda: mla_ops.prefill_backend(name))
+    plain = M.Prepared(lambda: raw_stack(*args_), lambda r: (r, None))
+    with torch.no_grad():
+        with op.context():
+            out["rel_diff"] = M.relative_difference(op.fn(), plain.fn())
+        ratio = M.overhead_ratio(
+            op, plain, device, args.rounds, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, flush_l2=False, sync_each=True
+        )
+    out.update(
+        op_layer_ms=ratio.denominator_ms / args.layers,
+        raw_layer_ms=ratio.numerator_ms / args.layers,
+        op_cost_us_per_layer=(ratio.denominator_ms - ratio.numerator_ms) * 1e3 / args.layers,
+        raw_over_op=ratio.median,
+        raw_over_op_min=ratio.low,
+        raw_over_op_max=ratio.high,
+        status="ok" if out["rel_diff"] <= REL_DIFF_TOL else "WRONG",
+    )
+    return out
+
+
+#: The columns of layers.md.
+COLUMNS: list[R.Column] = [
+    ("backend", R.text("backend")),
+    ("op ms/layer", R.num("op_layer_ms", ".4f")),
+    ("raw ms/layer", R.num("raw_layer_ms", ".4f")),
+    ("op cost µs/layer", R.num("op_cost_us_per_layer", ".1f")),
+    ("raw / op", R.num("raw_over_op", ".3f")),
+    ("rounds' range", R.span("raw_over_op_min", "raw_over_op_max", ".3f")),
+    ("rel diff", R.num("rel_diff", ".1e")),
+    ("status", R.text("status")),
+    ("raw call / note", R.text("raw_call", "note")),
+]
+
+
+def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argparse.Namespace) -> str:
+    """The rows as a Markdown page with the environment record."""
+    intro = (
+        f"A stack of {args.layers} MLA layers (hidden {args.hidden}, H={args.heads}, (Dqk, Dv) = ({P.DQK}, {P.DV})), "
+        f"eager, on one batch of {args.size.label}. Per layer: the forward's time through the ops and with the "
+        f"backend's raw library calls, medians over {args.rounds} alternating rounds, each sample one forward "
+        "from an idle device; *op cost* is their difference. *rel diff*: ||op - raw|| / ||raw|| of the outputs."
+    )
+    title = f"MLA layers, ops against raw library calls: {env.get('gpu')}, {env.get('dtype')}"
+    return R.results_markdown(title, env, intro, R.rows_table(rows, COLUMNS))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    device, dtype = P.setup_device(args, GPU_DEFAULTS, CPU_DEFAULTS)
+    try:
+        args.size = P.ServingSize.parse(args.batch)
+    except ValueError as exc:
+        raise SystemExit(f"--batch: {exc}") from None
+    started = time.perf_counter()
+    backends, env = R.start_run(
+        "bench_layers.py",
+        argv,
+        device,
+        dtype,
+        layers=args.layers,
+        heads=args.heads,
+        hidden=args.hidden,
+        batch=args.size.label,
+        rounds=args.rounds,
+        warmup_ms=args.warmup_ms,
+        rep_ms=args.rep_ms,
+    )
+    timed, not_measured = M.backends_to_time(backends, device, args.backends)
+    print(
+        f"device: {env['gpu']} ({device}); {args.layers} layers, H={args.heads}, hidden {args.hidden}, "
+        f"batch {args.size.label}; backends: {', '.join(r['name'] for r in timed) or 'none'}",
+        flush=True,
+    )
+    warmed = M.warm_backends(timed, device, dtype, [args.heads])
+    if warmed:
+        env["warmup_s"] = warmed
+    stack = P.mla_stack(P.mla_config(args.hidden, args.heads), args.layers, device, dtype, args.seed)
+    (batch,) = P.serving_batches(stack.layers[0], args.size, 1, args.seed, exact_bounds=True)
+    print(f"new lengths {batch.new_lengths}, context lengths {batch.context_lengths}")
+    rows = []
+    for row in timed:
+        print(f"{row['name']}: ops against raw calls, {args.rounds} alternating rounds...", flush=True)
+        try:
+            result = measure_backend(row, stack, batch, args, device)
+        except Exception as exc:
+            result = {"backend": row["name"], "status": "error", "note": R.short_error(exc)}
+        rows.append(result)
+        if result.get("raw_over_op") is None:
+            print(f"  {result.get('note', '')}")
+            continue
+        print(
+            f"  op {result['op_layer_ms'] * 1e3:8.1f} µs/layer  raw {result['raw_layer_ms'] * 1e3:8.1f} µs/layer  "
+            f"op cost {result['op_cost_us_per_layer']:6.1f} µs/layer  raw/op {result['raw_over_op']:.3f} "
+            f"(rounds {result['raw_over_op_min']:.3f}..{result['raw_over_op_max']:.3f})  rel diff "
+            f"{result['rel_diff']:.1e} {result['status']}",
+            flush=True,
+        )
+    for name, why in not_measured.items():
+        print(f"not measured: {name}: {why}")
+    env["not_measured"] = not_measured
+    env["elapsed_s"] = round(time.perf_counter() - started, 1)
+    out_dir = args.out or R.default_out_dir(device)
+    R.write_results(out_dir, "layers", CSV_FIELDS, rows, env, render_markdown(rows, env, args))
+    print(f"wrote layers.csv, layers.md, layers.env.json to {out_dir} in {env['elapsed_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

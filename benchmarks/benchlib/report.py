@@ -1,0 +1,742 @@
+"""What the benchmarks write: the environment record, progress messages, and CSV / Markdown / PNG files.
+
+Every script writes ``<stem>.csv`` and ``<stem>.env.json`` (and most a ``<stem>.md``) into
+``benchmarks/results/<gpu-slug>/`` unless told otherwise. The environment record names the GPU, its
+clocks, the date, and the versions of Python, torch, CUDA, Triton, FlashInfer, flash-attn and
+``mla_ops``, with every backend's validity and what it runs.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import importlib
+import importlib.metadata
+import importlib.util
+import io
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import timing
+
+if TYPE_CHECKING:
+    import torch
+
+BENCH_DIR = Path(__file__).resolve().parent.parent
+RESULTS_DIR = BENCH_DIR / "results"
+
+
+# --- output location ------------------------------------------------------------------------------
+
+
+def gpu_slug(device: torch.device) -> str:
+    """A short folder name for the device: ``"h200"`` for an NVIDIA H200, ``"cpu"`` without a GPU."""
+    import torch
+
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    name = re.sub(r"^nvidia\s+", "", name)
+    name = re.sub(r"^(geforce|tesla|quadro)\s+", "", name)
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
+
+
+def default_out_dir(device: torch.device) -> Path:
+    """``benchmarks/results/<gpu-slug>/``."""
+    return RESULTS_DIR / gpu_slug(device)
+
+
+def command_line(script: str, argv: Sequence[str] | None) -> str:
+    """The command that produced a result, for its record: ``python benchmarks/<script> ARGS``."""
+    return " ".join([f"python benchmarks/{script}", *(sys.argv[1:] if argv is None else argv)])
+
+
+# --- environment record ---------------------------------------------------------------------------
+
+
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def module_version(module: str, *dists: str) -> str:
+    """The installed version of ``module`` (by distribution metadata, else ``__version__``), or why not."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except Exception:  # a submodule whose parent package is missing, or fails to import
+        found = False
+    if not found:
+        return "not installed"
+    version = _dist_version(*dists)
+    if version is not None:
+        return version
+    try:
+        return str(getattr(importlib.import_module(module), "__version__", "unknown"))
+    except Exception as exc:  # a broken install must not stop the benchmark's header
+        return f"import failed: {type(exc).__name__}"
+
+
+def query_clocks(device: torch.device) -> dict[str, str]:
+    """SM and memory clocks (current and maximum, MHz) from ``nvidia-smi``, else ``"unknown"``."""
+    import torch
+
+    unknown = {
+        "sm_clock_mhz": "unknown",
+        "mem_clock_mhz": "unknown",
+        "max_sm_clock_mhz": "unknown",
+        "max_mem_clock_mhz": "unknown",
+    }
+    if device.type != "cuda":
+        return {key: "n/a (cpu)" for key in unknown}
+    smi = shutil.which("nvidia-smi")
+    if smi is not None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        # CUDA_VISIBLE_DEVICES can renumber devices; the PCI bus id names the same GPU for nvidia-smi.
+        props = torch.cuda.get_device_properties(device)
+        targets = [str(index)]
+        if isinstance(getattr(props, "pci_bus_id", None), int):
+            domain, slot = getattr(props, "pci_domain_id", 0), getattr(props, "pci_device_id", 0)
+            targets.insert(0, f"{domain:08x}:{props.pci_bus_id:02x}:{slot:02x}.0")
+        query = "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem"
+        for target in targets:
+            try:
+                text = subprocess.run(
+                    [smi, f"--id={target}", query, "--format=csv,noheader,nounits"],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                    check=True,
+                ).stdout.strip()
+            except (subprocess.SubprocessError, OSError):
+                continue
+            values = [v.strip() for v in text.splitlines()[0].split(",")] if text else []
+            if len(values) == 4:
+                return dict(zip(unknown, values))
+    try:
+        rate = torch.cuda.clock_rate(device)  # needs pynvml
+        return {**unknown, "sm_clock_mhz": str(rate)}
+    except Exception:
+        return unknown
+
+
+class ClockLog:
+    """The SM clock read at chosen moments (after each shape, say), to spot throttling in a record."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.readings = device, []
+
+    def read(self) -> None:
+        """Read the SM clock now (nothing on CPU or without nvidia-smi)."""
+        if self.device.type == "cuda":
+            clock = query_clocks(self.device)["sm_clock_mhz"]
+            if clock.isdigit():
+                self.readings.append(int(clock))
+
+    def summary(self) -> str | None:
+        """``"min A, median B, max C"`` over the readings, or ``None`` without any."""
+        if not self.readings:
+            return None
+        median = statistics.median(self.readings)
+        return f"min {min(self.readings)}, median {median:g}, max {max(self.readings)}"
+
+
+def backend_table(device: torch.device, dtype: torch.dtype, dqk: int, dv: int) -> list[dict[str, Any]]:
+    """Every registered backend: whether it is valid here, why not, what it runs, and its instance."""
+    import mla_ops
+    from mla_ops.selector import validate_backend
+
+    capability = mla_ops.DeviceCapability.of(device)
+    config = mla_ops.SelectorConfig(dtype, mla_ops.MLADimensions.from_head_dims(dqk, dv))
+    rows = []
+    for member in mla_ops.PrefillBackendEnum:
+        try:
+            backend, reasons = validate_backend(member, capability, config)
+        except Exception as exc:  # a half-written backend must not stop the benchmark
+            backend, reasons = None, [f"validation raised {exc!r}"]
+        try:
+            impl = backend.describe(capability, config) if backend is not None else "not importable"
+        except Exception as exc:
+            impl = f"describe() raised {exc!r}"
+        rows.append(
+            {"name": member.name, "valid": not reasons, "reasons": reasons, "implementation": impl, "backend": backend}
+        )
+    return rows
+
+
+def auto_selected(device: torch.device, dtype: torch.dtype, dqk: int, dv: int) -> str:
+    """The backend automatic selection picks for this device and config, or why none is."""
+    import mla_ops
+
+    capability = mla_ops.DeviceCapability.of(device)
+    config = mla_ops.SelectorConfig(dtype, mla_ops.MLADimensions.from_head_dims(dqk, dv))
+    env = os.environ.get(mla_ops.selector.ENV_VAR, "").strip()
+    try:
+        name = mla_ops.select_backend(capability, config).name
+    except Exception as exc:
+        return f"none: {exc}"
+    return f"{name} (forced by {mla_ops.selector.ENV_VAR}={env})" if env else name
+
+
+def collect_env(
+    device: torch.device,
+    dtype: torch.dtype,
+    dqk: int,
+    dv: int,
+    backends: list[dict[str, Any]] | None = None,
+    *,
+    command: str = "",
+) -> dict[str, Any]:
+    """The record of a run: device, clocks, date, library versions, the backend table and the timer.
+
+    ``backends`` is :func:`backend_table`'s result when the caller already has it.
+    """
+    import torch
+
+    import mla_ops
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        gpu = torch.cuda.get_device_name(device)
+        capability = f"{props.major}.{props.minor}"
+        memory = f"{props.total_memory / 2**30:.0f} GiB"
+    else:
+        gpu, capability, memory = "none (CPU)", "n/a", "n/a"
+    if backends is None:
+        backends = backend_table(device, dtype, dqk, dv)
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(device),
+        "gpu": gpu,
+        "compute_capability": capability,
+        "gpu_memory": memory,
+        **query_clocks(device),
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "n/a (CPU build)",
+        "triton": module_version("triton", "triton"),
+        "flashinfer": module_version("flashinfer", "flashinfer-python", "flashinfer"),
+        "flash_attn": module_version("flash_attn", "flash-attn", "flash_attn"),
+        "flash_attn.cute (FA4)": module_version("flash_attn.cute", "flash-attn-4"),
+        "flash_attn_interface (FA3)": module_version("flash_attn_interface", "flash-attn-3", "flash_attn_3"),
+        "mla_ops": mla_ops.__version__,
+        "dtype": str(dtype).removeprefix("torch."),
+        "head_dims (Dqk, Dv)": f"({dqk}, {dv})",
+        "auto_selected_backend": auto_selected(device, dtype, dqk, dv),
+        "timer": timing.describe(device),
+        "backends": {
+            row["name"]: {"valid": row["valid"], "reasons": row["reasons"], "implementation": row["implementation"]}
+            for row in backends
+        },
+    }
+    if command:
+        env["command"] = command
+    return env
+
+
+def start_run(
+    script: str, argv: Sequence[str] | None, device: torch.device, dtype: torch.dtype, **record: Any
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``(backend table, environment record)`` of a run of ``script`` for (192, 128) heads; ``record``
+    (the run's settings) is added to the record."""
+    from .problems import DQK, DV
+
+    backends = backend_table(device, dtype, DQK, DV)
+    env = collect_env(device, dtype, DQK, DV, backends, command=command_line(script, argv))
+    env.update(record)
+    return backends, env
+
+
+def env_markdown(env: dict[str, Any]) -> str:
+    """The environment record as Markdown: a key/value list and the backend table."""
+    lines = []
+    for key, value in env.items():
+        if key in ("backends", "not_measured", "command"):
+            continue
+        lines.append(f"- **{key}**: {value}")
+    backends = env.get("backends", {})
+    if backends:
+        lines += ["", "| backend | valid here | implementation / reasons |", "| --- | --- | --- |"]
+        for name, info in backends.items():
+            detail = info["implementation"] if info["valid"] else "; ".join(info["reasons"])
+            lines.append(f"| {name} | {'yes' if info['valid'] else 'no'} | {md_escape(detail)} |")
+    not_measured = env.get("not_measured", {})
+    if not_measured:
+        lines += ["", "Not measured in this run:", ""]
+        lines += [f"- {name}: {md_escape(why)}" for name, why in not_measured.items()]
+    return "\n".join(lines)
+
+
+# --- progress -------------------------------------------------------------------------------------
+
+
+class Progress:
+    """A progress bar: tqdm when it is installed, else a printed ``[i/n]`` counter."""
+
+    def __init__(self, total: int, desc: str, enabled: bool = True) -> None:
+        self.total, self.count, self.enabled = total, 0, enabled
+        self._bar = None
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+
+                self._bar = tqdm(total=total, desc=desc, dynamic_ncols=True, file=sys.stderr)
+            except ImportError:
+                print(f"{desc}: {total} measurements (install tqdm for a progress bar)", flush=True)
+
+    def step(self, label: str) -> None:
+        """Announce the measurement about to run."""
+        self.count += 1
+        if self._bar is not None:
+            self._bar.set_postfix_str(label, refresh=False)
+            self._bar.update(1)
+        elif self.enabled:
+            print(f"[{self.count}/{self.total}] {label}", flush=True)
+
+    def write(self, message: str) -> None:
+        """Print a line without breaking the bar."""
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+# --- tables and files -----------------------------------------------------------------------------
+
+
+def md_escape(text: object) -> str:
+    """``text`` made safe inside a Markdown table cell."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A GitHub Markdown table."""
+    lines = ["| " + " | ".join(md_escape(h) for h in headers) + " |", "|" + " --- |" * len(headers)]
+    lines += ["| " + " | ".join(md_escape(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+#: A table column: its header, and how a row (a dict) becomes the cell's text.
+Column = tuple[str, Callable[[dict[str, Any]], str]]
+
+
+def num(key: str, spec: str) -> Callable[[dict[str, Any]], str]:
+    """A cell: the number ``row[key]`` formatted with ``spec`` (``—`` when missing)."""
+    return lambda row: fmt(row.get(key), spec)
+
+
+def span(low: str, high: str, spec: str) -> Callable[[dict[str, Any]], str]:
+    """A cell: ``low..high`` of two numbers of the row (a range over rounds or samples)."""
+    return lambda row: f"{fmt(row.get(low), spec)}..{fmt(row.get(high), spec)}"
+
+
+def text(*keys: str) -> Callable[[dict[str, Any]], str]:
+    """A cell: the row's non-empty values of ``keys``, joined by ``; ``."""
+    return lambda row: "; ".join(str(row[k]) for k in keys if row.get(k) not in (None, ""))
+
+
+def rows_table(rows: Iterable[dict[str, Any]], columns: Sequence[Column]) -> str:
+    """A Markdown table of ``rows`` with ``columns``."""
+    return markdown_table([header for header, _ in columns], [[cell(row) for _, cell in columns] for row in rows])
+
+
+def fmt(value: object, spec: str = ".1f", missing: str = "—") -> str:
+    """Format a number, or ``missing`` for ``None``/NaN/empty."""
+    if value is None or value == "" or (isinstance(value, float) and math.isnan(value)):
+        return missing
+    return format(value, spec)
+
+
+def fmt_rate(value: object) -> str:
+    """A throughput: one decimal from 10 up, three significant digits below (tiny CPU figures stay visible)."""
+    if isinstance(value, (int, float)) and not math.isnan(value) and abs(value) < 10:
+        return format(value, ".3g")
+    return fmt(value)
+
+
+def write_csv(path: Path, fieldnames: Sequence[str], rows: Iterable[dict[str, Any]]) -> None:
+    """Write ``rows`` (dicts) as CSV; ``None`` becomes an empty cell, floats keep 6 significant digits."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fieldnames, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _csv_cell(row.get(k)) for k in fieldnames})
+
+
+def _csv_cell(value: object) -> object:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return "" if math.isnan(value) else f"{value:.6g}"
+    return value
+
+
+def read_csv(path: Path, text_columns: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Read a CSV written by :func:`write_csv`, turning numeric cells back into numbers (empty: ``None``);
+    ``text_columns`` stay text even when they look like numbers."""
+    rows = []
+    with path.open(newline="") as f:
+        for raw in csv.DictReader(f):
+            row = {key: _parse_cell(value) for key, value in raw.items()}
+            for key in text_columns:
+                if row.get(key) is not None:
+                    row[key] = str(raw[key])
+            rows.append(row)
+    return rows
+
+
+def _parse_cell(value: str | None) -> Any:
+    if value is None or value == "":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            continue
+    return value
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` as indented JSON."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def read_env(csv_path: Path) -> dict[str, Any]:
+    """The ``<stem>.env.json`` next to a ``<stem>.csv``, or a stand-in that says it is missing."""
+    env_path = csv_path.with_name(csv_path.stem + ".env.json")
+    if env_path.is_file():
+        return json.loads(env_path.read_text())
+    return {"gpu": "unknown", "note": f"{env_path} missing"}
+
+
+def write_results(
+    out_dir: Path, stem: str, fieldnames: Sequence[str], rows: list[dict[str, Any]], env: dict[str, Any], markdown: str
+) -> list[Path]:
+    """Write ``<stem>.csv``, ``<stem>.env.json`` and ``<stem>.md`` into ``out_dir``; returns the paths."""
+    paths = [out_dir / f"{stem}.csv", out_dir / f"{stem}.env.json", out_dir / f"{stem}.md"]
+    write_csv(paths[0], fieldnames, rows)
+    write_json(paths[1], env)
+    paths[2].write_text(markdown)
+    return paths
+
+
+def write_results_beside(
+    csv_path: Path, fieldnames: Sequence[str], rows: list[dict[str, Any]], env: dict[str, Any], markdown: str
+) -> list[Path]:
+    """:func:`write_results` for a script told a CSV file: ``<stem>.md`` and ``<stem>.env.json`` go beside it."""
+    return write_results(csv_path.parent, csv_path.name.removesuffix(".csv"), fieldnames, rows, env, markdown)
+
+
+def results_markdown(title: str, env: dict[str, Any], intro: str, table: str, notes: Sequence[str] = ()) -> str:
+    """A results page: title, command, an introduction, the table, notes, then the environment record."""
+    parts = [f"# {title}", "", f"Command: `{env.get('command', '')}`", "", intro, "", table, ""]
+    for note in notes:
+        parts += [note, ""]
+    parts += ["## Environment", "", env_markdown(env), ""]
+    return "\n".join(parts)
+
+
+def short_error(exc: BaseException, limit: int = 160) -> str:
+    """``Type: first line of the message``, cut to ``limit`` characters."""
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    message = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return message if len(message) <= limit else message[: limit - 1] + "…"
+
+
+def save_small_png(fig: Any, path: Path) -> None:
+    """Save a matplotlib figure as a PNG with a 256-colour palette: a third of the bytes, so results stay
+    small in git."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=72)
+    try:
+        from PIL import Image  # a dependency of matplotlib
+
+        with Image.open(buffer) as image:
+            image.convert("RGB").quantize(colors=256).save(path, optimize=True)
+    except Exception:  # any Pillow trouble: keep the full-colour image
+        path.write_bytes(buffer.getvalue())
+
+
+# --- bench_prefill's report: results.csv, results.md, results.png ------------------------------------
+
+#: The columns of ``results.csv`` (described in benchmarks/README.md).
+PREFILL_FIELDS = [
+    "suite",
+    "shape",
+    "label",
+    "heads",
+    "num_seqs",
+    "total_q",
+    "total_k",
+    "series",
+    "x",
+    "method",
+    "kind",
+    "implementation",
+    "status",
+    "time_ms",
+    "tflops",
+    "gbps",
+    "rel_err",
+    "lse_err",
+    "raw_method",
+    "ratio_raw",
+    "ratio_raw_min",
+    "ratio_raw_max",
+    "best_baseline",
+    "ratio_best",
+    "note",
+]
+_PREFILL_TEXT = ("method", "series", "shape", "label", "raw_method", "best_baseline", "note")
+
+SUITE_TITLES = {
+    "causal": "Causal new-tokens path (`mla_ops.prefill`), TFLOP/s",
+    "chunk": "Context-chunk path (`mla_ops.prefill_context_chunk`), TFLOP/s",
+    "merge": "Merge (`mla_ops.merge_attn_states`), GB/s",
+}
+PLOT_XLABEL = {
+    "causal": "sequence length s (batches of equal total tokens)",
+    "chunk": "context tokens in the chunk (all sequences)",
+}
+PLOT_TITLE = {
+    "causal": "causal new tokens",
+    "chunk 1 seq": "context chunk, 1 sequence",
+    "chunk 4 seqs": "context chunk, 4 sequences",
+}
+
+
+def _ordered(values: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(values))
+
+
+def add_best_baseline(rows: list[dict[str, Any]]) -> None:
+    """Fill ``best_baseline`` (the fastest correct baseline of the shape) and ``ratio_best`` (its time /
+    the method's time) in the rows of one shape, in place. WRONG or failed baselines never count."""
+    times = {r["method"]: r["time_ms"] for r in rows if r["status"] == "ok" and r.get("time_ms")}
+    baselines = {r["method"]: r["time_ms"] for r in rows if r["kind"] == "baseline" and r["method"] in times}
+    best = min(baselines, key=baselines.get) if baselines else None
+    for r in rows:
+        r["best_baseline"] = best
+        if best is not None and r["method"] in times:
+            r["ratio_best"] = baselines[best] / times[r["method"]]
+
+
+def load_prefill_rows(csv_path: Path) -> list[dict[str, Any]]:
+    """Rows of a results.csv, with numbers parsed and text columns kept as text."""
+    return read_csv(csv_path, _PREFILL_TEXT)
+
+
+def merge_rows(old: list[dict[str, Any]], new: list[dict[str, Any]], order: Sequence[str]) -> list[dict[str, Any]]:
+    """``old`` rows of shapes not in ``new``, plus ``new``, sorted by the shape ids in ``order``."""
+    measured = {r["shape"] for r in new}
+    rank = {shape_id: i for i, shape_id in enumerate(order)}
+    kept = [r for r in old if r["shape"] not in measured]
+    return sorted(kept + new, key=lambda r: rank.get(r["shape"], len(rank)))
+
+
+def write_prefill_outputs(rows: list[dict[str, Any]], env: dict[str, Any], out_dir: Path) -> list[str]:
+    """Write results.csv, results.env.json, results.md and results.png; returns notes (why no PNG, say)."""
+    write_csv(out_dir / "results.csv", PREFILL_FIELDS, rows)
+    write_json(out_dir / "results.env.json", env)
+    # The report is rendered from the CSV as written, so a later --from-csv re-render gives the same
+    # figures; rendering the unrounded rows could round a derived column differently in its last digit.
+    return write_prefill_report(load_prefill_rows(out_dir / "results.csv"), env, out_dir)
+
+
+def write_prefill_report(rows: list[dict[str, Any]], env: dict[str, Any], out_dir: Path) -> list[str]:
+    """Write results.md and results.png from rows; returns notes."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    notes = []
+    note = render_prefill_plot(rows, env, out_dir / "results.png")
+    markdown = render_prefill_markdown(rows, env)
+    if note is None:
+        markdown = markdown.replace("## Environment", "![TFLOP/s against length](results.png)\n\n## Environment", 1)
+    else:
+        notes.append(note)
+        markdown += f"\nNo plot: {note}\n"
+        (out_dir / "results.png").unlink(missing_ok=True)  # a plot left by an earlier run would not match
+    (out_dir / "results.md").write_text(markdown)
+    return notes
+
+
+def render_prefill_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
+    """The results as Markdown: header, one speed table and one ratio table per suite, checks, summary."""
+    from .problems import DQK, DV
+
+    title = f"# MLA prefill benchmark: {env.get('gpu')}, {env.get('dtype')}, (Dqk, Dv) = ({DQK}, {DV})"
+    parts = [title, "", f"Command: `{env.get('command', '')}`", "", "## Environment", "", env_markdown(env), ""]
+    summary = overhead_summary(rows)
+    if summary:
+        parts += ["## Op overhead (op throughput / its own raw call's; target >= 0.97)", "", summary, ""]
+    for suite in ("causal", "chunk", "merge"):
+        srows = [r for r in rows if r["suite"] == suite]
+        if not srows:
+            continue
+        metric = "gbps" if suite == "merge" else "tflops"
+        methods = _ordered(r["method"] for r in srows)
+        shapes = _ordered(r["shape"] for r in srows)
+        cell = {(r["shape"], r["method"]): r for r in srows}
+        firsts = {shape_id: next(r for r in srows if r["shape"] == shape_id) for shape_id in shapes}
+        table = [
+            [f"H={firsts[s]['heads']}", firsts[s]["label"], *(_speed_cell(cell.get((s, m)), metric) for m in methods)]
+            for s in shapes
+        ]
+        parts += [f"## {SUITE_TITLES[suite]}", "", markdown_table(["H", "shape", *methods], table), ""]
+        kinds = {r["method"]: r["kind"] for r in srows}
+        raw_of = {r["method"]: r["raw_method"] for r in srows if r.get("raw_method")}
+        columns = []  # (header, method, row key)
+        for m in (m for m in methods if kinds[m] in ("op", "direct")):
+            if m in raw_of:
+                columns.append((f"{m} / {raw_of[m]}", m, "ratio_raw"))
+            columns.append((f"{m} / best raw", m, "ratio_best"))
+        if columns:
+            table = []
+            for s in shapes:
+                line = [f"H={firsts[s]['heads']}", firsts[s]["label"], firsts[s].get("best_baseline") or "—"]
+                line += [fmt(cell.get((s, m), {}).get(key), ".2f") for _, m, key in columns]
+                table.append(line)
+            headers = ["H", "shape", "best raw baseline", *(h for h, _, _ in columns)]
+            parts += [
+                f"Ratios ({suite}): throughput of the method / throughput of the named call (above 1: the method "
+                "is faster). Against its own raw call an op's ratio is the median over alternating rounds; against "
+                "the best raw baseline it compares the single measurements of the table above"
+            ]
+            parts += ["", markdown_table(headers, table), ""]
+    parts += ["## Correctness (checked once per shape before timing, against fp32 reference math)", ""]
+    parts += [correctness_table(rows), ""]
+    parts += ["Columns and methods are described in `benchmarks/README.md`.", ""]
+    return "\n".join(parts)
+
+
+def _speed_cell(r: dict[str, Any] | None, metric: str) -> str:
+    if r is None:
+        return "—"
+    if r["status"] == "ok":
+        return fmt_rate(r.get(metric))
+    if r["status"] == "WRONG":
+        return f"WRONG ({fmt_rate(r.get(metric))})"
+    return r["status"]
+
+
+def overhead_summary(rows: list[dict[str, Any]]) -> str:
+    """One line per op: min and median over the shapes of its ratio to its own raw call."""
+    lines = []
+    for m in _ordered(r["method"] for r in rows if r["kind"] == "op"):
+        ratios = [r["ratio_raw"] for r in rows if r["method"] == m and r.get("ratio_raw") is not None]
+        raw = next((r["raw_method"] for r in rows if r["method"] == m and r.get("raw_method")), None)
+        if ratios:
+            lines.append(
+                f"- **{m}** vs `{raw}`: min {min(ratios):.3f}, median {statistics.median(ratios):.3f} "
+                f"over {len(ratios)} shapes"
+            )
+    return "\n".join(lines)
+
+
+def correctness_table(rows: list[dict[str, Any]]) -> str:
+    """Per method: worst output and LSE errors over the shapes, and how many shapes were WRONG or failed."""
+    table = []
+    for m in _ordered(r["method"] for r in rows):
+        mrows = [r for r in rows if r["method"] == m]
+        rels = [r["rel_err"] for r in mrows if r.get("rel_err") is not None]
+        lses = [r["lse_err"] for r in mrows if r.get("lse_err") is not None]
+        counts = {s: sum(r["status"] == s for r in mrows) for s in ("ok", "WRONG", "error")}
+        errors = _ordered(r["note"] for r in mrows if r["status"] == "error" and r.get("note"))
+        table.append(
+            [
+                m,
+                fmt(max(rels) if rels else None, ".1e"),
+                fmt(max(lses) if lses else None, ".1e"),
+                counts["ok"],
+                counts["WRONG"],
+                counts["error"],
+                "; ".join(errors)[:300],
+            ]
+        )
+    return markdown_table(["method", "max rel err (out)", "max lse err", "ok", "WRONG", "error", "errors"], table)
+
+
+def render_prefill_plot(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) -> str | None:
+    """Plot TFLOP/s against length, one panel per (series, H), one line per method; ``None`` on success,
+    else a note saying why no plot was written."""
+    from .problems import DQK, DV
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return (
+            "matplotlib is not installed, so no results.png was written; install it (pip install matplotlib) "
+            f"and rerun with --from-csv {path.with_suffix('.csv')}"
+        )
+    prows = [r for r in rows if r.get("series") and r["suite"] != "merge" and r.get("tflops") is not None]
+    if not prows:
+        return "no plottable rows (the length sweeps were not run), so no results.png was written"
+    series = _ordered(r["series"] for r in prows)
+    heads = sorted({r["heads"] for r in prows})
+    methods = _ordered(r["method"] for r in prows)
+    colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
+    # Tiny CPU problems run at GFLOP/s; plotting them in TFLOP/s would leave only zeros on the axis.
+    unit, factor = ("TFLOP/s", 1.0) if max(r["tflops"] for r in prows) >= 1 else ("GFLOP/s", 1e3)
+    fig, axes = plt.subplots(len(series), len(heads), figsize=(6.2 * len(heads), 4.2 * len(series)), squeeze=False)
+    for i, s in enumerate(series):
+        for j, h in enumerate(heads):
+            ax = axes[i][j]
+            for m in methods:
+                pts = sorted(
+                    (r["x"], r["tflops"] * factor, r["status"])
+                    for r in prows
+                    if r["series"] == s and r["heads"] == h and r["method"] == m
+                )
+                if not pts:
+                    continue
+                kind = next(r["kind"] for r in prows if r["method"] == m)
+                ok = [(x, y) for x, y, st in pts if st == "ok"]
+                bad = [(x, y) for x, y, st in pts if st != "ok"]
+                style = "-" if kind in ("op", "direct") else "--"
+                if ok:
+                    ax.plot(*zip(*ok), style, marker="o", ms=4, color=colors[m], label=m)
+                if bad:
+                    ax.plot(*zip(*bad), "x", ms=9, mew=2, color=colors[m], label=f"{m} (WRONG)")
+            xs = sorted({r["x"] for r in prows if r["series"] == s})
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs)
+            ax.set_xticklabels([f"{x // 1024}k" if x >= 1024 and x % 1024 == 0 else str(x) for x in xs])
+            ax.minorticks_off()
+            ax.set_xlabel(PLOT_XLABEL["causal" if s == "causal" else "chunk"])
+            ax.set_ylabel(unit)
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"{PLOT_TITLE.get(s, s)}, H={h}")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7, loc="best")
+    fig.suptitle(
+        f"MLA prefill, {env.get('gpu')}, {env.get('dtype')}, (Dqk, Dv) = ({DQK}, {DV}); "
+        f"{unit}, solid: mla_ops, dashed: raw baselines",
+        fontsize=11,
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    save_small_png(fig, path)
+    plt.close(fig)
+    return None

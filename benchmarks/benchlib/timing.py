@@ -1,0 +1,240 @@
+"""The benchmarks' one timer, and the alternating-rounds helper for ratio measurements.
+
+:func:`measure` times a callable the way ``triton.testing.do_bench`` does on CUDA: one untimed call,
+an estimate from five calls, warm-up calls worth ``warmup_ms``, then samples worth ``rep_ms``, each
+bracketed by CUDA events and preceded by zeroing a buffer larger than L2 (so that every sample starts
+with a cold cache); the median is the figure. On CPU the samples are ``time.perf_counter`` intervals.
+Options cover the other uses: several back-to-back calls per sample (host cost of tiny calls, graph
+replays), a synchronisation before each sample (a step's latency, host issue time included), and a
+fixed number of samples (a list of distinct batches, one per sample).
+
+:func:`alternating` measures several callables in rounds, taking turns within each round, and
+:func:`ratio_of_rounds` turns two of them into the median of their per-round ratios. A ratio of two
+single measurements taken at different moments carries the drift of the GPU's clocks and temperature
+between those moments (several percent on long kernels); within one round both sides see the same
+machine, and the median over rounds discards the rounds that drift hit.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+#: Defaults of :func:`measure` on CUDA (``triton.testing.do_bench``'s); the scripts use smaller ones on CPU.
+DEFAULT_WARMUP_MS = 25.0
+DEFAULT_REP_MS = 100.0
+#: Smaller budgets for CPU runs, which test the scripts rather than measure.
+CPU_WARMUP_MS = 2.0
+CPU_REP_MS = 10.0
+#: Rounds of :func:`alternating` for an op/raw ratio, shared by every script that reports one.
+DEFAULT_ROUNDS = 7
+#: Bytes zeroed before each CUDA sample: larger than any GPU's L2 (the H200's is 50 MiB), as do_bench does.
+FLUSH_BYTES = 256 << 20
+
+_flush_buffers: dict[Any, torch.Tensor] = {}
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The samples of one :func:`measure` call, in milliseconds per call of the function."""
+
+    samples_ms: tuple[float, ...]
+
+    @property
+    def median_ms(self) -> float:
+        """The median sample: the figure every script reports."""
+        return statistics.median(self.samples_ms)
+
+    @property
+    def min_ms(self) -> float:
+        return min(self.samples_ms)
+
+    @property
+    def max_ms(self) -> float:
+        return max(self.samples_ms)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _flush_buffer(device: torch.device) -> torch.Tensor:
+    import torch
+
+    buffer = _flush_buffers.get(device)
+    if buffer is None:
+        buffer = _flush_buffers[device] = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device)
+    return buffer
+
+
+def describe(device: torch.device) -> str:
+    """What :func:`measure` measures with on ``device``, for the environment record."""
+    if device.type == "cuda":
+        return (
+            "CUDA events around each sample, L2 flushed before each, after warm-up (as triton.testing.do_bench); "
+            "median of the samples"
+        )
+    return "time.perf_counter around each sample, after warm-up; median of the samples"
+
+
+def _clamp(value: float, lo: int, hi: int) -> int:
+    return int(min(hi, max(lo, value)))
+
+
+def measure(
+    fn: Callable[[], Any],
+    device: torch.device,
+    *,
+    warmup_ms: float = DEFAULT_WARMUP_MS,
+    rep_ms: float = DEFAULT_REP_MS,
+    samples: int | None = None,
+    warmup_calls: int | None = None,
+    calls_per_sample: int = 1,
+    flush_l2: bool = True,
+    sync_each: bool = False,
+    min_samples: int = 5,
+    max_samples: int = 1000,
+) -> Timing:
+    """Time ``fn``; returns the samples in milliseconds per call.
+
+    Args:
+        fn: what is timed; its result is discarded.
+        device: where ``fn`` runs: CUDA events on ``cuda``, ``time.perf_counter`` otherwise.
+        warmup_ms, rep_ms: time budgets for the warm-up calls and for the samples, converted to counts
+            from an estimate over five calls (as do_bench does). Ignored where ``warmup_calls`` /
+            ``samples`` give the counts.
+        samples: take exactly this many samples, with no estimate and no untimed first call (for a
+            ``fn`` that consumes one distinct input per call). Warm-up is then ``warmup_calls`` or 0.
+        warmup_calls: untimed calls before the samples.
+        calls_per_sample: back-to-back calls per sample; a sample's time is divided by it.
+        flush_l2: on CUDA, zero a buffer larger than L2 before each sample (outside its events).
+        sync_each: synchronise the device before each sample, so that a sample also contains the
+            host's time to issue the work (a step's latency) instead of only the device's time.
+        min_samples, max_samples: bounds of the sample count derived from ``rep_ms``.
+    """
+    cuda = device.type == "cuda"
+    flush = _flush_buffer(device) if cuda and flush_l2 else None
+
+    def prepare() -> None:
+        if sync_each:
+            synchronize(device)
+        if flush is not None:
+            flush.zero_()
+
+    def run() -> None:
+        for _ in range(calls_per_sample):
+            fn()
+
+    if samples is None:
+        fn()
+        synchronize(device)
+        estimate = _estimate_ms(prepare, run, device) / calls_per_sample
+        n_warmup = warmup_calls if warmup_calls is not None else _clamp(warmup_ms / max(estimate, 1e-6), 1, 1000)
+        n_samples = _clamp(rep_ms / max(estimate * calls_per_sample, 1e-6), min_samples, max_samples)
+    else:
+        n_warmup, n_samples = warmup_calls or 0, samples
+    for _ in range(n_warmup):
+        fn()
+    return Timing(tuple(t / calls_per_sample for t in _samples(prepare, run, device, n_samples)))
+
+
+def _estimate_ms(prepare: Callable[[], None], run: Callable[[], None], device: torch.device) -> float:
+    """Mean time of one sample over five, with what precedes each sample (do_bench's estimate)."""
+    import torch
+
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(5):
+            prepare()
+            run()
+        return (time.perf_counter() - start) * 1e3 / 5
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(5):
+        prepare()
+        run()
+    end.record()
+    torch.cuda.synchronize(device)
+    return begin.elapsed_time(end) / 5
+
+
+def _samples(prepare: Callable[[], None], run: Callable[[], None], device: torch.device, n: int) -> list[float]:
+    import torch
+
+    if device.type != "cuda":
+        out = []
+        for _ in range(n):
+            prepare()
+            start = time.perf_counter()
+            run()
+            out.append((time.perf_counter() - start) * 1e3)
+        return out
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for i in range(n):
+        prepare()
+        starts[i].record()
+        run()
+        ends[i].record()
+    torch.cuda.synchronize(device)
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def alternating(
+    fns: Mapping[str, Callable[[], Any]],
+    device: torch.device,
+    rounds: int = DEFAULT_ROUNDS,
+    per_fn: Mapping[str, Mapping[str, Any]] | None = None,
+    **measure_kwargs: Any,
+) -> dict[str, list[float]]:
+    """Each function's median time (ms per call) in each of ``rounds`` rounds; within a round the
+    functions take turns in the order given, so a slow phase of the machine hits all of them alike.
+
+    ``measure_kwargs`` go to :func:`measure` for every function, ``per_fn[name]`` on top for one.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    per_fn = per_fn or {}
+    medians: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            timing = measure(fn, device, **{**measure_kwargs, **per_fn.get(name, {})})
+            medians[name].append(timing.median_ms)
+    return medians
+
+
+@dataclass(frozen=True)
+class RoundsRatio:
+    """``numerator / denominator`` measured in alternating rounds."""
+
+    median: float  # median over rounds of the per-round ratio: the figure reported
+    low: float  # smallest and largest per-round ratio: the spread the median was taken over
+    high: float
+    rounds: int
+    numerator_ms: float  # median over rounds of each side's time
+    denominator_ms: float
+
+
+def ratio_of_rounds(numerator_ms: Sequence[float], denominator_ms: Sequence[float]) -> RoundsRatio:
+    """The median of the per-round ratios of two :func:`alternating` series of equal length."""
+    if len(numerator_ms) != len(denominator_ms) or not numerator_ms:
+        raise ValueError("ratio_of_rounds needs two non-empty series of the same length")
+    ratios = [n / d for n, d in zip(numerator_ms, denominator_ms)]
+    return RoundsRatio(
+        median=statistics.median(ratios),
+        low=min(ratios),
+        high=max(ratios),
+        rounds=len(ratios),
+        numerator_ms=statistics.median(numerator_ms),
+        denominator_ms=statistics.median(denominator_ms),
+    )
