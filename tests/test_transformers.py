@@ -13,7 +13,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers_cases as cases
 from transformers_cases import needs_transformers
 
@@ -153,39 +152,6 @@ def test_from_pretrained(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
 # --- the attention function alone ---------------------------------------------------------------------
 
 
-def _qkv(batch, heads, kv_heads, q_len, kv_len, dqk, dv, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return (2 * torch.randn(*shape, generator=gen)).to(dtype)
-
-    return randn(batch, heads, q_len, dqk), randn(batch, kv_heads, kv_len, dqk), randn(batch, kv_heads, kv_len, dv)
-
-
-def _sdpa(q, k, v, mask, causal, scale):
-    """transformers-style reference: GQA heads repeated, queries at the end of the keys, a padding mask."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    q_len, kv_len = q.shape[2], k.shape[2]
-    allowed = torch.ones(q_len, kv_len, dtype=torch.bool)
-    if causal:
-        allowed = allowed.tril(kv_len - q_len)
-    allowed = allowed[None, None]
-    if mask is not None:
-        allowed = allowed & mask.bool()[:, None, None, :]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
-    return out.transpose(1, 2)
-
-
-def _assert_attention_close(out, q, k, v, mask=None, causal=True, scale=None, dtype=torch.bfloat16):
-    """The attention function's output against sdpa in float32, with sdpa in ``dtype`` setting the bound."""
-    scale = scale if scale is not None else q.shape[-1] ** -0.5
-    ref = _sdpa(q.float(), k.float(), v.float(), mask, causal, scale)
-    low = _sdpa(q.to(dtype), k.to(dtype), v.to(dtype), mask, causal, scale)
-    valid = None if mask is None else mask.bool()[:, -q.shape[2] :]
-    cases.assert_close_to_reference([out, low, ref], dtype, valid, "attention output")
-
-
 @needs_transformers
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize(
@@ -201,10 +167,10 @@ def test_attention_function_against_sdpa(causal, heads, kv_heads, dqk, dv) -> No
     mask[0, :4] = False  # left padding in the prefix
     mask[1, 2:6] = False  # a gap: padding between the prompt and later tokens
     mask[2, -2:] = False  # padding among the queries
-    q, k, v = _qkv(3, heads, kv_heads, q_len, kv_len, dqk, dv, torch.bfloat16)
+    q, k, v = cases.random_qkv(3, heads, kv_heads, q_len, kv_len, dqk, dv, torch.bfloat16)
     out, weights = mla_ops_attention_forward(module, q, k, v, mask, scaling=scale, is_causal=causal)
     assert weights is None and out.shape == (3, q_len, heads, dv) and out.dtype == torch.bfloat16
-    _assert_attention_close(out, q, k, v, mask, causal, scale)
+    cases.assert_attention_close_to_sdpa(out, q, k, v, mask, causal, scale)
     padding = ~mask[:, -q_len:]
     assert torch.equal(out[padding], torch.zeros_like(out[padding])), "padding positions must be 0"
 
@@ -214,7 +180,7 @@ def test_static_cache_mask_shorter_than_keys() -> None:
     """Keys past the mask's length (a static cache's empty slots) are ignored, whatever they hold."""
     from mla_ops.integrations.transformers import mla_ops_attention_forward
 
-    q, k, v = _qkv(2, 2, 2, 3, 10, 64, 64, torch.bfloat16)
+    q, k, v = cases.random_qkv(2, 2, 2, 3, 10, 64, 64, torch.bfloat16)
     mask = torch.ones(2, 7, dtype=torch.bool)
     mask[0, :2] = False
     out, _ = mla_ops_attention_forward(torch.nn.Module(), q, k, v, mask)
@@ -222,7 +188,7 @@ def test_static_cache_mask_shorter_than_keys() -> None:
     k_garbage[:, :, 7:], v_garbage[:, :, 7:] = 1e4, float("nan")
     again, _ = mla_ops_attention_forward(torch.nn.Module(), q, k_garbage, v_garbage, mask)
     assert torch.equal(out, again)
-    _assert_attention_close(out, q, k[:, :, :7], v[:, :, :7], mask)
+    cases.assert_attention_close_to_sdpa(out, q, k[:, :, :7], v[:, :, :7], mask)
 
 
 # --- layout reuse ---------------------------------------------------------------------------------------
@@ -288,7 +254,7 @@ def test_layout_is_not_cached_for_inference_mode_tensors(monkeypatch: pytest.Mon
 def test_unsupported_features_raise(kwargs, match) -> None:
     from mla_ops.integrations.transformers import mla_ops_attention_forward
 
-    q, k, v = _qkv(1, 2, 2, 4, 4, 64, 64, torch.bfloat16)
+    q, k, v = cases.random_qkv(1, 2, 2, 4, 4, 64, 64, torch.bfloat16)
     with pytest.raises(NotImplementedError, match=match + ".*attn_implementation='sdpa'"):
         mla_ops_attention_forward(torch.nn.Module(), q, k, v, None, **kwargs)
 
@@ -298,10 +264,10 @@ def test_bad_inputs_raise() -> None:
     from mla_ops.integrations.transformers import mla_ops_attention_forward as attn
 
     module = torch.nn.Module()
-    q, k, v = _qkv(1, 3, 2, 4, 4, 64, 64, torch.bfloat16)
+    q, k, v = cases.random_qkv(1, 3, 2, 4, 4, 64, 64, torch.bfloat16)
     with pytest.raises(ValueError, match="3 query heads cannot share 2"):
         attn(module, q, k, v, None)
-    q, k, v = _qkv(1, 2, 2, 4, 4, 64, 64, torch.bfloat16)
+    q, k, v = cases.random_qkv(1, 2, 2, 4, 4, 64, 64, torch.bfloat16)
     with pytest.raises(ValueError, match="2-D padding mask"):
         attn(module, q, k, v, torch.ones(1, 1, 4, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="4 queries but only 3 keys"):
@@ -319,11 +285,11 @@ def test_bad_inputs_raise() -> None:
 def test_float32_runs_under_autocast() -> None:
     from mla_ops.integrations.transformers import mla_ops_attention_forward
 
-    q, k, v = _qkv(1, 2, 2, 4, 4, 64, 64, torch.float32)
+    q, k, v = cases.random_qkv(1, 2, 2, 4, 4, 64, 64, torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, _ = mla_ops_attention_forward(torch.nn.Module(), q, k, v, None)
     assert out.dtype == torch.bfloat16
-    _assert_attention_close(out, q, k, v)
+    cases.assert_attention_close_to_sdpa(out, q, k, v)
 
 
 @needs_transformers
@@ -344,7 +310,7 @@ def test_mask_function_refuses_what_it_cannot_express() -> None:
 
 
 def _compile_inputs():
-    q, k, v = _qkv(2, 4, 2, 6, 10, 64, 64, torch.bfloat16)
+    q, k, v = cases.random_qkv(2, 4, 2, 6, 10, 64, 64, torch.bfloat16)
     mask = torch.ones(2, 10, dtype=torch.bool)
     mask[1, :3] = False
     positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]])
@@ -389,11 +355,11 @@ def test_compiled_model_has_no_graph_break_in_the_attention_function() -> None:
     ids = cases.random_ids(2, 9, "cpu")
     mask = cases.padding_mask([9, 5], 9, "left", "cpu")
     with torch.no_grad():
-        cache = DynamicCache(config=t.mla.config)
-        t.mla(ids[:, :6], attention_mask=mask[:, :6], past_key_values=cache, use_cache=True)
+        cache, name = DynamicCache(config=t.mla.config), cases.cache_argument(t.mla)
+        t.mla(ids[:, :6], attention_mask=mask[:, :6], use_cache=True, **{name: cache})
 
         def step(model):
-            return model(ids[:, 6:], attention_mask=mask, past_key_values=copy.deepcopy(cache), use_cache=True).logits
+            return model(ids[:, 6:], attention_mask=mask, use_cache=True, **{name: copy.deepcopy(cache)}).logits
 
         torch._dynamo.reset()
         explanation = torch._dynamo.explain(step)(t.mla)

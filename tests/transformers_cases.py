@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -167,6 +168,11 @@ def check_padded(
     assert_close_to_reference(logits, trio.dtype, mask.bool(), f"{side}-padded logits")
 
 
+def cache_argument(model: torch.nn.Module) -> str:
+    """The forward argument that takes a KV cache: ``past_key_values``, renamed ``cache`` in later 5.x."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def _cached_steps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, steps: Sequence[int]):
     from transformers import DynamicCache
@@ -180,8 +186,8 @@ def _cached_steps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
             input_ids=ids[:, start:end],
             attention_mask=mask[:, :end],
             position_ids=positions[:, start:end],
-            past_key_values=cache,
             use_cache=True,
+            **{cache_argument(model): cache},
         )
         logits.append(out.logits)
         start = end
@@ -218,12 +224,14 @@ def check_generate(trio: Trio, lengths: Sequence[int] = (6, 3), new_tokens: int 
             min_new_tokens=new_tokens,
             do_sample=False,
             output_logits=True,
+            output_scores=True,
             return_dict_in_generate=True,
             pad_token_id=0,
         )
     assert out.sequences.shape == (len(lengths), prompt + new_tokens)
-    generated = torch.stack(out.logits, 1)  # [B, new_tokens, V]
-    assert torch.equal(generated.argmax(-1), out.sequences[:, prompt:]), "greedy tokens must be the logits' argmax"
+    generated = torch.stack(out.logits, 1)  # [B, new_tokens, V], as the model produced them
+    chosen = torch.stack(out.scores, 1).argmax(-1)  # after the processors (min_new_tokens masks EOS)
+    assert torch.equal(chosen, out.sequences[:, prompt:]), "greedy decoding must pick the best score"
     full_mask = torch.cat([mask, torch.ones_like(out.sequences[:, prompt:])], 1)
     steps = [prompt] + [1] * (new_tokens - 1)
     references = []
@@ -249,3 +257,75 @@ def check_packed(trio: Trio, lengths: Sequence[int] = (5, 1, 8, 3), with_cu_seq_
         inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
     logits = forward_all(trio, use_cache=False, **inputs)
     assert_close_to_reference(logits, trio.dtype, None, "packed logits")
+
+
+# --- the attention function alone ---------------------------------------------------------------------
+
+
+def random_qkv(
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    q_len: int,
+    kv_len: int,
+    dqk: int,
+    dv: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``query`` ``[B, H, Sq, Dqk]``, ``key`` ``[B, Hkv, Sk, Dqk]``, ``value`` ``[B, Hkv, Sk, Dv]`` as
+    transformers passes them; scaled up so that attention is peaked."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return (2 * torch.randn(*shape, generator=gen)).to(device=device, dtype=dtype)
+
+    return randn(batch, heads, q_len, dqk), randn(batch, kv_heads, kv_len, dqk), randn(batch, kv_heads, kv_len, dv)
+
+
+def sdpa_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    segments: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention as transformers' sdpa path computes it: GQA heads repeated, the queries at the end of
+    the keys, a 2-D padding mask over the keys, and, for packed sequences (``Sq == Sk``), ``segments``
+    ``[B, S]``: a token sees only the tokens of its own segment. Returns ``[B, Sq, H, Dv]``."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    q_len, kv_len = q.shape[2], k.shape[2]
+    allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = allowed.tril(kv_len - q_len)
+    allowed = allowed[None, None]
+    if mask is not None:
+        allowed = allowed & mask.bool()[:, None, None, :]
+    if segments is not None:
+        allowed = allowed & (segments[:, None, :, None] == segments[:, None, None, :])
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    return out.transpose(1, 2)
+
+
+def assert_attention_close_to_sdpa(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    segments: torch.Tensor | None = None,
+) -> None:
+    """The attention function's output ``[B, Sq, H, Dv]`` against sdpa in float32, with sdpa in
+    ``dtype`` setting the bound; only the real query tokens (the mask's last ``Sq`` columns) count."""
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    ref = sdpa_reference(q.float(), k.float(), v.float(), mask, causal, scale, segments)
+    low = sdpa_reference(q.to(dtype), k.to(dtype), v.to(dtype), mask, causal, scale, segments)
+    valid = None if mask is None else mask.bool()[:, -q.shape[2] :]
+    assert_close_to_reference([out, low, ref], dtype, valid, "attention output")
