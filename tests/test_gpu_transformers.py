@@ -8,6 +8,8 @@ attention function reads nothing back to the host, and it compiles with fullgrap
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import transformers_cases as cases
@@ -37,59 +39,38 @@ def _require(backend: str, dtype: torch.dtype, head_dims: tuple[int, int]) -> No
 _trios: dict[tuple[str, torch.dtype], cases.Trio] = {}
 
 
-def trio(kind: str, dtype: torch.dtype, backend: str) -> cases.Trio:
-    """The model trio on CUDA; skips when ``backend`` cannot serve the model's head dims here."""
+@pytest.fixture(params=list(itertools.product(KINDS, DTYPES, BACKENDS)), ids=lambda p: f"{p[0]}-{str(p[1])[6:]}-{p[2]}")
+def model(request):
+    """Each tiny model on CUDA, in bf16 and fp16, with each backend forced while the test runs;
+    skipped when the backend cannot serve the model's head dims here."""
+    kind, dtype, backend = request.param
     _require(backend, dtype, HEAD_DIMS[kind])
     if (kind, dtype) not in _trios:
         _trios[kind, dtype] = cases.build_trio(kind, dtype, "cuda")
-    return _trios[kind, dtype]
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", KINDS)
-def test_plain_batch(backend, kind, dtype) -> None:
-    t = trio(kind, dtype, backend)
     with mla_ops.prefill_backend(backend):
-        cases.check_plain(t, batch=2, length=300)
+        yield _trios[kind, dtype]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", KINDS)
+def test_plain_batch(model) -> None:
+    cases.check_plain(model, batch=2, length=300)
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_padded_batch(backend, kind, dtype, side) -> None:
-    t = trio(kind, dtype, backend)
-    with mla_ops.prefill_backend(backend):
-        cases.check_padded(t, side, lengths=(300, 77, 190), total=300)
+def test_padded_batch(model, side) -> None:
+    cases.check_padded(model, side, lengths=(300, 77, 190), total=300)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", KINDS)
-def test_kv_cache_steps(backend, kind, dtype) -> None:
-    t = trio(kind, dtype, backend)
-    with mla_ops.prefill_backend(backend):
-        cases.check_cached_steps(t, steps=(200, 1, 17, 1, 64), lengths=(200, 50, 129))
+def test_kv_cache_steps(model) -> None:
+    cases.check_cached_steps(model, steps=(200, 1, 17, 1, 64), lengths=(200, 50, 129))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", KINDS)
-def test_generate(backend, kind, dtype) -> None:
-    t = trio(kind, dtype, backend)
-    with mla_ops.prefill_backend(backend):
-        cases.check_generate(t, lengths=(40, 17), new_tokens=8)
+def test_generate(model) -> None:
+    cases.check_generate(model, lengths=(40, 17), new_tokens=8)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("with_cu_seq_lens", [False, True], ids=["position_ids", "cu_seq_lens"])
-def test_packed_sequences(backend, kind, dtype, with_cu_seq_lens) -> None:
-    t = trio(kind, dtype, backend)
-    with mla_ops.prefill_backend(backend):
-        cases.check_packed(t, lengths=(130, 1, 257, 33), with_cu_seq_lens=with_cu_seq_lens)
+def test_packed_sequences(model, with_cu_seq_lens) -> None:
+    cases.check_packed(model, lengths=(130, 1, 257, 33), with_cu_seq_lens=with_cu_seq_lens)
 
 
 # --- the attention function alone ------------------------------------------------------------------------

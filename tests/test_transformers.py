@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import itertools
 import sys
 
 import pytest
@@ -36,45 +37,38 @@ def trio(kind: str, dtype: torch.dtype) -> cases.Trio:
     return _trios[kind, dtype]
 
 
+@pytest.fixture(params=list(itertools.product(KINDS, DTYPES)), ids=lambda p: f"{p[0]}-{str(p[1])[6:]}")
+def model(request) -> cases.Trio:
+    """Each tiny model (DeepSeek-V3 MLA heads, Llama GQA heads) in bf16 and in fp16."""
+    if not cases.HAS_TRANSFORMERS:
+        pytest.skip(cases.SKIP_REASON)
+    return trio(*request.param)
+
+
 # --- the cases, against sdpa --------------------------------------------------------------------------
 
 
-@needs_transformers
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", KINDS)
-def test_plain_batch(kind, dtype) -> None:
-    cases.check_plain(trio(kind, dtype))
+def test_plain_batch(model) -> None:
+    cases.check_plain(model)
 
 
-@needs_transformers
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("positions", ["generate", "model"])
-def test_padded_batch(kind, dtype, side, positions) -> None:
-    cases.check_padded(trio(kind, dtype), side, positions=positions)
+def test_padded_batch(model, side, positions) -> None:
+    cases.check_padded(model, side, positions=positions)
 
 
-@needs_transformers
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", KINDS)
-def test_kv_cache_steps(kind, dtype) -> None:
-    cases.check_cached_steps(trio(kind, dtype))
+def test_kv_cache_steps(model) -> None:
+    cases.check_cached_steps(model)
 
 
-@needs_transformers
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", KINDS)
-def test_generate(kind, dtype) -> None:
-    cases.check_generate(trio(kind, dtype))
+def test_generate(model) -> None:
+    cases.check_generate(model)
 
 
-@needs_transformers
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("with_cu_seq_lens", [False, True], ids=["position_ids", "cu_seq_lens"])
-def test_packed_sequences(kind, dtype, with_cu_seq_lens) -> None:
-    cases.check_packed(trio(kind, dtype), with_cu_seq_lens=with_cu_seq_lens)
+def test_packed_sequences(model, with_cu_seq_lens) -> None:
+    cases.check_packed(model, with_cu_seq_lens=with_cu_seq_lens)
 
 
 @needs_transformers

@@ -22,9 +22,8 @@ import pytest
 import torch
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
-needs_transformers = pytest.mark.skipif(
-    not HAS_TRANSFORMERS, reason="transformers is not installed: pip install 'mla_ops[transformers]'"
-)
+SKIP_REASON = "transformers is not installed: pip install 'mla_ops[transformers]'"
+needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason=SKIP_REASON)
 
 VOCAB = 128
 FACTOR = 2.0

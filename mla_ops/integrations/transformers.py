@@ -133,18 +133,23 @@ def _sequence_starts(position_ids: torch.Tensor, batch: int, length: int) -> tor
     return starts.reshape(-1)
 
 
-def _build_layout(
-    mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    cu_seq_lens_q: torch.Tensor | None,
-    max_length_q: int | torch.Tensor | None,
-    batch: int,
-    q_len: int,
-    kv_len: int,
-    device: torch.device,
-    exact: bool,
-) -> _Layout:
+class _Call(NamedTuple):
+    """What the layout of one attention call depends on: the tensors that tell the real tokens and the
+    packed sequences apart, and the shapes (``q_len`` queries, the last of ``kv_len`` keys)."""
+
+    mask: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    cu_seq_lens_q: torch.Tensor | None
+    max_length_q: int | torch.Tensor | None
+    batch: int
+    q_len: int
+    kv_len: int
+    device: torch.device
+
+
+def _build_layout(call: _Call, exact: bool) -> _Layout:
     """The layout of one call; ``exact`` allows the one host read (the count of packed sequences)."""
+    mask, position_ids, cu_seq_lens_q, max_length_q, batch, q_len, kv_len, device = call
     prefix = kv_len - q_len
     if mask is not None:
         mask_q, mask_p = mask[:, prefix:], mask[:, :prefix]
@@ -208,30 +213,23 @@ class _LayoutCache:
 _layouts = _LayoutCache()
 
 
-def _layout_for(
-    mask: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    cu_seq_lens_q: torch.Tensor | None,
-    max_length_q: int | torch.Tensor | None,
-    batch: int,
-    q_len: int,
-    kv_len: int,
-    device: torch.device,
-) -> _Layout:
+def _layout_for(call: _Call) -> _Layout:
     """:func:`_build_layout`, shared by the layers of a forward pass when running eagerly."""
-    if torch.compiler.is_compiling() or (device.type == "cuda" and is_capturing()):
+    if torch.compiler.is_compiling() or (call.device.type == "cuda" and is_capturing()):
         # Traced or captured: no host read, and nothing kept across calls (a captured graph must not
         # read tensors that a cache may free).
-        return _build_layout(mask, position_ids, cu_seq_lens_q, max_length_q, batch, q_len, kv_len, device, False)
-    tensors = tuple(t for t in (mask, position_ids, cu_seq_lens_q) if t is not None)
-    # Which arguments are present is part of the key: a mask and a position_ids tensor are told apart.
-    present = (mask is not None, position_ids is not None, cu_seq_lens_q is not None)
-    max_key = max_length_q if isinstance(max_length_q, int) else None
-    return _layouts.get(
-        tensors,
-        (device, batch, q_len, kv_len, max_key, *present),
-        lambda: _build_layout(mask, position_ids, cu_seq_lens_q, max_length_q, batch, q_len, kv_len, device, True),
+        return _build_layout(call, exact=False)
+    tensors = (call.mask, call.position_ids, call.cu_seq_lens_q)
+    # Which tensors are present is part of the key: a mask and a position_ids tensor are told apart.
+    shape_key = (
+        call.device,
+        call.batch,
+        call.q_len,
+        call.kv_len,
+        call.max_length_q if isinstance(call.max_length_q, int) else None,
+        *(t is not None for t in tensors),
     )
+    return _layouts.get(tuple(t for t in tensors if t is not None), shape_key, lambda: _build_layout(call, exact=True))
 
 
 # --- packing and unpacking ------------------------------------------------------------------------
@@ -424,7 +422,7 @@ def mla_ops_attention_forward(
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(head_dim)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
 
-    layout = _layout_for(mask, position_ids, cu_seq_lens_q, max_length_q, batch, q_len, kv_len, query.device)
+    layout = _layout_for(_Call(mask, position_ids, cu_seq_lens_q, max_length_q, batch, q_len, kv_len, query.device))
     q = _pack(query, layout.rows, 0, q_len, num_heads)
     k = _pack(key, layout.rows, prefix, q_len, num_heads)
     v = _pack(value, layout.rows, prefix, q_len, num_heads)
