@@ -60,8 +60,9 @@ def test_padded_batch(model, side) -> None:
     cases.check_padded(model, side, lengths=(300, 77, 190), total=300)
 
 
-def test_kv_cache_steps(model) -> None:
-    cases.check_cached_steps(model, steps=(200, 1, 17, 1, 64), lengths=(200, 50, 129))
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+def test_kv_cache_steps(model, padded) -> None:
+    cases.check_cached_steps(model, steps=(200, 1, 17, 1, 64), lengths=(200, 50, 129) if padded else None)
 
 
 def test_generate(model) -> None:

@@ -58,8 +58,9 @@ def test_padded_batch(model, side, positions) -> None:
     cases.check_padded(model, side, positions=positions)
 
 
-def test_kv_cache_steps(model) -> None:
-    cases.check_cached_steps(model)
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+def test_kv_cache_steps(model, padded) -> None:
+    cases.check_cached_steps(model, lengths=(7, 4, 5) if padded else None)
 
 
 def test_generate(model) -> None:

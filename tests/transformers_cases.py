@@ -53,11 +53,12 @@ DEEPSEEK = dict(
 #: dims (64, 64).
 LLAMA = dict(
     vocab_size=VOCAB,
-    hidden_size=256,
+    hidden_size=128,
     intermediate_size=128,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
+    head_dim=64,
     max_position_embeddings=512,
     initializer_range=0.2,
 )
@@ -173,18 +174,20 @@ def cache_argument(model: torch.nn.Module) -> str:
 
 
 @torch.no_grad()
-def _cached_steps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, steps: Sequence[int]):
+def _cached_steps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None, steps: Sequence[int]):
+    """Run ``ids`` through ``model`` in steps of the given sizes over one KV cache; ``mask`` ``None``
+    passes no mask (the model numbers the positions itself)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    positions = generate_positions(mask)
+    positions = None if mask is None else generate_positions(mask)
     start, logits = 0, []
     for n in steps:
         end = start + n
         out = model(
             input_ids=ids[:, start:end],
-            attention_mask=mask[:, :end],
-            position_ids=positions[:, start:end],
+            attention_mask=None if mask is None else mask[:, :end],
+            position_ids=None if positions is None else positions[:, start:end],
             use_cache=True,
             **{cache_argument(model): cache},
         )
@@ -194,17 +197,20 @@ def _cached_steps(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
 
 
 def check_cached_steps(
-    trio: Trio, steps: Sequence[int] = (7, 1, 3, 1, 2), lengths: Sequence[int] = (7, 4, 5), side: str = "left"
+    trio: Trio, steps: Sequence[int] = (7, 1, 3, 1, 2), lengths: Sequence[int] | None = (7, 4, 5), side: str = "left"
 ) -> None:
-    """Prefill, then decode steps of one and of several tokens over a KV cache, with a padded batch."""
+    """Prefill, then decode steps of one and of several tokens over a KV cache, with a batch padded on
+    ``side`` to the ``lengths`` of its prompts (``None``: two rows, no padding and no mask)."""
     prompt = steps[0]
     total = sum(steps)
-    ids = random_ids(len(lengths), total, trio.device, seed=2)
-    mask = torch.cat([padding_mask(lengths, prompt, side, trio.device), torch.ones_like(ids[:, prompt:])], 1)
+    ids = random_ids(2 if lengths is None else len(lengths), total, trio.device, seed=2)
+    mask = None
+    if lengths is not None:
+        mask = torch.cat([padding_mask(lengths, prompt, side, trio.device), torch.ones_like(ids[:, prompt:])], 1)
     runs = [_cached_steps(model, ids, mask, steps) for model in (trio.mla, trio.low, trio.ref)]
     start = 0
     for i, n in enumerate(steps):
-        step_mask = mask[:, start : start + n].bool()
+        step_mask = None if mask is None else mask[:, start : start + n].bool()
         assert_close_to_reference([run[i] for run in runs], trio.dtype, step_mask, f"logits of step {i} ({n} tokens)")
         start += n
 

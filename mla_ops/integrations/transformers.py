@@ -134,8 +134,9 @@ def _sequence_starts(position_ids: torch.Tensor, batch: int, length: int) -> tor
 
 
 class _Call(NamedTuple):
-    """What the layout of one attention call depends on: the tensors that tell the real tokens and the
-    packed sequences apart, and the shapes (``q_len`` queries, the last of ``kv_len`` keys)."""
+    """What the layout of one attention call depends on: the shapes (``q_len`` queries, the last of
+    ``kv_len`` keys) and at most one tensor, the one that tells the real tokens or the packed sequences
+    apart (see :func:`_call_of`)."""
 
     mask: torch.Tensor | None
     position_ids: torch.Tensor | None
@@ -145,6 +146,34 @@ class _Call(NamedTuple):
     q_len: int
     kv_len: int
     device: torch.device
+
+
+def _call_of(
+    mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    cu_seq_lens_q: torch.Tensor | None,
+    cu_seq_lens_k: torch.Tensor | None,
+    max_length_q: int | torch.Tensor | None,
+    batch: int,
+    q_len: int,
+    kv_len: int,
+    device: torch.device,
+) -> _Call:
+    """Keep the one input that decides the layout: the padding mask if there is one, else the packed
+    offsets if both are given (as FlashAttention's integration does), else ``position_ids`` when they
+    can describe packed sequences (2-D, one per query, no cached prefix)."""
+    if mask is not None:
+        return _Call(mask, None, None, None, batch, q_len, kv_len, device)
+    if cu_seq_lens_q is not None and cu_seq_lens_k is not None:
+        if kv_len != q_len or cu_seq_lens_k.shape != cu_seq_lens_q.shape:
+            raise NotImplementedError(
+                "attn_implementation='mla_ops' takes cu_seq_lens_q/cu_seq_lens_k for packed sequences without a "
+                "cached prefix only (cu_seq_lens_k equal to cu_seq_lens_q, as many keys as queries)"
+            )
+        return _Call(None, None, cu_seq_lens_q, max_length_q, batch, q_len, kv_len, device)
+    if kv_len != q_len or position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != q_len:
+        position_ids = None
+    return _Call(None, position_ids, None, None, batch, q_len, kv_len, device)
 
 
 def _build_layout(call: _Call, exact: bool) -> _Layout:
@@ -164,7 +193,7 @@ def _build_layout(call: _Call, exact: bool) -> _Layout:
         # A packed sequence may span the rows of the batch, so the bound is the token count.
         max_q = max_length_q if isinstance(max_length_q, int) else batch * q_len
         return _Layout(None, None, None, cu_seq_lens_q.to(torch.int32), max_q, None, None)
-    if not prefix and position_ids is not None and position_ids.dim() == 2 and position_ids.shape[-1] == q_len:
+    if position_ids is not None:
         starts = _sequence_starts(position_ids, batch, q_len)
         # The count of sequences decides the size of the offsets: read it eagerly (the documented
         # sync); under tracing or capture use the bound of one sequence per token instead.
@@ -220,7 +249,7 @@ def _layout_for(call: _Call) -> _Layout:
         # read tensors that a cache may free).
         return _build_layout(call, exact=False)
     tensors = (call.mask, call.position_ids, call.cu_seq_lens_q)
-    # Which tensors are present is part of the key: a mask and a position_ids tensor are told apart.
+    # Which one is present is part of the key: a mask and a position_ids tensor are told apart.
     shape_key = (
         call.device,
         call.batch,
@@ -407,22 +436,14 @@ def mla_ops_attention_forward(
             "are the last tokens of the keys"
         )
     prefix = kv_len - q_len
-    packed_kwargs = cu_seq_lens_q is not None and cu_seq_lens_k is not None
-    if packed_kwargs and mask is None:
-        if prefix or cu_seq_lens_k.shape != cu_seq_lens_q.shape:
-            raise NotImplementedError(
-                "attn_implementation='mla_ops' takes cu_seq_lens_q/cu_seq_lens_k for packed sequences without a "
-                "cached prefix only (cu_seq_lens_k equal to cu_seq_lens_q, as many keys as queries)"
-            )
-    else:
-        cu_seq_lens_q = None
+    call = _call_of(mask, position_ids, cu_seq_lens_q, cu_seq_lens_k, max_length_q, batch, q_len, kv_len, query.device)
 
     dtype = _compute_dtype(query)
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(head_dim)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
 
-    layout = _layout_for(_Call(mask, position_ids, cu_seq_lens_q, max_length_q, batch, q_len, kv_len, query.device))
+    layout = _layout_for(call)
     q = _pack(query, layout.rows, 0, q_len, num_heads)
     k = _pack(key, layout.rows, prefix, q_len, num_heads)
     v = _pack(value, layout.rows, prefix, q_len, num_heads)
