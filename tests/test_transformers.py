@@ -63,8 +63,9 @@ def test_kv_cache_steps(model, padded) -> None:
     cases.check_cached_steps(model, lengths=(7, 4, 5) if padded else None)
 
 
-def test_generate(model) -> None:
-    cases.check_generate(model)
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate(model, cache) -> None:
+    cases.check_generate(model, cache_implementation=cache)
 
 
 @pytest.mark.parametrize("with_cu_seq_lens", [False, True], ids=["position_ids", "cu_seq_lens"])
@@ -371,3 +372,22 @@ def test_compiled_model_has_no_graph_break_in_the_attention_function() -> None:
         got = torch.compile(step, backend="eager")(t.mla)
         want = step(t.mla)
     assert torch.equal(got, want)
+
+
+@needs_transformers
+def test_static_cache_decode_compiles_once_with_dynamic_shapes() -> None:
+    """Decode steps over a static cache: the mask grows by one each step while the keys keep the
+    cache's length. With dynamic shapes one graph serves every step (no recompile, no graph break)."""
+    from mla_ops.integrations.transformers import mla_ops_attention_forward
+
+    q, k, v = cases.random_qkv(2, 4, 2, 1, 16, 64, 64, torch.bfloat16)
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[1, :3] = False
+    module = torch.nn.Module()
+    torch._dynamo.reset()
+    compiled = torch.compile(mla_ops_attention_forward, fullgraph=True, dynamic=True, backend="aot_eager")
+    for step, length in enumerate(range(6, 10)):
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            got, _ = compiled(module, q, k, v, mask[:, :length])
+        want, _ = mla_ops_attention_forward(module, q, k, v, mask[:, :length])
+        torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -215,9 +215,17 @@ def check_cached_steps(
         start += n
 
 
-def check_generate(trio: Trio, lengths: Sequence[int] = (6, 3), new_tokens: int = 5) -> None:
+def check_generate(
+    trio: Trio,
+    lengths: Sequence[int] = (6, 3),
+    new_tokens: int = 5,
+    cache_implementation: str = "dynamic",
+    compile: bool = False,
+) -> None:
     """``generate()`` over a left-padded batch: its logits at every step, against the same steps run
-    through the fp32 and low-dtype sdpa models on the tokens mla_ops generated."""
+    through the fp32 and low-dtype sdpa models on the tokens mla_ops generated. A ``"static"`` cache
+    hands the attention function keys longer than the mask (its empty slots); on CUDA, ``generate()``
+    compiles the decode steps with CUDA graphs for such a cache unless ``compile`` is false."""
     prompt = max(lengths)
     ids = random_ids(len(lengths), prompt, trio.device, seed=3)
     mask = padding_mask(lengths, prompt, "left", trio.device)
@@ -232,6 +240,8 @@ def check_generate(trio: Trio, lengths: Sequence[int] = (6, 3), new_tokens: int 
             output_scores=True,
             return_dict_in_generate=True,
             pad_token_id=0,
+            cache_implementation=cache_implementation,
+            disable_compile=not compile,
         )
     assert out.sequences.shape == (len(lengths), prompt + new_tokens)
     generated = torch.stack(out.logits, 1)  # [B, new_tokens, V], as the model produced them

@@ -27,11 +27,13 @@ as transformers' FlashAttention integration does, so no 4-D mask is ever built.
 
 Host synchronisation: the offsets and gather indices are computed on the device from the mask (sums,
 cumulative sums, a stable partition), with static shapes as ``max_seqlen`` bounds, so a call reads
-nothing back to the host with one exception. Packed sequences found through ``position_ids`` have a
-data-dependent count: eagerly it is read once per forward pass (the layout is reused by every layer
-of that pass while the ``position_ids`` tensor is unchanged); under ``torch.compile`` or CUDA-graph
-capture nothing is read and each row is given the upper bound of one sequence per token, most of them
-empty (correct, but every kernel launch is sized for that many sequences). ``cu_seq_lens_q``
+nothing back to the host with one exception: packed sequences found through ``position_ids`` have a
+data-dependent count. A call with no padding mask, no cached prefix and ``position_ids`` (models pass
+them on every call) therefore reads that count once per forward pass when running eagerly; the layers
+of the pass share the result while the ``position_ids`` tensor is unchanged. Under ``torch.compile``
+or CUDA-graph capture nothing is read: each row gets the upper bound of one sequence per token, most
+of them empty (correct, but every kernel launch is sized for that many sequences). Passing the
+tokenizer's ``attention_mask`` (``generate()`` always does) or ``cu_seq_lens_q``/``cu_seq_lens_k``
 avoids both. FLASHINFER plans each batch on the host (see :mod:`mla_ops.backends.flashinfer`); the
 offsets of one forward pass are one tensor for every layer, so it plans once per pass.
 
