@@ -37,6 +37,12 @@ tokenizer's ``attention_mask`` (``generate()`` always does) or ``cu_seq_lens_q``
 avoids both. FLASHINFER plans each batch on the host (see :mod:`mla_ops.backends.flashinfer`); the
 offsets of one forward pass are one tensor for every layer, so it plans once per pass.
 
+CUDA graphs: under ``torch.compile(mode="reduce-overhead")`` (which ``generate()`` applies to the
+decode steps of a static cache on CUDA) the offsets are computed inside the graph. TRITON and
+FLASH_ATTN read them on the device and replay correctly; FLASHINFER, which plans on the host, is
+refused at compile time (:func:`mla_ops.graph_trees.check_graph_trees`): force another backend, or
+pass ``disable_compile=True`` to ``generate()``.
+
 Not supported, with an error that says so: attention dropout, sliding windows, logit soft-capping,
 attention sinks, position biases, 4-D or custom masks and mask overlays, and gradients (the ops are
 forward-only: run under ``torch.no_grad()``, as ``generate()`` does).
