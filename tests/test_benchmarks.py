@@ -30,6 +30,7 @@ SCRIPTS = [
     "bench_graphs.py",
     "bench_graph_trees.py",
     "bench_layers.py",
+    "bench_transformers.py",
     "tune_triton.py",
 ]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -265,6 +266,20 @@ def test_layers_cpu_run(tmp_path):
         abs_tol=1e-3,
     )
     assert "| REFERENCE |" in (tmp_path / "layers.md").read_text()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_transformers_cpu_run(tmp_path):
+    import bench_transformers as BT
+
+    _main(BT, ["--device", "cpu", "--out", str(tmp_path), *FAST])
+    rows = {(r["implementation"], r["backend"]): r for r in _read_rows(tmp_path / "transformers.csv")}
+    sdpa, ours = rows[("sdpa", "")], rows[("mla_ops", "REFERENCE")]
+    assert float(sdpa["speedup"]) == 1.0 and float(sdpa["rel_diff"]) == 0.0
+    # The same model and weights through the ops: logits agree with sdpa's to bf16 rounding.
+    assert float(ours["forward_ms"]) > 0 and float(ours["rel_diff"]) < 1e-2
+    assert rows[("mla_ops", "TRITON")]["note"].startswith("not measured:")
+    assert "| mla_ops | REFERENCE |" in (tmp_path / "transformers.md").read_text()
 
 
 def test_graph_trees_cpu_run(tmp_path):
