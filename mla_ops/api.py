@@ -5,6 +5,10 @@ reads static shapes. Under ``torch.compile`` the wrappers validate their inputs 
 calling an op, so that without ``fullgraph`` a bad input surfaces as the package's own
 ``ValueError``/``TypeError`` (Dynamo falls back to eager there) rather than wrapped in a
 ``TorchRuntimeError`` raised from the fake kernel.
+
+While ``torch.compile`` traces for CUDA-graph trees (``mode="reduce-overhead"``) without
+:func:`mla_ops.compile_options`, :func:`prefill` and :func:`prefill_context_chunk` call the ops'
+in-graph twins instead, which never run a backend that plans on the host (:mod:`mla_ops.graph_trees`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,12 @@ from typing import NamedTuple
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.mla)
+from .graph_trees import IN_GRAPH_TWINS, routes_in_graph
 from .meta.checks import check_argument_types, check_attention_inputs, check_merge_inputs
+
+# The ops' twins for calls inside CUDA-graph trees: same schemas, routed with in_graph=True.
+_PREFILL_IN_GRAPH = getattr(torch.ops.mla, IN_GRAPH_TWINS["prefill"])
+_PREFILL_CONTEXT_CHUNK_IN_GRAPH = getattr(torch.ops.mla, IN_GRAPH_TWINS["prefill_context_chunk"])
 
 #: Up to this many context chunks, :func:`prefill_with_context` merges each chunk into the running
 #: result with the ``mla.merge_attn_states`` op (one bf16/fp16 rounding per merge, a few percent of the
@@ -93,6 +102,9 @@ def prefill(
     Returns:
         ``(out, lse)``: ``out`` ``[T, H, Dv]`` in the dtype of ``q``; ``lse`` float32 ``[H, T]``,
         natural log.
+
+    Inside torch.compile's CUDA-graph trees (``mode="reduce-overhead"``), the call runs the best backend
+    that reads the offsets on the device (:mod:`mla_ops.graph_trees`).
     """
     op = "mla.prefill"
     max_seqlen = _length(op, "max_seqlen", max_seqlen)
@@ -100,6 +112,8 @@ def prefill(
     scale = _scale(op, q, softmax_scale)
     if torch.compiler.is_compiling():  # the scale's type is checked above; its value may be symbolic here
         check_attention_inputs(op, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 1.0, True)
+        if routes_in_graph():
+            return _PREFILL_IN_GRAPH(q, k, v, cu_seqlens, max_seqlen, scale)
     return torch.ops.mla.prefill(q, k, v, cu_seqlens, max_seqlen, scale)
 
 
@@ -126,6 +140,8 @@ def prefill_context_chunk(
 
     Returns:
         ``(out, lse)``: ``out`` ``[Tq, H, Dv]``; ``lse`` float32 ``[H, Tq]``, natural log.
+
+    Inside torch.compile's CUDA-graph trees, routed as :func:`prefill` is.
     """
     op = "mla.prefill_context_chunk"
     max_seqlen_q = _length(op, "max_seqlen_q", max_seqlen_q)
@@ -138,6 +154,10 @@ def prefill_context_chunk(
     scale = _scale(op, q, softmax_scale)
     if torch.compiler.is_compiling():  # the scale's type is checked above; its value may be symbolic here
         check_attention_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 1.0, False)
+        if routes_in_graph():
+            return _PREFILL_CONTEXT_CHUNK_IN_GRAPH(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale
+            )
     return torch.ops.mla.prefill_context_chunk(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
 
 

@@ -2,10 +2,19 @@
 
 A tree replays its graphs without running any Python, so a backend that plans each batch on the host
 (FLASHINFER) cannot run inside them: its plan would be the one made when the graph was recorded.
-:func:`compile_options` returns the mode's Inductor options plus a graph pass that moves exactly those
-calls to ``cudagraph_unsafe``-tagged twins of the ops, and Inductor's graph partitioning, which then
-runs the twins (and the getitems that unpack their outputs) eagerly between graphs that replay
-everything else. TRITON and FLASH_ATTN read ``cu_seqlens`` on the device and stay in the graphs.
+
+The routing rule: while ``torch.compile`` traces for CUDA-graph trees without :func:`compile_options`
+(:func:`routes_in_graph`), :func:`mla_ops.prefill` and :func:`mla_ops.prefill_context_chunk` call
+twins of the ops (:data:`IN_GRAPH_TWINS`) whose kernels select with ``in_graph=True``: the best backend
+that reads the offsets on the device (TRITON or FLASH_ATTN). An explicit override naming a backend that
+plans on the host raises ``ValueError`` there (:func:`mla_ops.selector.select_backend`), never falls
+back. So automatic selection compiles with the plain mode although FLASHINFER leads the SM90 list.
+
+To keep FLASHINFER itself, :func:`compile_options` returns the mode's Inductor options plus a graph pass
+that moves exactly the host-planned calls to ``cudagraph_unsafe``-tagged twins of the ops, and Inductor's
+graph partitioning, which then runs the twins (and the getitems that unpack their outputs) eagerly
+between graphs that replay everything else. TRITON and FLASH_ATTN read ``cu_seqlens`` on the device and
+stay in the graphs.
 
 .. code-block:: python
 
@@ -15,8 +24,9 @@ Under these options a host-planned call's offsets must enter the compiled functi
 backend recognises a batch by the offsets tensor's address and version counter, and a tensor that a
 replayed graph computes is rewritten in place by every replay. The pass refuses such a call.
 
-Without these options the ops' fake kernels refuse a host-planning backend at compile time
-(:func:`check_graph_trees`), instead of letting the tree fail at its first run.
+Model code that calls ``torch.ops.mla.prefill`` itself is not routed: without these options the ops'
+fake kernels refuse a host-planning backend at compile time (:func:`check_graph_trees`), instead of
+letting the tree fail at its first run.
 
 This module imports nothing of Inductor until :func:`compile_options` is called: importing Inductor
 takes seconds, and the fake kernels call :func:`check_graph_trees` in every compile.
@@ -41,6 +51,12 @@ _PASS_MARK = "_mla_ops_host_planned_ops_pass"
 #: and tagged ``cudagraph_unsafe``. The graph pass moves the calls whose backend plans on the host to
 #: these, and Inductor then runs them between the graphs. They are not part of the public contract.
 HOST_PLANNED_TWINS = {"prefill": "prefill_host_planned", "prefill_context_chunk": "prefill_context_chunk_host_planned"}
+
+#: Twins of the two attention ops that the Python API calls while ``torch.compile`` traces for CUDA-graph
+#: trees without :func:`compile_options` (:func:`routes_in_graph`). :mod:`mla_ops.ops` defines them with
+#: the same schemas, validation and fake kernels (less the :func:`check_graph_trees` refusal); their
+#: kernels select with ``in_graph=True``. They are not part of the public contract.
+IN_GRAPH_TWINS = {"prefill": "prefill_in_graph", "prefill_context_chunk": "prefill_context_chunk_in_graph"}
 
 #: Older torch has no such tag; without it the twins exist untagged and compile_options refuses to use them.
 GRAPH_UNSAFE_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
@@ -230,6 +246,29 @@ def _builds_unpartitioned_trees(options: dict[str, Any]) -> bool:
     return not (installed and options.get("graph_partition"))
 
 
+def routes_in_graph() -> bool:
+    """Whether the ``torch.compile`` now tracing builds CUDA-graph trees without :func:`compile_options`'
+    pass and partitioning: there the Python API calls the :data:`IN_GRAPH_TWINS`.
+
+    ``False`` outside ``torch.compile``, and when the compile's options cannot be read (a Dynamo backend
+    other than Inductor's). Dynamo does not guard on the result: a compiled frame belongs to one
+    ``torch.compile`` call, whose options do not change.
+    """
+    from torch._guards import TracingContext
+
+    if TracingContext.try_get() is None:  # not under torch.compile
+        return False
+    options = _options_being_compiled()
+    return options is not None and _builds_unpartitioned_trees(options)
+
+
+# Dynamo calls the function while it traces and keeps the result as a constant, instead of tracing into
+# it (which would break the graph). This is what torch.compiler.assume_constant_result does; applying it
+# here would import Dynamo (seconds, and Triton) with the package. tests/test_graph_tree_routing.py checks
+# that the decorator still sets nothing else.
+routes_in_graph._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def check_graph_trees(op: str, q: torch.Tensor, v: torch.Tensor) -> None:
     """Refuse, while ``torch.compile`` traces for CUDA-graph trees without :func:`compile_options`, a
     call whose backend plans on the host.
@@ -252,10 +291,12 @@ def check_graph_trees(op: str, q: torch.Tensor, v: torch.Tensor) -> None:
         return
     raise RuntimeError(
         f"{op}: the {backend.name} backend plans each batch on the host, which a CUDA-graph tree "
-        "(torch.compile mode='reduce-overhead') cannot do before its replays. Compile with "
-        "torch.compile(model, options=mla_ops.compile_options('reduce-overhead')) instead (or with the "
-        "compile_options of the CUDA-graph mode you use): the same mode, with these calls run between the "
-        "graphs. Alternatively select a backend that reads the offsets "
-        "on the device (MLA_OPS_PREFILL_BACKEND=TRITON), or capture torch.cuda.CUDAGraph yourself with "
-        "mla_ops.plan_cuda_graph"
+        "(torch.compile mode='reduce-overhead') cannot do before its replays. Calls through "
+        "mla_ops.prefill, mla_ops.prefill_context_chunk and mla_ops.prefill_with_context are routed "
+        "automatically to the best backend that reads the offsets on the device: call those instead of "
+        f"torch.ops.{op.replace('::', '.')}. To keep this backend, compile with "
+        "torch.compile(model, options=mla_ops.compile_options('reduce-overhead')) (or the compile_options "
+        "of the CUDA-graph mode you use): the same mode, with these calls run between the graphs. "
+        "Alternatively select a backend that reads the offsets on the device (MLA_OPS_PREFILL_BACKEND=TRITON), "
+        "or capture torch.cuda.CUDAGraph yourself with mla_ops.plan_cuda_graph"
     )

@@ -12,6 +12,7 @@ import importlib.metadata
 
 import torch
 
+from .backends.base import PrefillBackend
 from .backends.registry import PrefillBackendEnum
 from .config import DEEPSEEK_V3, DeviceCapability, MLADimensions, SelectorConfig
 from .merge import merge_kernel
@@ -108,13 +109,22 @@ def machine_table(capability: DeviceCapability | None, config: SelectorConfig, s
         return "\n".join(lines)
     lines.append(f"  selected: {selected.name}")
     if capability is not None:
-        trees = (
-            "torch.compile(..., options=mla_ops.compile_options('reduce-overhead')): it plans on the host"
-            if selected.plans_on_host
-            else "torch.compile(..., mode='reduce-overhead'): it reads the offsets on the device"
-        )
-        lines.append(f"  CUDA-graph trees: {trees}")
+        lines.append(f"  CUDA-graph trees: {_in_graph_choice(selected, capability, config)}")
     return "\n".join(lines)
+
+
+def _in_graph_choice(selected: PrefillBackend, capability: DeviceCapability, config: SelectorConfig) -> str:
+    """What calls through the Python API run inside torch.compile's CUDA-graph trees, given ``selected``."""
+    if not selected.plans_on_host:
+        return f"{selected.name} too (it reads the offsets on the device)"
+    try:
+        inside = select_backend(capability, config, in_graph=True)
+    except ValueError as exc:  # a forced host planner, or no backend that reads the offsets on the device
+        return f"none: {exc}"
+    return (
+        f"{inside.name} ({selected.name} plans on the host); "
+        f"options=mla_ops.compile_options('reduce-overhead') keeps {selected.name}, between the graphs"
+    )
 
 
 def dispatch_table(capability: DeviceCapability | None, config: SelectorConfig) -> str:

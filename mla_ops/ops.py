@@ -11,6 +11,12 @@ against 21 us for ``torch.library.custom_op``). They are forward-only: there is 
   on its current stream, and leaves ``cuda:0`` current afterwards.
 - ``Meta``/fake: :mod:`mla_ops.meta` (shapes), plus :func:`mla_ops.graph_trees.check_graph_trees`, which
   refuses a host-planning backend inside CUDA-graph trees at compile time.
+
+The two attention ops have two internal twins each, with the same schemas and validation (tables in
+:mod:`mla_ops.graph_trees`): ``*_host_planned``, tagged ``cudagraph_unsafe``, to which
+``mla_ops.compile_options``' graph pass moves host-planned calls so that they run between CUDA graphs;
+and ``*_in_graph``, which the Python API calls inside CUDA-graph trees and whose kernels select with
+``in_graph=True`` (never a backend that plans on the host). Neither twin's fake refuses anything.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 
 from . import meta
 from .capture import on_device
-from .graph_trees import GRAPH_UNSAFE_TAGS, HOST_PLANNED_TWINS, check_graph_trees
+from .graph_trees import GRAPH_UNSAFE_TAGS, HOST_PLANNED_TWINS, IN_GRAPH_TWINS, check_graph_trees
 from .merge import merge_kernel
 from .meta.checks import check_attention_inputs, check_merge_inputs
 from .selector import backend_for
@@ -46,21 +52,35 @@ for _schema in SCHEMAS.values():
     _lib.define(_schema)
 for _name, _twin in HOST_PLANNED_TWINS.items():
     _lib.define(_twin + SCHEMAS[_name].removeprefix(_name), tags=GRAPH_UNSAFE_TAGS)
+for _name, _twin in IN_GRAPH_TWINS.items():
+    _lib.define(_twin + SCHEMAS[_name].removeprefix(_name))
 
 
 # --- CPU and CUDA: the selected backend -----------------------------------------------------------
 
 
-def _prefill(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
-    check_attention_inputs("mla.prefill", q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
-    with on_device(q.device):
-        return backend_for(q, v).attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
+def _attention_kernels(in_graph: bool):
+    """The CPU/CUDA kernels of ``prefill`` and ``prefill_context_chunk``, selecting with ``in_graph``."""
+
+    def prefill(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
+        check_attention_inputs(
+            "mla.prefill", q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True
+        )
+        with on_device(q.device):
+            backend = backend_for(q, v, in_graph=in_graph)
+            return backend.attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
+
+    def prefill_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale):
+        check_attention_inputs("mla.prefill_context_chunk", q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
+        with on_device(q.device):
+            backend = backend_for(q, v, in_graph=in_graph)
+            return backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
+
+    return prefill, prefill_context_chunk
 
 
-def _prefill_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale):
-    check_attention_inputs("mla.prefill_context_chunk", q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
-    with on_device(q.device):
-        return backend_for(q, v).attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
+_prefill, _prefill_context_chunk = _attention_kernels(in_graph=False)
+_prefill_in_graph, _prefill_context_chunk_in_graph = _attention_kernels(in_graph=True)
 
 
 def _merge(prefix_out, prefix_lse, suffix_out, suffix_lse):
@@ -82,15 +102,20 @@ def _prefill_context_chunk_fake(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale
     return meta.prefill_context_chunk_fake(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale)
 
 
-# Each row: the op, its kernel, its fake, and the fake of its host-planned twin (which needs no
-# graph-tree check: it exists to run between the graphs).
-for _name, _kernel, _fake, _twin_fake in (
-    ("prefill", _prefill, _prefill_fake, meta.prefill_fake),
-    ("prefill_context_chunk", _prefill_context_chunk, _prefill_context_chunk_fake, meta.prefill_context_chunk_fake),
-    ("merge_attn_states", _merge, meta.merge_attn_states_fake, None),
+def _register(op: str, kernel, fake) -> None:
+    _lib.impl(op, kernel, "CPU")
+    _lib.impl(op, kernel, "CUDA")
+    torch.library.register_fake(f"{NAMESPACE}::{op}", fake, lib=_lib)
+
+
+_register("prefill", _prefill, _prefill_fake)
+_register("prefill_context_chunk", _prefill_context_chunk, _prefill_context_chunk_fake)
+_register("merge_attn_states", _merge, meta.merge_attn_states_fake)
+# The twins' fakes need no graph-tree check: the host-planned twins exist to run between the graphs, and
+# the in-graph twins' kernels never select a backend that plans on the host.
+for _name, _kernel, _in_graph_kernel, _twin_fake in (
+    ("prefill", _prefill, _prefill_in_graph, meta.prefill_fake),
+    ("prefill_context_chunk", _prefill_context_chunk, _prefill_context_chunk_in_graph, meta.prefill_context_chunk_fake),
 ):
-    for _op, _op_fake in ((_name, _fake), (HOST_PLANNED_TWINS.get(_name), _twin_fake)):
-        if _op is not None:
-            _lib.impl(_op, _kernel, "CPU")
-            _lib.impl(_op, _kernel, "CUDA")
-            torch.library.register_fake(f"{NAMESPACE}::{_op}", _op_fake, lib=_lib)
+    _register(HOST_PLANNED_TWINS[_name], _kernel, _twin_fake)
+    _register(IN_GRAPH_TWINS[_name], _in_graph_kernel, _twin_fake)

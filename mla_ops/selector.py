@@ -7,8 +7,15 @@ Selection, for tensors on a device of some capability with some ``(dtype, Dqk, D
 2. on CUDA, an explicit override (``set_prefill_backend``, the ``prefill_backend`` context manager,
    or the ``MLA_OPS_PREFILL_BACKEND`` environment variable) is validated and used, or it raises;
 3. otherwise the priority list of the device's capability family is walked and the first valid
-   backend wins; this is cached on ``(capability, dtype, Dqk, Dv)``;
-4. the ops cache the result per ``(device, dtype, Dqk, Dv)``, so a warm call costs one dict lookup.
+   backend wins; this is cached on ``(capability, dtype, Dqk, Dv, in_graph)``;
+4. the ops cache the result per ``(device, dtype, Dqk, Dv, in_graph)``, so a warm call costs one dict
+   lookup.
+
+``in_graph=True`` selects for a call that torch.compile's CUDA-graph trees will replay without running
+Python (see :mod:`mla_ops.graph_trees`): a backend that plans each batch on the host (``plans_on_host``)
+cannot run there. Automatic selection then skips such backends, taking the best one that reads the
+offsets on the device, and an override naming one raises ``ValueError`` (never a silent fallback).
+CPU tensors still run REFERENCE: CUDA-graph trees concern CUDA devices only.
 
 The capability is an argument everywhere, so tests can simulate any GPU on a CPU-only machine.
 """
@@ -152,10 +159,36 @@ def backend_installed(backend: PrefillBackend) -> Iterator[PrefillBackend]:
 # --- selection ----------------------------------------------------------------------------------
 
 
-def select_backend(capability: DeviceCapability | None, config: SelectorConfig) -> PrefillBackend:
+#: Why automatic selection inside CUDA-graph trees passes over a backend that plans on the host.
+_IN_GRAPH_REASON = (
+    "plans each batch on the host, which CUDA-graph trees (torch.compile mode='reduce-overhead') cannot do "
+    "before their replays"
+)
+
+
+def _in_graph_override_error(name: str) -> ValueError:
+    """The error for an override naming a host-planning backend, ``name``, inside CUDA-graph trees."""
+    return ValueError(
+        f"Selected MLA prefill backend {name} cannot run inside CUDA-graph trees: it {_IN_GRAPH_REASON}. "
+        f"Clear the override (mla_ops.set_prefill_backend(None), {ENV_VAR} unset) and calls through "
+        "mla_ops.prefill and mla_ops.prefill_context_chunk inside the graphs run the best backend that reads "
+        f"the offsets on the device; or, to keep {name}, compile with "
+        "torch.compile(model, options=mla_ops.compile_options('reduce-overhead')) instead of "
+        "mode='reduce-overhead', which runs these calls between the graphs; or capture torch.cuda.CUDAGraph "
+        "yourself with mla_ops.plan_cuda_graph"
+    )
+
+
+def select_backend(
+    capability: DeviceCapability | None, config: SelectorConfig, *, in_graph: bool = False
+) -> PrefillBackend:
     """The backend to run ``config`` on a device of ``capability`` (``None`` for CPU).
 
-    Raises ``ValueError`` if an explicit override is invalid or misspelt, or if no backend is valid.
+    With ``in_graph=True``, the backend for a call inside torch.compile's CUDA-graph trees: automatic
+    selection skips backends that plan on the host (``plans_on_host``). CPU always gets REFERENCE.
+
+    Raises ``ValueError`` if an explicit override is invalid or misspelt, or (``in_graph``) plans on the
+    host, or if no backend is valid.
     """
     override = current_override()
     if capability is not None and override is not None:
@@ -165,14 +198,19 @@ def select_backend(capability: DeviceCapability | None, config: SelectorConfig) 
                 f"Selected MLA prefill backend {override.name} is not valid for this configuration. Reason: {reasons}"
             )
         assert backend is not None
+        if in_graph and backend.plans_on_host:
+            raise _in_graph_override_error(override.name)
         logger.info("Using %s MLA prefill backend (explicit override).", override.name)
         return backend
-    return _auto_select(capability, config.dtype, config.head_dim_qk, config.head_dim_v)
+    # CUDA-graph trees exist only on CUDA devices: CPU ignores in_graph, and caches one entry for both.
+    return _auto_select(
+        capability, config.dtype, config.head_dim_qk, config.head_dim_v, in_graph and capability is not None
+    )
 
 
 @functools.cache
 def _auto_select(
-    capability: DeviceCapability | None, dtype: torch.dtype, head_dim_qk: int, head_dim_v: int
+    capability: DeviceCapability | None, dtype: torch.dtype, head_dim_qk: int, head_dim_v: int, in_graph: bool
 ) -> PrefillBackend:
     config = SelectorConfig(dtype, MLADimensions.from_head_dims(head_dim_qk, head_dim_v))
     priorities = backend_priorities(capability, config)
@@ -184,9 +222,11 @@ def _auto_select(
     all_reasons: dict[str, list[str]] = {}
     for member in priorities:
         backend, reasons = validate_backend(member, capability, config)
+        if not reasons and in_graph and backend is not None and backend.plans_on_host:
+            reasons = [f"{member.name} {_IN_GRAPH_REASON}"]
         if not reasons:
             assert backend is not None
-            logger.info("Using %s MLA prefill backend.", member.name)
+            logger.info("Using %s MLA prefill backend%s.", member.name, " inside CUDA-graph trees" if in_graph else "")
             return backend
         all_reasons[member.name] = reasons
     reasons_str = "{" + ", ".join(f"{name}: [{', '.join(r)}]" for name, r in all_reasons.items()) + "}"
@@ -195,26 +235,32 @@ def _auto_select(
 
 # --- per-call routing ---------------------------------------------------------------------------
 
-_routes: dict[tuple[torch.device, torch.dtype, int, int], PrefillBackend] = {}
+_routes: dict[tuple[torch.device, torch.dtype, int, int, bool], PrefillBackend] = {}
 
 
-def backend_for(q: torch.Tensor, v: torch.Tensor) -> PrefillBackend:
-    """The backend that runs an op whose inputs are ``q`` ``[T, H, Dqk]`` and ``v`` ``[T, H, Dv]``.
+def backend_for(q: torch.Tensor, v: torch.Tensor, *, in_graph: bool = False) -> PrefillBackend:
+    """The backend that runs an op whose inputs are ``q`` ``[T, H, Dqk]`` and ``v`` ``[T, H, Dv]``;
+    ``in_graph``: for a call inside CUDA-graph trees (see :func:`select_backend`).
 
     A warm call is one dict lookup. The override and the environment variable are read when a
     configuration is first seen; :func:`clear_cache` makes the next call read them again.
     """
-    backend = _routes.get((q.device, q.dtype, q.shape[-1], v.shape[-1]))
-    return route(q.device, q.dtype, q.shape[-1], v.shape[-1]) if backend is None else backend
+    backend = _routes.get((q.device, q.dtype, q.shape[-1], v.shape[-1], in_graph))
+    return route(q.device, q.dtype, q.shape[-1], v.shape[-1], in_graph=in_graph) if backend is None else backend
 
 
-def route(device: torch.device, dtype: torch.dtype, head_dim_qk: int, head_dim_v: int) -> PrefillBackend:
-    """The backend the ops run for tensors on ``device`` of ``dtype`` with these head dims; cached."""
-    key = (device, dtype, head_dim_qk, head_dim_v)
+def route(
+    device: torch.device, dtype: torch.dtype, head_dim_qk: int, head_dim_v: int, *, in_graph: bool = False
+) -> PrefillBackend:
+    """The backend the ops run for tensors on ``device`` of ``dtype`` with these head dims; cached.
+
+    ``in_graph``: for a call inside CUDA-graph trees (see :func:`select_backend`).
+    """
+    key = (device, dtype, head_dim_qk, head_dim_v, in_graph)
     backend = _routes.get(key)
     if backend is None:
         config = SelectorConfig(dtype, MLADimensions.from_head_dims(head_dim_qk, head_dim_v))
-        backend = _routes[key] = select_backend(DeviceCapability.of(device), config)
+        backend = _routes[key] = select_backend(DeviceCapability.of(device), config, in_graph=in_graph)
     return backend
 
 

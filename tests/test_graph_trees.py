@@ -47,7 +47,7 @@ def routed(backend: PrefillBackend | type, device="cpu", dtype=BF16, dims=(192, 
     if isinstance(backend, type):
         backend = host_planner() if backend is FlashInferBackend else backend()
     selector.clear_cache()
-    selector._routes[(torch.device(device), dtype, *dims)] = backend
+    selector._routes[(torch.device(device), dtype, *dims, False)] = backend
     try:
         yield backend
     finally:
