@@ -11,6 +11,8 @@ import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 import mla_ops
+from mla_ops.backends.registry import PrefillBackendEnum
+from mla_ops.config import DeviceCapability, SelectorConfig
 from mla_ops.demo import attention_fp64
 from mla_ops.model import LatentChunk, MLAAttention, MLABatch, MLAConfig, random_batch
 
@@ -52,6 +54,11 @@ def _assert_close_to_truth(out: torch.Tensor, want: torch.Tensor, rows: int | No
     assert not torch.isnan(out).any()
     rel = ((out - want).norm() / want.norm()).item()
     assert rel <= REL_TOL, f"relative error {rel:.3e} vs float64 exceeds {REL_TOL:.0e}"
+
+
+def _assert_close_to_eager(out: torch.Tensor, eager: torch.Tensor, tol: float) -> None:
+    diff = ((out.float() - eager.float()).norm() / eager.float().norm()).item()
+    assert diff <= tol, f"compiled or replayed output differs from eager by {diff:.2e} (relative), over {tol:.0e}"
 
 
 def _batches(layer: MLAAttention, count: int):
@@ -107,8 +114,8 @@ def _recorded_graphs() -> int:
 @pytest.mark.parametrize("backend", BACKENDS)
 @torch.no_grad()
 def test_compile_reduce_overhead(backend, layers) -> None:
-    # TRITON and FLASH_ATTN run inside the graphs under the plain mode; FLASHINFER plans on the host and
-    # needs compile_options, whose pass and partitioning run its calls between the graphs.
+    # TRITON and FLASH_ATTN run inside the graphs under the plain mode. FLASHINFER plans on the host: forced,
+    # it runs only under compile_options, whose pass and partitioning run its calls between the graphs.
     _require(backend)
     layer, truth = layers
     torch._dynamo.reset()
@@ -210,8 +217,7 @@ def test_manual_cuda_graph_replays_new_lengths(backend, layers) -> None:
             _assert_close_to_truth(out, want, rows)
             # Same kernels on the same rows; only the projections' GEMM algorithms may differ with the
             # row count, so the replay must agree with eager far more closely than with float64.
-            diff = ((out[:rows].float() - eager.float()).norm() / eager.float().norm()).item()
-            assert diff <= 1e-2, f"replay differs from eager by {diff:.2e} (relative)"
+            _assert_close_to_eager(out[:rows], eager, 1e-2)
     mla_ops.release_cuda_graph_buffers()
 
 
@@ -230,14 +236,58 @@ def test_capture_without_plan_fails_clearly_for_flashinfer(layers) -> None:
 
 
 @torch.no_grad()
+def test_reduce_overhead_routes_around_auto_selected_flashinfer(layers) -> None:
+    """FLASHINFER selected automatically (no override): the layer compiled with the plain
+    mode="reduce-overhead" runs its attention inside the CUDA-graph trees on the best backend that reads
+    the offsets on the device, and replays one recorded graph for batches of new lengths."""
+    _require("FLASHINFER")
+    capability = DeviceCapability.of(torch.device("cuda"))
+    config = SelectorConfig(torch.bfloat16, CONFIG.mla_dimensions)
+    chosen = mla_ops.select_backend(capability, config).name
+    if chosen != "FLASHINFER":
+        pytest.skip(f"FLASHINFER is not the automatic choice on this device ({chosen} is)")
+    layer, truth = layers
+    flashinfer = PrefillBackendEnum.FLASHINFER.backend()
+    static = StaticBatch(layer)
+    batches = [_replay_batch(layer, lengths, context, seed) for seed, (lengths, context) in enumerate(REPLAYS)]
+    eager = [layer(*_args(batch)) for batch in batches]  # FLASHINFER
+    want = [_truth(truth, batch) for batch in batches]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
+    for _ in range(2):  # warm-up and recording in the first round; every later call replays
+        for batch, eager_out, want_out in zip(batches, eager, want):
+            static.load(batch)
+            planned = flashinfer.plan_count
+            out = compiled(*static.args()).clone()
+            assert flashinfer.plan_count == planned, "FLASHINFER ran inside the CUDA-graph tree"
+            rows = sum(batch.new_lengths)
+            _assert_close_to_truth(out, want_out, rows)
+            _assert_close_to_eager(out[:rows], eager_out, REL_TOL)  # another attention kernel than eager's
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+    assert _recorded_graphs() >= 1, "the layer was not replayed from CUDA graphs"
+
+
+@torch.no_grad()
 def test_flashinfer_refuses_unpartitioned_cudagraph_trees(layers) -> None:
     # A tree replays without running Python, so FlashInfer's host plan could not follow a new batch.
-    # The fake kernel refuses at compile time and names the options that make it work.
+    # Forced, it is refused, never replaced: the layer's calls (through mla_ops' Python API) raise
+    # ValueError at the first compiled call, and a direct torch.ops.mla.prefill call is refused by its
+    # fake kernel at compile time. Both name the options that run FLASHINFER between the graphs.
     _require("FLASHINFER")
     layer, _ = layers
+    remedy = r"options=mla_ops\.compile_options\('reduce-overhead'\)"
     torch._dynamo.reset()
     with mla_ops.prefill_backend("FLASHINFER"):
         compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
         batch = next(_batches(layer, 1))
-        with pytest.raises(Exception, match=r"options=mla_ops\.compile_options\('reduce-overhead'\)"):
+        with pytest.raises(ValueError, match=r"FLASHINFER cannot run inside CUDA-graph trees.*" + remedy):
             compiled(*_args(batch))
+        torch._dynamo.reset()
+        q = torch.randn(64, CONFIG.num_heads, CONFIG.qk_nope_head_dim + CONFIG.qk_rope_head_dim, device="cuda")
+        v = torch.randn(64, CONFIG.num_heads, CONFIG.v_head_dim, device="cuda")
+        q, v = q.bfloat16(), v.bfloat16()
+        cu = torch.tensor([0, 40, 64], dtype=torch.int32, device="cuda")
+        direct = torch.compile(lambda q, v, cu: torch.ops.mla.prefill(q, q, v, cu, 40, 0.1), mode="reduce-overhead")
+        with pytest.raises(Exception, match=r"are routed automatically.*" + remedy):
+            direct(q, v, cu)

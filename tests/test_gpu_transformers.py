@@ -8,6 +8,7 @@ attention function reads nothing back to the host, and it compiles with fullgrap
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -70,18 +71,19 @@ def test_generate(model, cache) -> None:
     cases.check_generate(model, lengths=(40, 17), new_tokens=8, cache_implementation=cache)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [None, *BACKENDS], ids=lambda b: b or "automatic")
 def test_generate_compiled_with_cuda_graphs(backend) -> None:
     """generate() with a static cache compiles its decode steps (mode="reduce-overhead": CUDA-graph
-    trees). TRITON and FLASH_ATTN read the offsets on the device, so the integration's in-graph layout
-    replays correctly; FLASHINFER plans on the host and must be refused at compile time, not replay a
-    stale plan."""
-    _require(backend, torch.bfloat16, HEAD_DIMS["deepseek"])
+    trees). The integration's calls inside the trees run the best backend that reads the offsets on the
+    device, so automatic selection (FLASHINFER first on SM90) and a forced TRITON or FLASH_ATTN replay
+    correctly; a forced FLASHINFER, which plans on the host, is refused, never replaced."""
+    if backend is not None:
+        _require(backend, torch.bfloat16, HEAD_DIMS["deepseek"])
     t = cases.build_trio("deepseek", torch.bfloat16, "cuda")
     torch._dynamo.reset()
-    with mla_ops.prefill_backend(backend):
+    with mla_ops.prefill_backend(backend) if backend else contextlib.nullcontext():
         if backend == "FLASHINFER":
-            with pytest.raises(Exception, match="plans each batch on the host"):
+            with pytest.raises(ValueError, match="FLASHINFER cannot run inside CUDA-graph trees"):
                 cases.check_generate(t, lengths=(40, 17), new_tokens=6, cache_implementation="static", compile=True)
         else:
             cases.check_generate(t, lengths=(40, 17), new_tokens=6, cache_implementation="static", compile=True)

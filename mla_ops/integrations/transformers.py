@@ -38,10 +38,13 @@ avoids both. FLASHINFER plans each batch on the host (see :mod:`mla_ops.backends
 offsets of one forward pass are one tensor for every layer, so it plans once per pass.
 
 CUDA graphs: under ``torch.compile(mode="reduce-overhead")`` (which ``generate()`` applies to the
-decode steps of a static cache on CUDA) the offsets are computed inside the graph. TRITON and
-FLASH_ATTN read them on the device and replay correctly; FLASHINFER, which plans on the host, is
-refused at compile time (:func:`mla_ops.graph_trees.check_graph_trees`): force another backend, or
-pass ``disable_compile=True`` to ``generate()``.
+decode steps of a static cache on CUDA) the offsets are computed inside the graph. The calls go
+through :func:`mla_ops.prefill` and :func:`mla_ops.prefill_context_chunk`, which inside CUDA-graph
+trees run the best backend that reads the offsets on the device (TRITON or FLASH_ATTN; see
+:mod:`mla_ops.graph_trees`), so automatic selection replays correctly. A forced FLASHINFER, which
+plans on the host, raises ``ValueError`` at the first compiled call: clear the override, or pass
+``disable_compile=True`` to ``generate()``. (``mla_ops.compile_options`` does not help here: the
+offsets computed inside the graph could not be told apart from one replay to the next.)
 
 Not supported, with an error that says so: attention dropout, sliding windows, logit soft-capping,
 attention sinks, position biases, 4-D or custom masks and mask overlays, and gradients (the ops are
