@@ -55,9 +55,21 @@ def signature_problems(standin: inspect.Signature, real: inspect.Signature) -> l
     return problems
 
 
+def _real_function(module: str, dotted: str) -> Any:
+    real = _import_real(module)
+    try:
+        return _attribute(real, dotted)
+    except AttributeError:
+        # flash-attn-4 installs flash_attn/cute/ only, which makes `flash_attn` an importable namespace
+        # package without FlashAttention-2's functions: FlashAttention-2 itself is not installed then.
+        if getattr(real, "__file__", None) is None:
+            pytest.skip(f"{module} is only a namespace package here (no {dotted}), so there is nothing to compare")
+        raise
+
+
 @pytest.mark.parametrize("case", standins.modelled(), ids=lambda m: m.name)
 def test_standin_parameters_are_a_subset_of_the_real_ones(case: standins.Modelled) -> None:
-    real = _attribute(_import_real(case.module), case.attribute)
+    real = _real_function(case.module, case.attribute)
     problems = signature_problems(inspect.signature(case.standin), inspect.signature(real))
     assert not problems, f"{case.name} stand-in vs {case.module}.{case.attribute}: " + "; ".join(problems)
 
