@@ -77,6 +77,8 @@ def selection_rules(capability: DeviceCapability | None, config: SelectorConfig)
         elif first is None and not reasons:
             first = backend.name
         lines.append(f"  {rank:<6} {backend.name:<11} {verdict}")
+    if capability is not None and capability.major == 9 and PrefillBackendEnum.FLASH_ATTN in priorities:
+        lines.append("  (FLASH_ATTN ranks after TRITON where the FlashAttention it runs pads v: FlashAttention-2)")
     lines.append(f"  automatic choice when every library is installed: {first or 'none'}")
     return "\n".join(lines)
 

@@ -42,9 +42,12 @@ ENV_VAR = "MLA_OPS_PREFILL_BACKEND"
 B = PrefillBackendEnum
 
 # Orders follow measurements where we have them; README's performance section cites the figures and a
-# benchmark that disagrees changes the order. SM90: benchmarks/results/h200/results.md, where on all 25
-# attention shapes FLASHINFER (fa3) beat TRITON, which beat FLASH_ATTN (bundled FlashAttention-2).
-_SM90 = [B.FLASHINFER, B.TRITON, B.FLASH_ATTN]
+# benchmark that disagrees changes the order. SM90: benchmarks/results/h200/results.md (2026-12-01):
+# FLASHINFER (fa3) was fastest on 14 of the 25 attention shapes and FLASH_ATTN through FlashAttention-4
+# on the other 11; FLASH_ATTN through FlashAttention-4 beat TRITON on 21 of 25. Through a
+# FlashAttention-2 that pads v (PyTorch's bundled kernel) FLASH_ATTN ran at about half TRITON's speed
+# (the 2026-11-30 run), so on SM90 it then ranks after TRITON (see _ranked_here).
+_SM90 = [B.FLASHINFER, B.FLASH_ATTN, B.TRITON]
 # Not measured here: flash-attn's FA2 is the usual leader on Ampere/Ada, FlashInfer fa2 next.
 _SM80 = [B.FLASH_ATTN, B.FLASHINFER, B.TRITON]
 # Not measured here. FlashInfer's CUTLASS kernel serves DeepSeek's (192, 128) heads on Blackwell; for
@@ -72,6 +75,24 @@ def backend_priorities(capability: DeviceCapability | None, config: SelectorConf
     if capability.major == 8:
         return list(_SM80)
     return []
+
+
+def _ranked_here(
+    priorities: list[PrefillBackendEnum], capability: DeviceCapability | None, config: SelectorConfig
+) -> list[PrefillBackendEnum]:
+    """``priorities`` as this machine's libraries rank them: on SM90, FLASH_ATTN moves after TRITON when
+    the FlashAttention it would run here pads ``v`` (FlashAttention-2), which measured half TRITON's speed."""
+    if capability is None or capability.major != 9 or B.FLASH_ATTN not in priorities or B.TRITON not in priorities:
+        return priorities
+    try:
+        pads = B.FLASH_ATTN.backend().pads_v(capability, config)
+    except Exception:  # a probe of the installed libraries reports, never raises; validation says why
+        pads = False
+    if not pads or priorities.index(B.FLASH_ATTN) > priorities.index(B.TRITON):
+        return priorities
+    ranked = [b for b in priorities if b is not B.FLASH_ATTN]
+    ranked.insert(ranked.index(B.TRITON) + 1, B.FLASH_ATTN)
+    return ranked
 
 
 def unsupported_platform_reason(capability: DeviceCapability) -> str:
@@ -213,7 +234,7 @@ def _auto_select(
     capability: DeviceCapability | None, dtype: torch.dtype, head_dim_qk: int, head_dim_v: int, in_graph: bool
 ) -> PrefillBackend:
     config = SelectorConfig(dtype, MLADimensions.from_head_dims(head_dim_qk, head_dim_v))
-    priorities = backend_priorities(capability, config)
+    priorities = _ranked_here(backend_priorities(capability, config), capability, config)
     if not priorities:
         assert capability is not None
         raise ValueError(

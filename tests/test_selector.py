@@ -96,18 +96,18 @@ sm89 (128, 0, 128) float32: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
 sm89 (256, 64, 128) bfloat16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
 sm89 (256, 64, 128) float16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
 sm89 (256, 64, 128) float32: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
-sm90 (128, 64, 128) bfloat16: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> FLASHINFER
-sm90 (128, 64, 128) float16: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> FLASHINFER
-sm90 (128, 64, 128) float32: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> none
-sm90 (192, 64, 256) bfloat16: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> FLASHINFER
-sm90 (192, 64, 256) float16: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> FLASHINFER
-sm90 (192, 64, 256) float32: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> none
-sm90 (128, 0, 128) bfloat16: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> FLASHINFER
-sm90 (128, 0, 128) float16: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> FLASHINFER
-sm90 (128, 0, 128) float32: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> none
-sm90 (256, 64, 128) bfloat16: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> none
-sm90 (256, 64, 128) float16: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> none
-sm90 (256, 64, 128) float32: ['FLASHINFER', 'TRITON', 'FLASH_ATTN'] -> none
+sm90 (128, 64, 128) bfloat16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> FLASHINFER
+sm90 (128, 64, 128) float16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> FLASHINFER
+sm90 (128, 64, 128) float32: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> none
+sm90 (192, 64, 256) bfloat16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> FLASHINFER
+sm90 (192, 64, 256) float16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> FLASHINFER
+sm90 (192, 64, 256) float32: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> none
+sm90 (128, 0, 128) bfloat16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> FLASHINFER
+sm90 (128, 0, 128) float16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> FLASHINFER
+sm90 (128, 0, 128) float32: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> none
+sm90 (256, 64, 128) bfloat16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> none
+sm90 (256, 64, 128) float16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> none
+sm90 (256, 64, 128) float32: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> none
 sm100 (128, 64, 128) bfloat16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> FLASHINFER
 sm100 (128, 64, 128) float16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> FLASHINFER
 sm100 (128, 64, 128) float32: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> none
@@ -141,9 +141,10 @@ sm75 (256, 64, 128) float32: [] -> none (no priority list for this capability)""
 Selection rules for compute capability 9.0 and SelectorConfig(dtype=torch.bfloat16, mla_dimensions=MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))
   order  backend     covers this config
   1      FLASHINFER  yes
-  2      TRITON      yes
-  3      FLASH_ATTN  yes
+  2      FLASH_ATTN  yes
+  3      TRITON      yes
   -      REFERENCE   yes (explicit override only)
+  (FLASH_ATTN ranks after TRITON where the FlashAttention it runs pads v: FlashAttention-2)
   automatic choice when every library is installed: FLASHINFER""",
         )
 
@@ -187,7 +188,7 @@ class TestErrorMessages(expecttest.TestCase):
             sel.select_backend(SM90, SelectorConfig(torch.float32, DEEPSEEK))
         self.assertExpectedInline(
             str(ctx.exception),
-            """No valid MLA prefill backend found with SelectorConfig(dtype=torch.float32, mla_dimensions=MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)). Reasons: {FLASHINFER: [dtype float32 is not supported (use bfloat16, float16)], TRITON: [dtype float32 is not supported (use bfloat16, float16)], FLASH_ATTN: [dtype float32 is not supported (use bfloat16, float16)]}.""",
+            """No valid MLA prefill backend found with SelectorConfig(dtype=torch.float32, mla_dimensions=MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)). Reasons: {FLASHINFER: [dtype float32 is not supported (use bfloat16, float16)], FLASH_ATTN: [dtype float32 is not supported (use bfloat16, float16)], TRITON: [dtype float32 is not supported (use bfloat16, float16)]}.""",
         )
 
     def test_no_valid_backend_for_odd_dims(self) -> None:
@@ -195,7 +196,7 @@ class TestErrorMessages(expecttest.TestCase):
             sel.select_backend(SM90, SelectorConfig(torch.bfloat16, ODD))
         self.assertExpectedInline(
             str(ctx.exception),
-            """No valid MLA prefill backend found with SelectorConfig(dtype=torch.bfloat16, mla_dimensions=MLADimensions(qk_nope_head_dim=256, qk_rope_head_dim=64, v_head_dim=128)). Reasons: {FLASHINFER: [head dims (Dqk, Dv) = (320, 128) have no FlashInfer ragged prefill kernel: fa2/fa3 are built for Dqk == Dv in (64, 128, 256) and for DeepSeek's (192, 128)], TRITON: [qk head dim (qk_nope + qk_rope) 320 exceeds 256], FLASH_ATTN: [head dims (Dqk=320, Dv=128) are not supported: FlashAttention-4 (flash_attn.cute) on SM90 supports head dims from 8 to 256; FlashAttention-3 (flash_attn_interface) supports Dqk up to 256; FlashAttention-2 (flash_attn) supports head dims up to 256, and the padded head dim max(Dqk, Dv) is 320; PyTorch's bundled FlashAttention-2 (torch.ops.aten._flash_attention_forward) supports head dims up to 256, and the padded head dim max(Dqk, Dv) is 320]}.""",
+            """No valid MLA prefill backend found with SelectorConfig(dtype=torch.bfloat16, mla_dimensions=MLADimensions(qk_nope_head_dim=256, qk_rope_head_dim=64, v_head_dim=128)). Reasons: {FLASHINFER: [head dims (Dqk, Dv) = (320, 128) have no FlashInfer ragged prefill kernel: fa2/fa3 are built for Dqk == Dv in (64, 128, 256) and for DeepSeek's (192, 128)], FLASH_ATTN: [head dims (Dqk=320, Dv=128) are not supported: FlashAttention-4 (flash_attn.cute) on SM90 supports head dims from 8 to 256; FlashAttention-3 (flash_attn_interface) supports Dqk up to 256; FlashAttention-2 (flash_attn) supports head dims up to 256, and the padded head dim max(Dqk, Dv) is 320; PyTorch's bundled FlashAttention-2 (torch.ops.aten._flash_attention_forward) supports head dims up to 256, and the padded head dim max(Dqk, Dv) is 320], TRITON: [qk head dim (qk_nope + qk_rope) 320 exceeds 256]}.""",
         )
 
     def test_unsupported_platform(self) -> None:
@@ -234,7 +235,23 @@ def test_choices_match_the_rules_when_everything_is_installed(all_installed) -> 
 def test_missing_library_moves_selection_down_the_list(monkeypatch: pytest.MonkeyPatch, all_installed) -> None:
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` fail
     with sel.backend_installed(FlashInferBackend()):
-        assert sel.select_backend(SM90, SelectorConfig(torch.bfloat16, DEEPSEEK)).name == "TRITON"
+        # FlashAttention-4 is among the stand-ins: FLASH_ATTN runs it natively and comes next on SM90.
+        assert sel.select_backend(SM90, SelectorConfig(torch.bfloat16, DEEPSEEK)).name == "FLASH_ATTN"
+
+
+@pytest.mark.parametrize(
+    ("present", "expected"),
+    [(("flash_attn.cute",), "FLASH_ATTN"), (("torch.ops.aten._flash_attention_forward",), "TRITON")],
+)
+def test_sm90_ranks_a_padding_flash_attn_after_triton(monkeypatch, all_installed, present, expected) -> None:
+    # Without FlashInfer, FLASH_ATTN is next on SM90 only where it runs Dv != Dqk natively; through a
+    # FlashAttention-2 that pads v it measured half TRITON's speed, so TRITON goes first then.
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    flash_attn = FlashAttnBackend(libraries=standins.flash_attn_libraries(*present))
+    with sel.backend_installed(FlashInferBackend()), sel.backend_installed(flash_attn):
+        assert sel.select_backend(SM90, SelectorConfig(torch.bfloat16, DEEPSEEK)).name == expected
+        if "torch.ops.aten._flash_attention_forward" in present:  # the rule is SM90's: SM80 keeps FLASH_ATTN first
+            assert sel.select_backend(SM80, SelectorConfig(torch.bfloat16, DEEPSEEK)).name == "FLASH_ATTN"
 
 
 @contextlib.contextmanager

@@ -615,6 +615,11 @@ class FlashAttnBackend(PrefillBackend):
             skipped.append(f"{kind.name}: {'; '.join(reasons)}")
         return None, skipped
 
+    def pads_v(self, capability: DeviceCapability, config: SelectorConfig) -> bool:
+        """Whether the implementation that would run ``config`` here widens ``v`` (a FlashAttention-2)."""
+        adapter, _ = self.choose(capability, config.head_dim_qk, config.head_dim_v)
+        return adapter is not None and adapter.kind.pads_v
+
     # The rules judge the whole chain, whatever is installed (rule_reasons is a pure function of its
     # arguments); library_reasons then checks what is installed here.
 
