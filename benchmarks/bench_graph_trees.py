@@ -5,18 +5,22 @@ A stack of :class:`mla_ops.model.MLAAttention` layers (DeepSeek-V3's head dims, 
 layers by default) runs serving-sized ragged batches, each with one chunk of cached context, in two
 modes per backend:
 
-- **eager**;
-- **CUDA-graph trees**: ``torch.compile(stack, fullgraph=True, dynamic=False, mode="reduce-overhead")``
-  for TRITON and FLASH_ATTN, whose calls replay inside the graphs; for FLASHINFER, which plans each
-  batch on the host, ``options=mla_ops.compile_options("reduce-overhead")``: the same mode plus the
-  graph pass and partitioning that run its calls eagerly between the graphs.
+- **eager**, with the backend forced;
+- **CUDA-graph trees**: ``torch.compile(stack, fullgraph=True, dynamic=False, mode="reduce-overhead")``.
+  TRITON and FLASH_ATTN are forced, and their calls replay inside the graphs (mode ``reduce-overhead``).
+  FLASHINFER plans each batch on the host, so it cannot run inside the graphs, and forced there it is
+  refused; its row measures what a user who leaves it to automatic selection gets (mode
+  ``reduce-overhead, automatic``): the layers' calls inside the graphs routed to the best backend that
+  reads the offsets on the device, named in the ``in_graph`` column. That row is measured where
+  automatic selection picks FLASHINFER, and recorded as not measured elsewhere.
 
 Every step is a new batch: the same token totals (so the same shapes, one recorded graph) split
-differently over the sequences, with the offsets passed in as inputs of the compiled function, as
-README's recipe does, and ``max_seqlen`` set to the token total (a bound every backend accepts). The
-batches are generated once per size from ``--seed`` and every backend and mode runs the same list:
+differently over the sequences, with the offsets passed in as inputs of the compiled function, as a
+serving engine passes them, and ``max_seqlen`` set to the token total (a bound every backend accepts).
+The batches are generated once per size from ``--seed`` and every backend and mode runs the same list:
 ``--warmup-steps`` untimed steps (compilation and graph recording happen there), then ``--steps`` timed
-ones, each from an idle device, so a step's time holds the host's work (FLASHINFER's plans included).
+ones, each from an idle device, so a step's time holds the host's work (FLASHINFER's eager plans
+included).
 The compiled output of a timed batch is compared with the eager one, and a graph recorded during the
 timed steps, or a tree that skipped CUDA graphs, is reported.
 
@@ -28,6 +32,7 @@ a tiny stack and records the compiled modes as not measured (CUDA-graph trees ne
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from collections.abc import Sequence
@@ -54,6 +59,7 @@ CSV_FIELDS = [
     "hidden",
     "backend",
     "mode",
+    "in_graph",
     "steps",
     "step_ms",
     "step_ms_min",
@@ -72,6 +78,11 @@ REL_DIFF_TOL = 2e-2
 GPU_DEFAULTS = {"layers": 4, "heads": 16, "hidden": 2048, "sizes": "512x8+2048,2048x16+4096,8192x32+8192"}
 CPU_DEFAULTS = {"layers": 2, "heads": 2, "hidden": 256, "sizes": "16x2+32,48x4+64"}
 EAGER = "eager"
+#: The compiled mode of a backend that reads the offsets on the device: forced, inside the graphs.
+GRAPH_TREES = "reduce-overhead"
+#: The compiled mode of a backend that plans on the host: automatic selection, whose calls inside the
+#: graphs are routed to a backend that reads the offsets on the device.
+AUTOMATIC = "reduce-overhead, automatic"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -122,10 +133,32 @@ def recorded_graphs(device: torch.device) -> int | None:
 
 
 def graph_tree_mode(row: dict[str, Any]) -> str:
-    """The compiled mode of a backend: ``compile_options(reduce-overhead)`` for one that plans on the host
-    (FLASHINFER), plain ``reduce-overhead`` otherwise."""
+    """The compiled mode of a backend: :data:`AUTOMATIC` for one that plans on the host (FLASHINFER),
+    :data:`GRAPH_TREES` otherwise."""
     backend = row["backend"]
-    return "compile_options(reduce-overhead)" if backend is not None and backend.plans_on_host else "reduce-overhead"
+    return AUTOMATIC if backend is not None and backend.plans_on_host else GRAPH_TREES
+
+
+def in_graph_choice(row: dict[str, Any], capability: Any, config: Any) -> tuple[str | None, str | None]:
+    """``(backend the calls run inside the graphs, None)`` for ``row`` in its :func:`graph_tree_mode`, or
+    ``(None, why it is not measured)``. ``capability``/``config``: the device's and the stack's, as
+    ``mla_ops.select_backend`` takes them."""
+    import mla_ops
+
+    name = row["name"]
+    if graph_tree_mode(row) == GRAPH_TREES:
+        return name, None
+    try:
+        automatic = mla_ops.select_backend(capability, config).name
+        inside = mla_ops.select_backend(capability, config, in_graph=True).name
+    except ValueError as exc:  # an override set in the environment, or no backend for the graphs
+        return None, f"{AUTOMATIC}: {exc}"
+    if automatic != name:
+        return None, (
+            f"{AUTOMATIC}: automatic selection picks {automatic} here, not {name}; forced, {name} is refused "
+            "inside CUDA-graph trees"
+        )
+    return inside, None
 
 
 def measure_mode(
@@ -137,17 +170,14 @@ def measure_mode(
     import mla_ops
 
     out: dict[str, Any] = {"steps": args.steps}
-    with torch.no_grad(), mla_ops.prefill_backend(row["name"]):
+    selection = contextlib.nullcontext() if mode == AUTOMATIC else mla_ops.prefill_backend(row["name"])
+    with torch.no_grad(), selection:
         if mode == EAGER:
             forward = stack
         else:
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
-            if mode == "reduce-overhead":
-                kwargs: dict[str, Any] = {"mode": "reduce-overhead"}
-            else:
-                kwargs = {"options": mla_ops.compile_options("reduce-overhead")}
-            forward = torch.compile(stack, fullgraph=True, dynamic=False, **kwargs)
+            forward = torch.compile(stack, fullgraph=True, dynamic=False, mode="reduce-overhead")
         step = lambda batch: forward(*P.batch_args(batch))
         for batch in batches[: args.warmup_steps]:
             step(batch)
@@ -172,14 +202,16 @@ def measure_mode(
 
 def measure_backend(
     row: dict[str, Any],
-    modes: list[str],
+    modes: dict[str, str],
     size: P.ServingSize,
     stack: Any,
     batches: list[Any],
     args: argparse.Namespace,
     device: torch.device,
 ) -> list[dict[str, Any]]:
-    """One CSV row per mode of one backend on one batch size; the compiled modes are checked against eager."""
+    """One CSV row per mode of one backend on one batch size; the compiled modes are checked against eager.
+
+    ``modes``: each mode to measure, with the backend that runs inside the graphs in it ("" for eager)."""
     import torch
 
     base = {"size": size.label, "new_tokens": size.new_tokens, "num_seqs": size.num_seqs,
@@ -187,17 +219,18 @@ def measure_backend(
             "hidden": args.hidden, "backend": row["name"]}  # fmt: skip
     rows: list[dict[str, Any]] = []
     eager_output = eager_ms = None
-    for mode in modes:
-        print(f"{size.label}: {row['name']} {mode}...", flush=True)
+    for mode, in_graph in modes.items():
+        print(f"{size.label}: {row['name']} {mode}{f' (in the graphs: {in_graph})' if in_graph else ''}...", flush=True)
+        labels = {**base, "mode": mode, "in_graph": in_graph}
         try:
             result, output = measure_mode(row, mode, stack, batches, args, device)
         except Exception as exc:
-            rows.append({**base, "mode": mode, "status": "error", "note": R.short_error(exc, 300)})
+            rows.append({**labels, "status": "error", "note": R.short_error(exc, 300)})
             print(f"  error: {R.short_error(exc, 300)}", flush=True)
             if device.type == "cuda":
                 torch._dynamo.reset()
             continue
-        out = {**base, "mode": mode, **result, "status": "ok"}
+        out = {**labels, **result, "status": "ok"}
         notes = []
         if mode == EAGER:
             eager_output, eager_ms = output, result["step_ms"]
@@ -228,6 +261,7 @@ COLUMNS: list[R.Column] = [
     ("batch", R.text("size")),
     ("backend", R.text("backend")),
     ("mode", R.text("mode")),
+    ("in the graphs", R.text("in_graph")),
     ("step ms", R.num("step_ms", ".3f")),
     ("range", R.span("step_ms_min", "step_ms_max", ".3f")),
     ("ms/layer", R.num("layer_ms", ".3f")),
@@ -246,8 +280,10 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argpa
         f"A stack of {args.layers} MLA layers (hidden {args.hidden}, H={args.heads}, (Dqk, Dv) = ({P.DQK}, {P.DV})). "
         f"Per backend and mode: the median time of a forward over {args.steps} timed steps, each a new batch "
         f"(the same batches for every backend and mode, after {args.warmup_steps} untimed steps), each from an "
-        "idle device. *eager / mode*: the backend's eager step time over this mode's (above 1: the graphs are "
-        "faster). *rel diff vs eager*: ||compiled - eager|| / ||eager|| on the first timed batch."
+        "idle device. *reduce-overhead*: the backend forced, inside the graphs. *reduce-overhead, automatic*: "
+        "a backend that plans on the host, left to automatic selection; *in the graphs* names the backend its "
+        "calls were routed to there. *eager / mode*: the backend's eager step time over this mode's (above 1: "
+        "the graphs are faster). *rel diff vs eager*: ||compiled - eager|| / ||eager|| on the first timed batch."
     )
     title = f"MLA layers under CUDA-graph trees: {env.get('gpu')}, {env.get('dtype')}"
     return R.results_markdown(title, env, intro, R.rows_table(rows, COLUMNS))
@@ -288,12 +324,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if warmed:
         env["warmup_s"] = warmed
     stack = P.mla_stack(P.mla_config(args.hidden, args.heads), args.layers, device, dtype, args.seed)
+    modes = {row["name"]: {EAGER: ""} for row in timed}
+    if cuda and not args.no_compile:
+        import mla_ops
+
+        capability = mla_ops.DeviceCapability.of(device)
+        config = mla_ops.SelectorConfig(dtype, mla_ops.MLADimensions.from_head_dims(P.DQK, P.DV))
+        for row in timed:
+            in_graph, why_not = in_graph_choice(row, capability, config)
+            if in_graph is None:
+                not_measured[f"{row['name']} {graph_tree_mode(row)}"] = why_not
+            else:
+                modes[row["name"]][graph_tree_mode(row)] = in_graph
     rows = []
     for size in sizes:
         batches = P.serving_batches(stack.layers[0], size, args.warmup_steps + args.steps, args.seed)
         for row in timed:
-            modes = [EAGER] + ([] if args.no_compile or not cuda else [graph_tree_mode(row)])
-            rows += measure_backend(row, modes, size, stack, batches, args, device)
+            rows += measure_backend(row, modes[row["name"]], size, stack, batches, args, device)
         del batches
         if cuda:
             torch._dynamo.reset()

@@ -6,9 +6,9 @@ calling an op, so that without ``fullgraph`` a bad input surfaces as the package
 ``ValueError``/``TypeError`` (Dynamo falls back to eager there) rather than wrapped in a
 ``TorchRuntimeError`` raised from the fake kernel.
 
-While ``torch.compile`` traces for CUDA-graph trees (``mode="reduce-overhead"``) without
-:func:`mla_ops.compile_options`, :func:`prefill` and :func:`prefill_context_chunk` call the ops'
-in-graph twins instead, which never run a backend that plans on the host (:mod:`mla_ops.graph_trees`).
+While ``torch.compile`` traces for CUDA-graph trees (``mode="reduce-overhead"``), :func:`prefill` and
+:func:`prefill_context_chunk` call the ops' in-graph twins instead, which never run a backend that plans
+on the host (:mod:`mla_ops.graph_trees`).
 """
 
 from __future__ import annotations

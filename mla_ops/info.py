@@ -123,10 +123,7 @@ def _in_graph_choice(selected: PrefillBackend, capability: DeviceCapability, con
         inside = select_backend(capability, config, in_graph=True)
     except ValueError as exc:  # a forced host planner, or no backend that reads the offsets on the device
         return f"none: {exc}"
-    return (
-        f"{inside.name} ({selected.name} plans on the host); "
-        f"options=mla_ops.compile_options('reduce-overhead') keeps {selected.name}, between the graphs"
-    )
+    return f"{inside.name} ({selected.name} plans on the host)"
 
 
 def dispatch_table(capability: DeviceCapability | None, config: SelectorConfig) -> str:

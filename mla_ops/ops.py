@@ -12,11 +12,9 @@ against 21 us for ``torch.library.custom_op``). They are forward-only: there is 
 - ``Meta``/fake: :mod:`mla_ops.meta` (shapes), plus :func:`mla_ops.graph_trees.check_graph_trees`, which
   refuses a host-planning backend inside CUDA-graph trees at compile time.
 
-The two attention ops have two internal twins each, with the same schemas and validation (tables in
-:mod:`mla_ops.graph_trees`): ``*_host_planned``, tagged ``cudagraph_unsafe``, to which
-``mla_ops.compile_options``' graph pass moves host-planned calls so that they run between CUDA graphs;
-and ``*_in_graph``, which the Python API calls inside CUDA-graph trees and whose kernels select with
-``in_graph=True`` (never a backend that plans on the host). Neither twin's fake refuses anything.
+The two attention ops have an internal twin each, ``*_in_graph`` (:data:`mla_ops.graph_trees.IN_GRAPH_TWINS`),
+with the same schema and validation, which the Python API calls inside CUDA-graph trees and whose kernel
+selects with ``in_graph=True`` (never a backend that plans on the host). Its fake refuses nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import torch
 
 from . import meta
 from .capture import on_device
-from .graph_trees import GRAPH_UNSAFE_TAGS, HOST_PLANNED_TWINS, IN_GRAPH_TWINS, check_graph_trees
+from .graph_trees import IN_GRAPH_TWINS, check_graph_trees
 from .merge import merge_kernel
 from .meta.checks import check_attention_inputs, check_merge_inputs
 from .selector import backend_for
@@ -50,8 +48,6 @@ SCHEMAS = {
 _lib = torch.library.Library(NAMESPACE, "DEF")
 for _schema in SCHEMAS.values():
     _lib.define(_schema)
-for _name, _twin in HOST_PLANNED_TWINS.items():
-    _lib.define(_twin + SCHEMAS[_name].removeprefix(_name), tags=GRAPH_UNSAFE_TAGS)
 for _name, _twin in IN_GRAPH_TWINS.items():
     _lib.define(_twin + SCHEMAS[_name].removeprefix(_name))
 
@@ -111,11 +107,6 @@ def _register(op: str, kernel, fake) -> None:
 _register("prefill", _prefill, _prefill_fake)
 _register("prefill_context_chunk", _prefill_context_chunk, _prefill_context_chunk_fake)
 _register("merge_attn_states", _merge, meta.merge_attn_states_fake)
-# The twins' fakes need no graph-tree check: the host-planned twins exist to run between the graphs, and
-# the in-graph twins' kernels never select a backend that plans on the host.
-for _name, _kernel, _in_graph_kernel, _twin_fake in (
-    ("prefill", _prefill, _prefill_in_graph, meta.prefill_fake),
-    ("prefill_context_chunk", _prefill_context_chunk, _prefill_context_chunk_in_graph, meta.prefill_context_chunk_fake),
-):
-    _register(HOST_PLANNED_TWINS[_name], _kernel, _twin_fake)
-    _register(IN_GRAPH_TWINS[_name], _in_graph_kernel, _twin_fake)
+# The twins' fakes need no graph-tree check: their kernels never select a backend that plans on the host.
+_register(IN_GRAPH_TWINS["prefill"], _prefill_in_graph, meta.prefill_fake)
+_register(IN_GRAPH_TWINS["prefill_context_chunk"], _prefill_context_chunk_in_graph, meta.prefill_context_chunk_fake)

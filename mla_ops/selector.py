@@ -193,10 +193,8 @@ def _in_graph_override_error(name: str) -> ValueError:
         f"Selected MLA prefill backend {name} cannot run inside CUDA-graph trees: it {_IN_GRAPH_REASON}. "
         f"Clear the override (mla_ops.set_prefill_backend(None), {ENV_VAR} unset) and calls through "
         "mla_ops.prefill and mla_ops.prefill_context_chunk inside the graphs run the best backend that reads "
-        f"the offsets on the device; or, to keep {name}, compile with "
-        "torch.compile(model, options=mla_ops.compile_options('reduce-overhead')) instead of "
-        "mode='reduce-overhead', which runs these calls between the graphs; or capture torch.cuda.CUDAGraph "
-        "yourself with mla_ops.plan_cuda_graph"
+        f"the offsets on the device; or, to keep {name}, capture torch.cuda.CUDAGraph yourself and call "
+        "mla_ops.plan_cuda_graph before capturing and before each replay"
     )
 
 

@@ -622,8 +622,45 @@ def test_graph_tree_mode_follows_host_planning():
     from mla_ops.backends.flashinfer import FlashInferBackend
     from mla_ops.backends.triton import TritonBackend
 
-    assert BGT.graph_tree_mode({"backend": FlashInferBackend()}) == "compile_options(reduce-overhead)"
+    assert BGT.graph_tree_mode({"backend": FlashInferBackend()}) == "reduce-overhead, automatic"
     assert BGT.graph_tree_mode({"backend": TritonBackend()}) == "reduce-overhead"
+
+
+@pytest.mark.parametrize(
+    ("capability", "flash_attn", "want"),
+    [
+        ((9, 0), ("flash_attn.cute",), "FLASH_ATTN"),
+        ((9, 0), ("torch.ops.aten._flash_attention_forward",), "TRITON"),
+        ((8, 0), ("flash_attn",), None),
+    ],
+    ids=["sm90-flash-attention-4", "sm90-flash-attention-2", "sm80-flash-attention-2"],
+)
+def test_graph_tree_rows_name_the_backend_inside_the_graphs(capability, flash_attn, want):
+    # FLASHINFER's row is automatic selection, measured where it is the automatic choice; the others are
+    # forced. ``want``: what runs inside the graphs in FLASHINFER's row (None: not measured).
+    pytest.importorskip("triton", reason="TRITON is a candidate inside the graphs")
+    import standins
+
+    import mla_ops
+    from mla_ops.backends.flash_attn import FlashAttnBackend
+    from mla_ops.backends.flashinfer import FlashInferBackend
+    from mla_ops.selector import backend_installed
+
+    cap = mla_ops.DeviceCapability(*capability)
+    config = mla_ops.SelectorConfig(torch.bfloat16, mla_ops.MLADimensions.from_head_dims(P.DQK, P.DV))
+    flashinfer = FlashInferBackend(library=standins.flashinfer_module(), workspace_bytes=1 << 20, capability=cap)
+    libraries = standins.flash_attn_libraries(*flash_attn)
+    with backend_installed(flashinfer), backend_installed(FlashAttnBackend(libraries=libraries)) as fa:
+        assert BGT.in_graph_choice({"name": "FLASH_ATTN", "backend": fa}, cap, config) == ("FLASH_ATTN", None)
+        inside, why_not = BGT.in_graph_choice({"name": "FLASHINFER", "backend": flashinfer}, cap, config)
+        if want is None:  # SM80 ranks FLASH_ATTN first: FLASHINFER is not what automatic selection gives
+            assert inside is None
+            assert why_not.startswith("reduce-overhead, automatic: automatic selection picks FLASH_ATTN here")
+        else:
+            assert (inside, why_not) == (want, None)
+        with mla_ops.prefill_backend("FLASHINFER"):  # forced, FLASHINFER is refused inside the graphs
+            inside, why_not = BGT.in_graph_choice({"name": "FLASHINFER", "backend": flashinfer}, cap, config)
+        assert inside is None and "cannot run inside CUDA-graph trees" in why_not
 
 
 def test_backends_to_time_on_cpu():

@@ -111,20 +111,18 @@ def _recorded_graphs() -> int:
     return count
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["TRITON", "FLASH_ATTN"])
 @torch.no_grad()
 def test_compile_reduce_overhead(backend, layers) -> None:
-    # TRITON and FLASH_ATTN run inside the graphs under the plain mode. FLASHINFER plans on the host: forced,
-    # it runs only under compile_options, whose pass and partitioning run its calls between the graphs.
+    # The backends that read the offsets on the device, forced, run inside the graphs. FLASHINFER plans on
+    # the host: forced, it is refused there (test_flashinfer_is_refused_inside_cudagraph_trees); selected
+    # automatically, the calls are routed (test_reduce_overhead_routes_around_auto_selected_flashinfer).
     _require(backend)
     layer, truth = layers
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     with mla_ops.prefill_backend(backend):
-        if backend == "FLASHINFER":
-            compiled = torch.compile(layer, fullgraph=True, options=mla_ops.compile_options("reduce-overhead"))
-        else:
-            compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
+        compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
         batches = list(_batches(layer, 3))
         for _ in range(3):  # warm-up, record, then replays
             for batch in batches:
@@ -269,18 +267,18 @@ def test_reduce_overhead_routes_around_auto_selected_flashinfer(layers) -> None:
 
 
 @torch.no_grad()
-def test_flashinfer_refuses_unpartitioned_cudagraph_trees(layers) -> None:
+def test_flashinfer_is_refused_inside_cudagraph_trees(layers) -> None:
     # A tree replays without running Python, so FlashInfer's host plan could not follow a new batch.
     # Forced, it is refused, never replaced: the layer's calls (through mla_ops' Python API) raise
     # ValueError at the first compiled call, and a direct torch.ops.mla.prefill call is refused by its
-    # fake kernel at compile time. Both name the options that run FLASHINFER between the graphs.
+    # fake kernel at compile time. Both say what to do instead.
     _require("FLASHINFER")
     layer, _ = layers
-    remedy = r"options=mla_ops\.compile_options\('reduce-overhead'\)"
     torch._dynamo.reset()
     with mla_ops.prefill_backend("FLASHINFER"):
         compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
         batch = next(_batches(layer, 1))
+        remedy = r"Clear the override .* capture torch\.cuda\.CUDAGraph yourself and call mla_ops\.plan_cuda_graph"
         with pytest.raises(ValueError, match=r"FLASHINFER cannot run inside CUDA-graph trees.*" + remedy):
             compiled(*_args(batch))
         torch._dynamo.reset()
@@ -289,5 +287,6 @@ def test_flashinfer_refuses_unpartitioned_cudagraph_trees(layers) -> None:
         q, v = q.bfloat16(), v.bfloat16()
         cu = torch.tensor([0, 40, 64], dtype=torch.int32, device="cuda")
         direct = torch.compile(lambda q, v, cu: torch.ops.mla.prefill(q, q, v, cu, 40, 0.1), mode="reduce-overhead")
-        with pytest.raises(Exception, match=r"are routed automatically.*" + remedy):
+        remedy = r"are routed automatically inside CUDA-graph trees .* call those instead of torch\.ops\.mla\.prefill"
+        with pytest.raises(Exception, match=remedy):
             direct(q, v, cu)

@@ -1,15 +1,17 @@
 """The routing rule for CUDA-graph trees, on CPU.
 
-Inside torch.compile's CUDA-graph trees (``mode="reduce-overhead"`` without ``mla_ops.compile_options``)
-calls through the Python API go to the ops' in-graph twins, whose kernels select with
-``in_graph=True``: the best backend that reads the offsets on the device, never one that plans on the
-host; an override naming such a backend raises. Direct ``torch.ops.mla.*`` calls keep the compile-time
-refusal. Eager calls and compiles without CUDA-graph trees are untouched.
+Inside torch.compile's CUDA-graph trees (``mode="reduce-overhead"``) calls through the Python API go to
+the ops' in-graph twins, whose kernels select with ``in_graph=True``: the best backend that reads the
+offsets on the device, never one that plans on the host; an override naming such a backend raises.
+Direct ``torch.ops.mla.*`` calls keep the compile-time refusal. Eager calls and compiles without
+CUDA-graph trees are untouched.
 
 The selector's rule is checked on simulated GPUs with every library installed (Triton for real, the
 others as the stand-ins of tests/standins.py). To run routed calls on CPU, an H200's choices (with and
 without ``in_graph``) are cached as the routes of CPU tensors (``selector._routes``, the cache the ops
 read; automatic selection always gives CPU tensors REFERENCE), as tests/test_graph_trees.py does.
+With every library installed, FLASH_ATTN runs FlashAttention-4's stand-in, which reads ``v`` as it is,
+so it is the in-graph choice on SM90; with only a FlashAttention that pads ``v`` it ranks after TRITON.
 """
 
 from __future__ import annotations
@@ -79,12 +81,12 @@ sm80 (192, 64, 256) bfloat16: FLASH_ATTN -> in graph FLASH_ATTN
 sm80 (192, 64, 256) float16: FLASH_ATTN -> in graph FLASH_ATTN
 sm80 (128, 0, 128) bfloat16: FLASH_ATTN -> in graph FLASH_ATTN
 sm80 (128, 0, 128) float16: FLASH_ATTN -> in graph FLASH_ATTN
-sm90 (128, 64, 128) bfloat16: FLASHINFER -> in graph TRITON
-sm90 (128, 64, 128) float16: FLASHINFER -> in graph TRITON
-sm90 (192, 64, 256) bfloat16: FLASHINFER -> in graph TRITON
-sm90 (192, 64, 256) float16: FLASHINFER -> in graph TRITON
-sm90 (128, 0, 128) bfloat16: FLASHINFER -> in graph TRITON
-sm90 (128, 0, 128) float16: FLASHINFER -> in graph TRITON
+sm90 (128, 64, 128) bfloat16: FLASHINFER -> in graph FLASH_ATTN
+sm90 (128, 64, 128) float16: FLASHINFER -> in graph FLASH_ATTN
+sm90 (192, 64, 256) bfloat16: FLASHINFER -> in graph FLASH_ATTN
+sm90 (192, 64, 256) float16: FLASHINFER -> in graph FLASH_ATTN
+sm90 (128, 0, 128) bfloat16: FLASHINFER -> in graph FLASH_ATTN
+sm90 (128, 0, 128) float16: FLASHINFER -> in graph FLASH_ATTN
 sm100 (128, 64, 128) bfloat16: FLASHINFER -> in graph FLASH_ATTN
 sm100 (128, 64, 128) float16: FLASHINFER -> in graph FLASH_ATTN
 sm100 (192, 64, 256) bfloat16: FLASH_ATTN -> in graph FLASH_ATTN
@@ -100,7 +102,7 @@ sm100 (128, 0, 128) float16: FLASHINFER -> in graph FLASH_ATTN""",
                 selector.select_backend(SM90, CONFIG, in_graph=True)
         self.assertExpectedInline(
             str(ctx.exception),
-            """Selected MLA prefill backend FLASHINFER cannot run inside CUDA-graph trees: it plans each batch on the host, which CUDA-graph trees (torch.compile mode='reduce-overhead') cannot do before their replays. Clear the override (mla_ops.set_prefill_backend(None), MLA_OPS_PREFILL_BACKEND unset) and calls through mla_ops.prefill and mla_ops.prefill_context_chunk inside the graphs run the best backend that reads the offsets on the device; or, to keep FLASHINFER, compile with torch.compile(model, options=mla_ops.compile_options('reduce-overhead')) instead of mode='reduce-overhead', which runs these calls between the graphs; or capture torch.cuda.CUDAGraph yourself with mla_ops.plan_cuda_graph""",  # noqa: E501
+            """Selected MLA prefill backend FLASHINFER cannot run inside CUDA-graph trees: it plans each batch on the host, which CUDA-graph trees (torch.compile mode='reduce-overhead') cannot do before their replays. Clear the override (mla_ops.set_prefill_backend(None), MLA_OPS_PREFILL_BACKEND unset) and calls through mla_ops.prefill and mla_ops.prefill_context_chunk inside the graphs run the best backend that reads the offsets on the device; or, to keep FLASHINFER, capture torch.cuda.CUDAGraph yourself and call mla_ops.plan_cuda_graph before capturing and before each replay""",  # noqa: E501
         )
 
     def test_the_environment_variable_is_refused_the_same_way(self) -> None:
@@ -125,6 +127,28 @@ sm100 (128, 0, 128) float16: FLASHINFER -> in graph FLASH_ATTN""",
         with mla_ops.prefill_backend("FLASHINFER"):
             assert selector.select_backend(None, CONFIG, in_graph=True).name == "REFERENCE"
             assert selector.route(torch.device("cpu"), BF16, 192, 128, in_graph=True).name == "REFERENCE"
+
+
+@pytest.mark.parametrize(
+    ("present", "inside"),
+    [
+        (standins.FLASH_ATTN_NAMES, "FLASH_ATTN"),
+        (("flash_attn.cute",), "FLASH_ATTN"),
+        (("flash_attn",), "TRITON"),
+        (("torch.ops.aten._flash_attention_forward",), "TRITON"),
+    ],
+    ids=["every-flash-attention", "flash-attention-4", "flash-attention-2", "bundled-flash-attention-2"],
+)
+def test_sm90_in_graph_choice_follows_whether_flash_attn_pads_v(present, inside) -> None:
+    # SM90's list is FLASHINFER, FLASH_ATTN, TRITON, with FLASH_ATTN after TRITON where the FlashAttention it
+    # would run widens v (FlashAttention-2). Inside the graphs FLASHINFER is passed over, so what runs there
+    # is FLASH_ATTN through FlashAttention-4, and TRITON when only a FlashAttention-2 is present.
+    pytest.importorskip("triton", reason="TRITON is one of the candidates")
+    flashinfer = FlashInferBackend(library=standins.flashinfer_module(), workspace_bytes=1 << 20, capability=SM90)
+    flash_attn = FlashAttnBackend(libraries=standins.flash_attn_libraries(*present))
+    with selector.backend_installed(flashinfer), selector.backend_installed(flash_attn):
+        assert selector.select_backend(SM90, CONFIG).name == "FLASHINFER"
+        assert selector.select_backend(SM90, CONFIG, in_graph=True).name == inside
 
 
 def test_without_a_device_side_backend_every_reason_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -153,9 +177,9 @@ def test_selections_inside_and_outside_graph_trees_are_cached_apart(
     monkeypatch.setattr(selector, "validate_backend", lambda b, cap, cfg: calls.append(b) or real(b, cap, cfg))
     for _ in range(50):
         assert selector.select_backend(SM90, CONFIG).name == "FLASHINFER"
-        assert selector.select_backend(SM90, CONFIG, in_graph=True).name == "TRITON"
-    # One walk of the priority list for each: FLASHINFER; then FLASHINFER (passed over) and TRITON.
-    assert [b.name for b in calls] == ["FLASHINFER", "FLASHINFER", "TRITON"]
+        assert selector.select_backend(SM90, CONFIG, in_graph=True).name == "FLASH_ATTN"
+    # One walk of the priority list for each: FLASHINFER; then FLASHINFER (passed over) and FLASH_ATTN.
+    assert [b.name for b in calls] == ["FLASHINFER", "FLASHINFER", "FLASH_ATTN"]
     q, v = torch.empty(4, 2, 192, dtype=BF16), torch.empty(4, 2, 128, dtype=BF16)
     selector.backend_for(q, v)
     selector.backend_for(q, v, in_graph=True)
@@ -169,12 +193,9 @@ def test_info_names_the_backend_inside_graph_trees(all_installed) -> None:
         (line,) = [s for s in machine_table(SM90, CONFIG, True).splitlines() if "CUDA-graph trees:" in s]
         return line
 
-    assert trees_line() == (
-        "  CUDA-graph trees: TRITON (FLASHINFER plans on the host); "
-        "options=mla_ops.compile_options('reduce-overhead') keeps FLASHINFER, between the graphs"
-    )
-    with mla_ops.prefill_backend("FLASH_ATTN"):
-        assert trees_line() == "  CUDA-graph trees: FLASH_ATTN too (it reads the offsets on the device)"
+    assert trees_line() == "  CUDA-graph trees: FLASH_ATTN (FLASHINFER plans on the host)"
+    with mla_ops.prefill_backend("TRITON"):
+        assert trees_line() == "  CUDA-graph trees: TRITON too (it reads the offsets on the device)"
     with mla_ops.prefill_backend("FLASHINFER"):
         assert trees_line().startswith(
             "  CUDA-graph trees: none: Selected MLA prefill backend FLASHINFER cannot run inside CUDA-graph trees"
@@ -190,7 +211,7 @@ def test_in_graph_twins_have_the_ops_schema_and_no_tag(name) -> None:
     twin_name = graph_trees.IN_GRAPH_TWINS[name]
     op, twin = getattr(torch.ops.mla, name).default, getattr(torch.ops.mla, twin_name).default
     assert str(twin._schema).replace(twin_name, name, 1) == str(op._schema)
-    assert twin.tags == op.tags  # they replay inside the graphs: not cudagraph_unsafe
+    assert twin.tags == op.tags
 
 
 @contextlib.contextmanager
@@ -211,7 +232,7 @@ def simulated_h200(flashinfer: FlashInferBackend) -> Iterator[PrefillBackend]:
     """Route CPU tensors of DeepSeek's head dims as an H200 selects: FLASHINFER outside CUDA-graph
     trees, and inside them what ``select_backend(SM90, ..., in_graph=True)`` picks (yielded)."""
     inside = selector.select_backend(SM90, CONFIG, in_graph=True)
-    assert selector.select_backend(SM90, CONFIG) is flashinfer and inside.name == "TRITON"
+    assert selector.select_backend(SM90, CONFIG) is flashinfer and inside.name == "FLASH_ATTN"
     with routes(flashinfer, inside):
         yield inside
 
@@ -310,10 +331,6 @@ def _eager_on(backend: PrefillBackend, fn=_attend) -> tuple[torch.Tensor, torch.
 
 PLAIN = ("torch.ops.mla.prefill.default(", "torch.ops.mla.prefill_context_chunk.default(")
 IN_GRAPH = ("torch.ops.mla.prefill_in_graph.default(", "torch.ops.mla.prefill_context_chunk_in_graph.default(")
-HOST_PLANNED = (
-    "torch.ops.mla.prefill_host_planned.default(",
-    "torch.ops.mla.prefill_context_chunk_host_planned.default(",
-)
 
 
 @pytest.mark.parametrize(
@@ -322,19 +339,15 @@ HOST_PLANNED = (
         pytest.param({}, PLAIN, True, id="default"),
         pytest.param({"mode": "max-autotune-no-cudagraphs"}, PLAIN, True, id="max-autotune-no-cudagraphs"),
         pytest.param({"mode": "reduce-overhead"}, IN_GRAPH, False, id="reduce-overhead"),
-        pytest.param({"options": "compile_options"}, HOST_PLANNED, True, id="compile_options"),
+        pytest.param({"mode": "max-autotune"}, IN_GRAPH, False, id="max-autotune"),
     ],
 )
-def test_the_api_routes_only_inside_unpartitioned_graph_trees(
-    all_installed, compile_kwargs, calls, runs_flashinfer
-) -> None:
-    if compile_kwargs.get("options") == "compile_options":
-        compile_kwargs = {"options": mla_ops.compile_options("reduce-overhead")}
+def test_the_api_routes_only_inside_graph_trees(all_installed, compile_kwargs, calls, runs_flashinfer) -> None:
     with simulated_h200(all_installed) as inside:
         (out, lse), code = _compiled_run(_attend, **compile_kwargs)
         planned = all_installed.plan_count
     assert all(call in code for call in calls), code
-    assert sum(code.count(call) for call in PLAIN + IN_GRAPH + HOST_PLANNED) == 2, "one call of each op, no other"
+    assert sum(code.count(call) for call in PLAIN + IN_GRAPH) == 2, "one call of each op, no other"
     want_out, want_lse = _eager_on(all_installed if runs_flashinfer else inside)
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
     assert planned == (2 if runs_flashinfer else 0), "FLASHINFER plans the new tokens and the chunk, or does not run"
@@ -364,7 +377,6 @@ def test_direct_op_calls_are_still_refused_and_told_of_the_api(all_installed, cp
             "Calls through mla_ops.prefill, mla_ops.prefill_context_chunk and mla_ops.prefill_with_context" in message
         )
         assert "are routed automatically" in message and "instead of torch.ops.mla.prefill" in message
-        assert "options=mla_ops.compile_options('reduce-overhead')" in message
         # The same attention through the Python API compiles, and runs the backend chosen for the graphs.
         (out, lse), code = _compiled_run(_attend, mode="reduce-overhead")
         assert all(call in code for call in IN_GRAPH)

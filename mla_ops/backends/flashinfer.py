@@ -311,8 +311,8 @@ def _capture_error(problem: str) -> RuntimeError:
         "the graph's static offset buffers (the new tokens' cu_seqlens and each context chunk's cu_seqlens_k), "
         "then make one eager warm-up call of the model with those buffers and the same shapes, then capture; "
         "call mla_ops.plan_cuda_graph again after writing new offsets, before each replay. Under torch.compile's "
-        "CUDA-graph trees, compile with options=mla_ops.compile_options('reduce-overhead') instead of "
-        "mode='reduce-overhead', so that these ops run between the graphs"
+        "CUDA-graph trees (mode='reduce-overhead'), call mla_ops.prefill / mla_ops.prefill_context_chunk instead "
+        "of torch.ops.mla.*, with automatic selection: they run a backend that reads the offsets on the device there"
     )
 
 

@@ -43,8 +43,7 @@ through :func:`mla_ops.prefill` and :func:`mla_ops.prefill_context_chunk`, which
 trees run the best backend that reads the offsets on the device (TRITON or FLASH_ATTN; see
 :mod:`mla_ops.graph_trees`), so automatic selection replays correctly. A forced FLASHINFER, which
 plans on the host, raises ``ValueError`` at the first compiled call: clear the override, or pass
-``disable_compile=True`` to ``generate()``. (``mla_ops.compile_options`` does not help here: the
-offsets computed inside the graph could not be told apart from one replay to the next.)
+``disable_compile=True`` to ``generate()``.
 
 Not supported, with an error that says so: attention dropout, sliding windows, logit soft-capping,
 attention sinks, position biases, 4-D or custom masks and mask overlays, and gradients (the ops are
