@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The shared modules live next to this script, which is not part of a package.
+from benchlib import cli, timing
 from benchlib import methods as M
 from benchlib import problems as P
 from benchlib import report as R
-from benchlib import timing
 
 if TYPE_CHECKING:
     import torch
@@ -235,19 +235,15 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=(
-            "Per-call overhead of the mla ops on a tiny problem: routing lookup, torch.ops.mla.* end to end, "
-            "the backend's attention method called directly, and the raw library call (plus CUDA-graph replay on "
-            "GPU). Writes dispatch.csv, dispatch.md and dispatch.env.json."
-        ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = cli.parser(
+        "Per-call overhead of the mla ops on a tiny problem: routing lookup, torch.ops.mla.* end to end, the "
+        "backend's attention method called directly, and the raw library call (plus CUDA-graph replay on GPU). "
+        "Writes dispatch.csv, dispatch.md and dispatch.env.json."
     )
-    parser.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<gpu-slug>/)")
-    parser.add_argument("--backends", nargs="+", metavar="NAME", help="backends to measure (default: all valid here)")
+    cli.add_out_dir(parser)
+    cli.add_backends(parser)
     parser.add_argument("--tokens", type=int, default=16, help="tokens T (one sequence; the chunk has T keys too)")
     parser.add_argument("--heads", type=int, default=16, help="heads H")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--iters", type=int, help="calls per round (default: 2000 on GPU, 100 on CPU)")
     parser.add_argument("--rounds", type=int, default=9, help="rounds; the median is reported")
     parser.add_argument("--graph-calls", type=int, default=50, help="calls captured in one CUDA graph")
@@ -259,8 +255,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="auto",
         help="kernel of the raw FlashInfer call: auto (the one FLASHINFER runs: fa3 on SM90), fa2, fa3, ...",
     )
-    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available)")
-    parser.add_argument("--seed", type=int, default=0)
+    cli.add_device(parser)
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.heads < 1:
         parser.error("--tokens and --heads must be positive")
@@ -335,14 +330,8 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         rows.append(measure_merge(args, device))
     except Exception as exc:
         rows.append({"path": "merge_attn_states", "backend": "—", "note": f"failed: {R.short_error(exc)}"})
-    for name, why in not_measured.items():
-        print(f"not measured: {name}: {why}")
-    env["not_measured"] = not_measured
-    env["elapsed_s"] = round(time.perf_counter() - started, 1)
-
-    out_dir = args.out or R.default_out_dir(device)
-    R.write_results(out_dir, "dispatch", CSV_FIELDS, rows, env, render_markdown(rows, env))
-    print(f"wrote dispatch.csv, dispatch.md, dispatch.env.json to {out_dir} in {env['elapsed_s']:.0f} s")
+    R.end_run(env, not_measured, started)
+    R.write_run(args.out or R.default_out_dir(device), "dispatch", CSV_FIELDS, rows, env, render_markdown(rows, env))
     return 0
 
 

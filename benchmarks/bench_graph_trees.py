@@ -41,10 +41,10 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The shared modules live next to this script, which is not part of a package.
+from benchlib import cli, timing
 from benchlib import methods as M
 from benchlib import problems as P
 from benchlib import report as R
-from benchlib import timing
 
 if TYPE_CHECKING:
     import torch
@@ -86,15 +86,12 @@ AUTOMATIC = "reduce-overhead, automatic"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0]
-        + " Writes graph_trees.csv, graph_trees.md and graph_trees.env.json. Defaults differ on CPU (a tiny stack).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = cli.parser(
+        __doc__.split("\n\n")[0]
+        + " Writes graph_trees.csv, graph_trees.md and graph_trees.env.json. Defaults differ on CPU (a tiny stack)."
     )
-    parser.add_argument("--backends", nargs="+", metavar="NAME", help="backends to measure (default: all valid here)")
-    parser.add_argument("--layers", type=int, help=f"layers in the stack (default {GPU_DEFAULTS['layers']})")
-    parser.add_argument("--heads", type=int, help=f"query heads (default {GPU_DEFAULTS['heads']})")
-    parser.add_argument("--hidden", type=int, help=f"hidden size (default {GPU_DEFAULTS['hidden']})")
+    cli.add_backends(parser)
+    cli.add_stack(parser, GPU_DEFAULTS)
     parser.add_argument(
         "--sizes",
         help="comma-separated batch sizes NEWxSEQS+CTX: new tokens over sequences, plus context tokens in one "
@@ -103,10 +100,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per backend and mode, each a new batch")
     parser.add_argument("--warmup-steps", type=int, default=5, help="untimed steps first (compile, record graphs)")
     parser.add_argument("--no-compile", action="store_true", help="eager steps only")
-    parser.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<gpu-slug>/)")
-    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available)")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    parser.add_argument("--seed", type=int, default=0)
+    cli.add_out_dir(parser)
+    cli.add_device(parser)
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup_steps < 0:
         parser.error("--steps must be positive and --warmup-steps not negative")
@@ -295,19 +290,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     device, dtype = P.setup_device(args, GPU_DEFAULTS, CPU_DEFAULTS)
     cuda = device.type == "cuda"
-    try:
-        sizes = [P.ServingSize.parse(text) for text in args.sizes.split(",")]
-    except ValueError as exc:
-        raise SystemExit(f"--sizes: {exc}") from None
+    sizes = [P.parse_serving_size(text, "--sizes") for text in args.sizes.split(",")]
     started = time.perf_counter()
     backends, env = R.start_run(
         "bench_graph_trees.py",
         argv,
         device,
         dtype,
-        layers=args.layers,
-        heads=args.heads,
-        hidden=args.hidden,
+        **P.stack_settings(args),
         steps=args.steps,
         warmup_steps=args.warmup_steps,
         sizes=[s.label for s in sizes],
@@ -320,10 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"backends: {', '.join(r['name'] for r in timed) or 'none'}",
         flush=True,
     )
-    warmed = M.warm_backends(timed, device, dtype, [args.heads])
-    if warmed:
-        env["warmup_s"] = warmed
-    stack = P.mla_stack(P.mla_config(args.hidden, args.heads), args.layers, device, dtype, args.seed)
+    M.warm_backends(timed, device, dtype, [args.heads], record=env)
+    stack = P.stack_of(args, device, dtype)
     modes = {row["name"]: {EAGER: ""} for row in timed}
     if cuda and not args.no_compile:
         import mla_ops
@@ -345,13 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cuda:
             torch._dynamo.reset()
             torch.cuda.empty_cache()
-    for name, why in not_measured.items():
-        print(f"not measured: {name}: {why}")
-    env["not_measured"] = not_measured
-    env["elapsed_s"] = round(time.perf_counter() - started, 1)
-    out_dir = args.out or R.default_out_dir(device)
-    R.write_results(out_dir, "graph_trees", CSV_FIELDS, rows, env, render_markdown(rows, env, args))
-    print(f"wrote graph_trees.csv, graph_trees.md, graph_trees.env.json to {out_dir} in {env['elapsed_s']:.0f} s")
+    R.end_run(env, not_measured, started)
+    R.write_run(
+        args.out or R.default_out_dir(device), "graph_trees", CSV_FIELDS, rows, env, render_markdown(rows, env, args)
+    )
     return 0
 
 

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The shared modules live next to this script, which is not part of a package.
+from benchlib import cli, timing
 from benchlib import methods as M
 from benchlib import problems as P
 from benchlib import report as R
-from benchlib import timing
 
 if TYPE_CHECKING:
     import torch
@@ -69,18 +69,14 @@ def measure(name: str, stack: Any, batch: Any, iters: int, device: torch.device)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = cli.parser(__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4, help="layers in the stack")
     parser.add_argument("--heads", type=int, default=16, help="query heads")
     parser.add_argument("--hidden", type=int, default=2048, help="hidden size of the layers")
     parser.add_argument("--lengths", default="128,128,128,128", help="new tokens per sequence, comma-separated")
     parser.add_argument("--iters", type=int, default=50, help="forwards per timing sample")
     parser.add_argument("--backends", default="TRITON,FLASH_ATTN,FLASHINFER", help="comma-separated backends")
-    parser.add_argument(
-        "--out", type=Path, help="CSV file to write, with <stem>.md and <stem>.env.json beside it (default: print only)"
-    )
+    cli.add_out_csv(parser)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
@@ -101,20 +97,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = P.require_cuda("bench_graphs.py", "capturing and replaying CUDA graphs")
     dtype = torch.bfloat16
     backends, env = R.start_run(
-        "bench_graphs.py",
-        argv,
-        device,
-        dtype,
-        layers=args.layers,
-        heads=args.heads,
-        hidden=args.hidden,
-        lengths=args.lengths,
-        iters=args.iters,
+        "bench_graphs.py", argv, device, dtype, **P.stack_settings(args), lengths=args.lengths, iters=args.iters
     )
     timed, skipped = M.backends_to_time(backends, device, args.backends.split(","))
     print(f"# {env['gpu']}, torch {env['torch']}, {args.layers} layers, H={args.heads}, lengths {args.lengths}")
     M.warm_backends(timed, device, dtype, [args.heads])
-    stack = P.mla_stack(P.mla_config(args.hidden, args.heads), args.layers, device, dtype, args.seed)
+    stack = P.stack_of(args, device, dtype)
     batch = random_batch(stack.layers[0], args.lengths, generator=torch.Generator().manual_seed(args.seed))
     rows = []
     for row in timed:

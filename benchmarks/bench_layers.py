@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The shared modules live next to this script, which is not part of a package.
+from benchlib import cli
 from benchlib import methods as M
 from benchlib import problems as P
 from benchlib import report as R
-from benchlib import timing
 
 if TYPE_CHECKING:
     import torch
@@ -70,30 +70,23 @@ CPU_DEFAULTS = {"layers": 2, "heads": 2, "hidden": 256, "batch": "32x4+64"}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0]
-        + " Writes layers.csv, layers.md and layers.env.json. Defaults differ on CPU (a tiny stack).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = cli.parser(
+        __doc__.split("\n\n")[0]
+        + " Writes layers.csv, layers.md and layers.env.json. Defaults differ on CPU (a tiny stack)."
     )
-    parser.add_argument("--layers", type=int, help=f"layers in the stack (default {GPU_DEFAULTS['layers']})")
-    parser.add_argument("--heads", type=int, help=f"query heads (default {GPU_DEFAULTS['heads']})")
-    parser.add_argument("--hidden", type=int, help=f"hidden size (default {GPU_DEFAULTS['hidden']})")
+    cli.add_stack(parser, GPU_DEFAULTS)
     parser.add_argument(
         "--batch",
         help=f"NEWxSEQS+CTX: new tokens over sequences, plus context tokens in one chunk (default "
         f"{GPU_DEFAULTS['batch']})",
     )
-    parser.add_argument("--backends", nargs="+", metavar="NAME", help="backends to measure (default: all valid here)")
-    parser.add_argument("--rounds", type=int, default=timing.DEFAULT_ROUNDS, help="alternating rounds of op and raw")
-    parser.add_argument("--warmup-ms", type=float, help="warm-up per measurement (default: 25 on GPU, 2 on CPU)")
-    parser.add_argument("--rep-ms", type=float, help="timed ms per measurement (default: 100 on GPU, 10 on CPU)")
-    parser.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<gpu-slug>/)")
-    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available)")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    parser.add_argument("--seed", type=int, default=0)
+    cli.add_backends(parser)
+    cli.add_rounds(parser, "alternating rounds of op and raw")
+    cli.add_timer(parser)
+    cli.add_out_dir(parser)
+    cli.add_device(parser)
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
+    cli.check_rounds(parser, args)
     return args
 
 
@@ -178,19 +171,14 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argpa
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     device, dtype = P.setup_device(args, GPU_DEFAULTS, CPU_DEFAULTS)
-    try:
-        args.size = P.ServingSize.parse(args.batch)
-    except ValueError as exc:
-        raise SystemExit(f"--batch: {exc}") from None
+    args.size = P.parse_serving_size(args.batch, "--batch")
     started = time.perf_counter()
     backends, env = R.start_run(
         "bench_layers.py",
         argv,
         device,
         dtype,
-        layers=args.layers,
-        heads=args.heads,
-        hidden=args.hidden,
+        **P.stack_settings(args),
         batch=args.size.label,
         rounds=args.rounds,
         warmup_ms=args.warmup_ms,
@@ -202,10 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"batch {args.size.label}; backends: {', '.join(r['name'] for r in timed) or 'none'}",
         flush=True,
     )
-    warmed = M.warm_backends(timed, device, dtype, [args.heads])
-    if warmed:
-        env["warmup_s"] = warmed
-    stack = P.mla_stack(P.mla_config(args.hidden, args.heads), args.layers, device, dtype, args.seed)
+    M.warm_backends(timed, device, dtype, [args.heads], record=env)
+    stack = P.stack_of(args, device, dtype)
     (batch,) = P.serving_batches(stack.layers[0], args.size, 1, args.seed, exact_bounds=True)
     print(f"new lengths {batch.new_lengths}, context lengths {batch.context_lengths}")
     rows = []
@@ -226,13 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{result['rel_diff']:.1e} {result['status']}",
             flush=True,
         )
-    for name, why in not_measured.items():
-        print(f"not measured: {name}: {why}")
-    env["not_measured"] = not_measured
-    env["elapsed_s"] = round(time.perf_counter() - started, 1)
-    out_dir = args.out or R.default_out_dir(device)
-    R.write_results(out_dir, "layers", CSV_FIELDS, rows, env, render_markdown(rows, env, args))
-    print(f"wrote layers.csv, layers.md, layers.env.json to {out_dir} in {env['elapsed_s']:.0f} s")
+    R.end_run(env, not_measured, started)
+    R.write_run(
+        args.out or R.default_out_dir(device), "layers", CSV_FIELDS, rows, env, render_markdown(rows, env, args)
+    )
     return 0
 
 

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The shared modules live next to this script, which is not part of a package.
+from benchlib import cli
 from benchlib import methods as M
 from benchlib import problems as P
 from benchlib import report as R
-from benchlib import timing
 
 if TYPE_CHECKING:
     import torch
@@ -51,24 +51,14 @@ CSV_FIELDS = [
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument("--rounds", type=int, default=timing.DEFAULT_ROUNDS, help="alternating rounds per pair")
-    parser.add_argument("--warmup-ms", type=float, help="warm-up per measurement (default: 25 on GPU, 2 on CPU)")
-    parser.add_argument(
-        "--rep-ms", type=float, help="timed milliseconds per measurement (default: 100 on GPU, 10 on CPU)"
-    )
-    parser.add_argument(
-        "--out", type=Path, help="CSV file to write, with <stem>.md and <stem>.env.json beside it (default: print only)"
-    )
-    parser.add_argument("--backends", nargs="+", metavar="NAME", help="backends to compare (default: all valid here)")
-    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available)")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = cli.parser(__doc__.split("\n\n")[0])
+    cli.add_rounds(parser, "alternating rounds per pair")
+    cli.add_timer(parser)
+    cli.add_out_csv(parser)
+    cli.add_backends(parser, help="backends to compare (default: all valid here)")
+    cli.add_device(parser)
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
+    cli.check_rounds(parser, args)
     return args
 
 
@@ -170,9 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     compared = {op.name for op, _ in pairs}
     heads = [s.heads for s in P.reference_shapes(device)]
-    warmed = M.warm_backends([r for r in backends if r["name"] in compared], device, dtype, heads)
-    if warmed:
-        env["warmup_s"] = warmed
+    M.warm_backends([r for r in backends if r["name"] in compared], device, dtype, heads, record=env)
     rows = []
     for shape in P.reference_shapes(device):
         problem = P.make_problem(shape, device, dtype, args.seed)

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The shared modules live next to this script, which is not part of a package.
+from benchlib import cli, timing
 from benchlib import methods as M
 from benchlib import problems as P
 from benchlib import report as R
-from benchlib import timing
 
 if TYPE_CHECKING:
     import torch
@@ -195,26 +195,17 @@ def _result_line(row: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=(
-            "Benchmark MLA prefill (Dqk=192, Dv=128): every valid mla_ops backend through the public ops, and "
-            "raw FlashInfer / FlashAttention-4 / bundled FlashAttention-2 / SDPA / FlexAttention baselines, in "
-            "TFLOP/s (merge in GB/s), with each op's overhead against its own raw call. Writes results.csv, "
-            "results.md, results.png and results.env.json. Without a GPU it times the REFERENCE backend on tiny "
-            "shapes."
-        ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = cli.parser(
+        "Benchmark MLA prefill (Dqk=192, Dv=128): every valid mla_ops backend through the public ops, and raw "
+        "FlashInfer / FlashAttention-4 / bundled FlashAttention-2 / SDPA / FlexAttention baselines, in TFLOP/s "
+        "(merge in GB/s), with each op's overhead against its own raw call. Writes results.csv, results.md, "
+        "results.png and results.env.json. Without a GPU it times the REFERENCE backend on tiny shapes."
     )
-    parser.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<gpu-slug>/)")
+    cli.add_out_dir(parser)
     parser.add_argument(
         "--quick", action="store_true", help="reduced set: the 3 reference shapes, one chunk shape and the merge"
     )
-    parser.add_argument(
-        "--backends",
-        nargs="+",
-        metavar="NAME",
-        help="mla_ops backends to time (default: every backend valid here; REFERENCE only on CPU)",
-    )
+    cli.add_backends(parser, help="mla_ops backends to time (default: every backend valid here; REFERENCE only on CPU)")
     parser.add_argument(
         "--baselines",
         nargs="+",
@@ -231,24 +222,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="shape ids (shell wildcards), suites (causal, chunk, merge) or tags (ref, quick); see --list",
     )
     parser.add_argument("--list", action="store_true", help="print the shapes and methods that would run, then exit")
-    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available)")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument(
         "--flashinfer-backend",
         default="auto",
         help="kernel of the raw FlashInfer baseline: auto (the one FLASHINFER runs: fa3 on SM90), fa2, fa3, ...",
     )
-    parser.add_argument("--warmup-ms", type=float, help="warm-up time per measurement (default: 25 on GPU, 2 on CPU)")
-    parser.add_argument(
-        "--rep-ms", type=float, help="timed repetitions per measurement (default: 100 on GPU, 10 on CPU)"
-    )
+    cli.add_timer(parser)
     parser.add_argument(
         "--ratio-rounds",
         type=int,
         help=f"alternating rounds of each op against its own raw call (default: {timing.DEFAULT_ROUNDS} on GPU, "
         "3 on CPU; bench_overhead.py uses the same)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    cli.add_device(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or counter")
     parser.add_argument(
         "--append",

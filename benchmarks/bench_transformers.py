@@ -28,10 +28,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The shared modules live next to this script, which is not part of a package.
+from benchlib import cli, timing
 from benchlib import methods as M
 from benchlib import problems as P
 from benchlib import report as R
-from benchlib import timing
 
 CSV_FIELDS = [
     "heads",
@@ -53,22 +53,16 @@ CPU_DEFAULTS = {"heads": "2", "tokens": "64", "layers": 1, "batch": 2, "intermed
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0] + " Defaults differ on CPU (a tiny model).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    parser = cli.parser(__doc__.split("\n\n")[0] + " Defaults differ on CPU (a tiny model).")
     parser.add_argument("--heads", help=f"comma-separated query head counts (default {GPU_DEFAULTS['heads']})")
     parser.add_argument("--tokens", help=f"comma-separated new-token totals (default {GPU_DEFAULTS['tokens']})")
     parser.add_argument("--batch", type=int, help=f"sequences per batch (default {GPU_DEFAULTS['batch']})")
     parser.add_argument("--layers", type=int, help=f"decoder layers (default {GPU_DEFAULTS['layers']})")
     parser.add_argument("--intermediate", type=int, help="dense MLP width (default 1024: small, attention dominates)")
-    parser.add_argument("--backends", nargs="+", metavar="NAME", help="mla_ops backends (default: all valid here)")
-    parser.add_argument("--warmup-ms", type=float, help="warm-up per measurement (default: 25 on GPU, 2 on CPU)")
-    parser.add_argument("--rep-ms", type=float, help="timed ms per measurement (default: 100 on GPU, 10 on CPU)")
-    parser.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<gpu-slug>/)")
-    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available)")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    parser.add_argument("--seed", type=int, default=0)
+    cli.add_backends(parser, help="mla_ops backends (default: all valid here)")
+    cli.add_timer(parser)
+    cli.add_out_dir(parser)
+    cli.add_device(parser)
     return parser.parse_args(argv)
 
 

@@ -882,9 +882,11 @@ def warm_backends(
     dtype: torch.dtype,
     heads: Sequence[int],
     log: Callable[[str], None] | None = None,
+    record: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     """Let each backend of ``rows`` build its just-in-time kernels (its ``warmup``) before anything is
-    timed, announcing each; returns the seconds each took. A failure is reported, not raised: the
+    timed, announcing each; returns the seconds each took, also kept as ``record["warmup_s"]`` in a run's
+    environment ``record`` when any backend warmed up. A failure is reported, not raised: the
     measurements of that backend will show the error."""
     import time
 
@@ -906,6 +908,8 @@ def warm_backends(
             seconds[row["name"]] = round(time.perf_counter() - start, 1)
         except Exception as exc:
             log(f"{row['name']}: warm-up failed ({short_error(exc)}); its measurements will show the error")
+    if seconds and record is not None:
+        record["warmup_s"] = seconds
     return seconds
 
 

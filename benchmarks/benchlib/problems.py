@@ -375,6 +375,17 @@ def mla_stack(config: MLAConfig, depth: int, device: torch.device, dtype: torch.
     return _stack_class()(config, depth, device, dtype)
 
 
+def stack_of(args: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """The :func:`mla_stack` that a script's ``--layers``, ``--heads``, ``--hidden`` and ``--seed`` describe
+    (see :func:`benchlib.cli.add_stack`)."""
+    return mla_stack(mla_config(args.hidden, args.heads), args.layers, device, dtype, args.seed)
+
+
+def stack_settings(args: Any) -> dict[str, int]:
+    """``layers``, ``heads`` and ``hidden`` of :func:`stack_of`'s stack, for a run's environment record."""
+    return {"layers": args.layers, "heads": args.heads, "hidden": args.hidden}
+
+
 def batch_args(batch: MLABatch) -> tuple[Any, ...]:
     """``(hidden, positions, cu_seqlens, max_seqlen, context)``: the arguments of a layer or stack."""
     return batch.hidden, batch.positions, batch.cu_seqlens, batch.max_seqlen, batch.context
@@ -409,6 +420,14 @@ class ServingSize:
         if n < b or b < 1 or c < 0:
             raise ValueError(f"batch size {text!r}: need at least one new token per sequence and no negative context")
         return cls(n, b, c)
+
+
+def parse_serving_size(text: str, option: str) -> ServingSize:
+    """:meth:`ServingSize.parse` for the command-line ``option``: exits with a message naming it on bad text."""
+    try:
+        return ServingSize.parse(text)
+    except ValueError as exc:
+        raise SystemExit(f"{option}: {exc}") from None
 
 
 def serving_batches(

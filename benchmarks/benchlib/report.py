@@ -23,6 +23,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -445,6 +446,23 @@ def write_results_beside(
 ) -> list[Path]:
     """:func:`write_results` for a script told a CSV file: ``<stem>.md`` and ``<stem>.env.json`` go beside it."""
     return write_results(csv_path.parent, csv_path.name.removesuffix(".csv"), fieldnames, rows, env, markdown)
+
+
+def end_run(env: dict[str, Any], not_measured: dict[str, str], started: float) -> None:
+    """Print what was not measured and why, and add it to the record ``env`` with the seconds since
+    ``started`` (a ``time.perf_counter()`` reading)."""
+    for name, why in not_measured.items():
+        print(f"not measured: {name}: {why}")
+    env["not_measured"] = not_measured
+    env["elapsed_s"] = round(time.perf_counter() - started, 1)
+
+
+def write_run(
+    out_dir: Path, stem: str, fieldnames: Sequence[str], rows: list[dict[str, Any]], env: dict[str, Any], markdown: str
+) -> None:
+    """:func:`write_results` after :func:`end_run`, saying what was written where and how long the run took."""
+    write_results(out_dir, stem, fieldnames, rows, env, markdown)
+    print(f"wrote {stem}.csv, {stem}.md, {stem}.env.json to {out_dir} in {env['elapsed_s']:.0f} s")
 
 
 def results_markdown(title: str, env: dict[str, Any], intro: str, table: str, notes: Sequence[str] = ()) -> str:
