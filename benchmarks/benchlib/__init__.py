@@ -1,5 +1,6 @@
 """Shared code of the benchmark scripts in ``benchmarks/``.
 
+- :mod:`benchlib.cli`: the command-line options the scripts share;
 - :mod:`benchlib.problems`: shapes, ragged offsets, and inputs in MLA's layout (``v`` a strided view),
   for single attention calls and for stacks of MLA layers;
 - :mod:`benchlib.methods`: what is timed: the ops through ``mla_ops``, the backends called directly,
