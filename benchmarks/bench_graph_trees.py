@@ -109,20 +109,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def recorded_graphs(device: torch.device) -> int | None:
-    """How many CUDA graphs the tree manager of ``device`` has recorded (``None``: not known)."""
+    """:func:`benchlib.methods.recorded_graphs`, or ``None`` where Inductor's private API has changed."""
     try:
-        from torch._inductor.cudagraph_trees import get_manager
-
-        manager = get_manager(device.index or 0, create_if_none_exists=False)
-        if manager is None:
-            return 0
-        nodes = [node for roots in manager.roots.values() for node in roots]
-        count = 0
-        while nodes:
-            node = nodes.pop()
-            count += 1
-            nodes.extend(child for children in node.children.values() for child in children)
-        return count
+        return M.recorded_graphs(device)
     except Exception:  # private API: its absence must not stop the benchmark
         return None
 

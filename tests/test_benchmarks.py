@@ -19,8 +19,17 @@ import sys
 import types
 from pathlib import Path
 
+import bench_dispatch as BD
+import bench_graph_trees as BGT
+import bench_layers as BL
+import bench_overhead as BO
+import bench_prefill as BP
 import pytest
 import torch
+from benchlib import methods as M
+from benchlib import problems as P
+from benchlib import report as R
+from benchlib import timing
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 SCRIPTS = [
@@ -35,18 +44,6 @@ SCRIPTS = [
 ]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 CPU = torch.device("cpu")
-
-sys.path.insert(0, str(BENCH_DIR))
-import bench_dispatch as BD  # noqa: E402
-import bench_graph_trees as BGT  # noqa: E402
-import bench_layers as BL  # noqa: E402
-import bench_overhead as BO  # noqa: E402
-import bench_prefill as BP  # noqa: E402
-from benchlib import methods as M  # noqa: E402
-from benchlib import problems as P  # noqa: E402
-from benchlib import report as R  # noqa: E402
-from benchlib import timing  # noqa: E402
-
 FAST = ["--rep-ms", "1", "--warmup-ms", "0.5"]
 
 

@@ -8,13 +8,15 @@ import importlib.util
 
 import pytest
 import torch
+from benchlib.methods import recorded_graphs
+from graph_replays import REPLAYS, StaticBatch, capture, replay_batch, replays
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 import mla_ops
 from mla_ops.backends.registry import PrefillBackendEnum
 from mla_ops.config import DeviceCapability, SelectorConfig
 from mla_ops.demo import attention_fp64
-from mla_ops.model import LatentChunk, MLAAttention, MLABatch, MLAConfig, random_batch
+from mla_ops.model import MLAAttention, MLABatch, MLAConfig, random_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -95,22 +97,6 @@ def test_compile_fullgraph_dynamic(backend, layers) -> None:
     assert variants <= 2, f"{variants - 1} recompiles over 10 batches"
 
 
-def _recorded_graphs() -> int:
-    """How many CUDA graphs the tree manager of the current device has recorded."""
-    from torch._inductor.cudagraph_trees import get_manager
-
-    manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
-    if manager is None:
-        return 0
-    nodes = [node for roots in manager.roots.values() for node in roots]
-    count = 0
-    while nodes:
-        node = nodes.pop()
-        count += 1
-        nodes.extend(child for children in node.children.values() for child in children)
-    return count
-
-
 @pytest.mark.parametrize("backend", ["TRITON", "FLASH_ATTN"])
 @torch.no_grad()
 def test_compile_reduce_overhead(backend, layers) -> None:
@@ -128,61 +114,10 @@ def test_compile_reduce_overhead(backend, layers) -> None:
             for batch in batches:
                 _assert_close_to_truth(compiled(*_args(batch)).clone(), _truth(truth, batch))
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
-    assert _recorded_graphs() >= len(batches), "the layer was not replayed from CUDA graphs"
+    assert recorded_graphs(torch.device("cuda")) >= len(batches), "the layer was not replayed from CUDA graphs"
 
 
-# --- manual CUDA graph over a token budget ---------------------------------------------------------
-
-BUDGET, MAX_SEQS, CHUNK_BUDGET = 8192, 16, 4096
-REPLAYS = [
-    ([1000, 17, 1, 0, 0, 0], [0, 300, 5, 0, 0, 0]),
-    ([4097, 127], [2000, 0]),
-    ([5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 0], [100] * 16),
-    ([0] * 15 + [8000], [0] * 15 + [4000]),
-    ([2048, 0, 2048, 0, 1024], [1024, 0, 0, 3000, 0]),
-]
-
-
-class StaticBatch:
-    """Static buffers a captured graph reads: a token budget, a sequence budget and one context chunk."""
-
-    def __init__(self, layer: MLAAttention) -> None:
-        c, dev, dt = layer.config, "cuda", torch.bfloat16
-        self.hidden = torch.zeros(BUDGET, c.hidden_size, device=dev, dtype=dt)
-        self.positions = torch.zeros(BUDGET, device=dev, dtype=torch.int64)
-        self.cu_seqlens = torch.zeros(MAX_SEQS + 1, device=dev, dtype=torch.int32)
-        self.kv_c = torch.zeros(CHUNK_BUDGET, c.kv_lora_rank, device=dev, dtype=dt)
-        self.k_pe = torch.zeros(CHUNK_BUDGET, c.qk_rope_head_dim, device=dev, dtype=dt)
-        self.cu_seqlens_k = torch.zeros(MAX_SEQS + 1, device=dev, dtype=torch.int32)
-
-    def load(self, batch: MLABatch) -> None:
-        """Copy a batch in; unused sequences become zero-length padding at the end."""
-        t, tk = batch.hidden.shape[0], batch.context[0].kv_c.shape[0] if batch.context else 0
-        pad = MAX_SEQS + 1 - batch.cu_seqlens.shape[0]
-        self.hidden[:t] = batch.hidden
-        self.positions[:t] = batch.positions
-        self.cu_seqlens.copy_(torch.cat([batch.cu_seqlens, batch.cu_seqlens[-1:].expand(pad)]))
-        if batch.context:
-            chunk = batch.context[0]
-            self.kv_c[:tk] = chunk.kv_c
-            self.k_pe[:tk] = chunk.k_pe
-            self.cu_seqlens_k.copy_(torch.cat([chunk.cu_seqlens_k, chunk.cu_seqlens_k[-1:].expand(pad)]))
-        else:
-            self.cu_seqlens_k.zero_()
-
-    def args(self):
-        chunk = LatentChunk(self.kv_c, self.k_pe, self.cu_seqlens_k, CHUNK_BUDGET)
-        return self.hidden, self.positions, self.cu_seqlens, BUDGET, [chunk]
-
-
-def _replay_batch(layer: MLAAttention, lengths, context, seed: int) -> MLABatch:
-    batch = random_batch(
-        layer, lengths, context, chunk_size=CHUNK_BUDGET, generator=torch.Generator().manual_seed(seed)
-    )
-    if not batch.context:  # keep one (empty) chunk so every replay has the captured structure
-        empty = torch.zeros(len(lengths) + 1, dtype=torch.int32, device="cuda")
-        batch.context = [LatentChunk(batch.hidden.new_zeros(0, 512), batch.hidden.new_zeros(0, 64), empty, 0)]
-    return batch
+# --- manual CUDA graph over a token budget (buffers, batches, capture: graph_replays.py) -----------
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -192,23 +127,8 @@ def test_manual_cuda_graph_replays_new_lengths(backend, layers) -> None:
     layer, truth = layers
     static = StaticBatch(layer)
     with mla_ops.prefill_backend(backend):
-        first = _replay_batch(layer, *REPLAYS[0], seed=0)
-        static.load(first)
-        mla_ops.plan_cuda_graph(static.cu_seqlens, [static.cu_seqlens_k])
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # eager warm-up: JIT compiles and graph plans happen here
-            layer(*static.args())
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = layer(*static.args())
-        for seed, (lengths, context) in enumerate(REPLAYS):
-            batch = _replay_batch(layer, lengths, context, seed)
-            static.load(batch)
-            mla_ops.plan_cuda_graph(static.cu_seqlens, [static.cu_seqlens_k])
-            graph.replay()
-            rows = sum(lengths)
+        graph, out = capture(layer, static, replay_batch(layer, *REPLAYS[0], seed=0))
+        for _, batch, rows in replays(graph, static, layer):
             eager = layer(*_args(batch))
             want = _truth(truth, batch)
             _assert_close_to_truth(eager, want)
@@ -225,7 +145,7 @@ def test_capture_without_plan_fails_clearly_for_flashinfer(layers) -> None:
     layer, _ = layers
     mla_ops.release_cuda_graph_buffers()
     static = StaticBatch(layer)
-    static.load(_replay_batch(layer, *REPLAYS[1], seed=1))
+    static.load(replay_batch(layer, *REPLAYS[1], seed=1))
     with mla_ops.prefill_backend("FLASHINFER"):
         layer(*static.args())  # eager is fine: it plans by itself
         graph = torch.cuda.CUDAGraph()
@@ -247,7 +167,7 @@ def test_reduce_overhead_routes_around_auto_selected_flashinfer(layers) -> None:
     layer, truth = layers
     flashinfer = PrefillBackendEnum.FLASHINFER.backend()
     static = StaticBatch(layer)
-    batches = [_replay_batch(layer, lengths, context, seed) for seed, (lengths, context) in enumerate(REPLAYS)]
+    batches = [replay_batch(layer, lengths, context, seed) for seed, (lengths, context) in enumerate(REPLAYS)]
     eager = [layer(*_args(batch)) for batch in batches]  # FLASHINFER
     want = [_truth(truth, batch) for batch in batches]
     torch._dynamo.reset()
@@ -263,7 +183,7 @@ def test_reduce_overhead_routes_around_auto_selected_flashinfer(layers) -> None:
             _assert_close_to_truth(out, want_out, rows)
             _assert_close_to_eager(out[:rows], eager_out, REL_TOL)  # another attention kernel than eager's
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
-    assert _recorded_graphs() >= 1, "the layer was not replayed from CUDA graphs"
+    assert recorded_graphs(torch.device("cuda")) >= 1, "the layer was not replayed from CUDA graphs"
 
 
 @torch.no_grad()

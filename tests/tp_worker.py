@@ -29,6 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from graph_replays import REPLAYS, StaticBatch, capture, replay_batch, replays
 
 import mla_ops
 from mla_ops.demo import attention_fp64
@@ -198,28 +199,11 @@ def check_compile(dense: MLAAttention, kind: str) -> None:
 
 @torch.no_grad()
 def check_graph(dense: MLAAttention, kind: str) -> None:
-    # The single-GPU graph test's static buffers and batches; "cuda" there is this rank's device.
-    from test_gpu_e2e import REPLAYS, StaticBatch, _replay_batch
-
     assert kind == "cuda", "CUDA graphs need CUDA tensors"
     tp = TensorParallelMLAAttention.from_dense(dense)
     static = StaticBatch(dense)
-    static.load(_replay_batch(dense, *REPLAYS[0], seed=0))
-    mla_ops.plan_cuda_graph(static.cu_seqlens, [static.cu_seqlens_k])
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # eager warm-up: JIT compiles, graph plans, the NCCL communicator
-        tp(*static.args())
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = tp(*static.args())
-    for seed, (lengths, context) in enumerate(REPLAYS):
-        batch = _replay_batch(dense, lengths, context, seed)
-        static.load(batch)
-        mla_ops.plan_cuda_graph(static.cu_seqlens, [static.cu_seqlens_k])
-        graph.replay()
-        rows = sum(lengths)
+    graph, out = capture(tp, static, replay_batch(dense, *REPLAYS[0], seed=0))
+    for seed, batch, rows in replays(graph, static, dense):
         want = dense(*_args(batch))
         assert_close(f"graph replay {seed} ({rows} tokens)", out[:rows], want, REL_TOL[want.dtype])
     # NCCL cannot tear its communicator down while a graph that captured one of its collectives lives.

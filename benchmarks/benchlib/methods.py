@@ -872,6 +872,26 @@ def capture_cuda_graph(fn: Callable[[], Any], device: torch.device, warmup_calls
     return graph, output
 
 
+def recorded_graphs(device: torch.device) -> int:
+    """How many CUDA graphs torch.compile's CUDA-graph tree manager of ``device`` (its current device when
+    ``device`` has no index) has recorded; 0 before it has one. Reads Inductor's private tree manager, so
+    an error here means that API changed."""
+    import torch
+    from torch._inductor.cudagraph_trees import get_manager
+
+    index = torch.cuda.current_device() if device.index is None else device.index
+    manager = get_manager(index, create_if_none_exists=False)
+    if manager is None:
+        return 0
+    nodes = [node for roots in manager.roots.values() for node in roots]
+    count = 0
+    while nodes:
+        node = nodes.pop()
+        count += 1
+        nodes.extend(child for children in node.children.values() for child in children)
+    return count
+
+
 def _print_now(line: str) -> None:
     print(line, flush=True)
 
