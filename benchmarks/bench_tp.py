@@ -24,9 +24,7 @@ import contextlib
 import csv
 import datetime
 import json
-import math
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -43,7 +41,10 @@ from mla_ops.model import MLAAttention, MLABatch, MLAConfig, random_batch
 from mla_ops.parallel import TensorParallelMLAAttention
 from mla_ops.selector import route
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The shared modules live next to this script, which is not part of a package.
+from benchlib import report as R
+from benchlib import timing
 
 #: NVLink multicast stays off in every rank (a program that uses it can take a shared host's GPUs down).
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "PYTHONUNBUFFERED": "1"}
@@ -146,18 +147,10 @@ def time_layer(layer: MLAAttention, batch: MLABatch, warmup: int, iters: int) ->
 def time_allreduce(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, warmup: int, iters: int):
     """Median milliseconds of an all-reduce of ``shape`` alone, and NCCL's bus bandwidth in GB/s."""
     x = torch.randn(shape, dtype=dtype, device=device)
-    for _ in range(warmup):
-        dist.all_reduce(x)
-    torch.cuda.synchronize()
-    pairs = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dist.all_reduce(x)
-        end.record()
-        pairs.append((start, end))
-    torch.cuda.synchronize()
-    ms = statistics.median(s.elapsed_time(e) for s, e in pairs)
+    # Each call between CUDA events, after `warmup` untimed ones; no L2 flush, as inside the layer.
+    ms = timing.measure(
+        lambda: dist.all_reduce(x), device, samples=iters, warmup_calls=warmup, flush_l2=False
+    ).median_ms
     world = dist.get_world_size()
     busbw = 2 * (world - 1) / world * x.numel() * x.element_size() / (ms * 1e-3) / 1e9
     return ms, busbw
@@ -239,12 +232,6 @@ def add_scaling(rows: list[dict[str, Any]]) -> None:
             r["scaling_efficiency"] = t1 / (r["gpus"] * r["layer_ms"])
 
 
-def gpu_slug(name: str) -> str:
-    """``"NVIDIA H200"`` -> ``"h200"``: the results folder of that GPU."""
-    name = re.sub(r"^(nvidia\s+)?(geforce\s+|tesla\s+|quadro\s+)?", "", name.lower())
-    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
-
-
 def environment(device: torch.device) -> dict[str, str]:
     nccl = torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else None
     return {
@@ -257,10 +244,6 @@ def environment(device: torch.device) -> dict[str, str]:
         "mla_ops": mla_ops.__version__,
         "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "(unset)"),
     }
-
-
-def _cell(value: Any, spec: str) -> str:
-    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
 def render_markdown(
@@ -299,11 +282,11 @@ def render_markdown(
     for r in sorted(rows, key=lambda r: (r["tokens"], r["gpus"])):
         lines.append(
             f"| {r['gpus']} | {r['tokens']} | {r['context']} | {r['heads_per_gpu']} | {r['backend']} "
-            f"| {_cell(r['layer_ms'], '.3f')} | {_cell(r['attention_ms'], '.3f')} "
-            f"| {_cell(r['projections_ms'], '.3f')} | {_cell(r.get('allreduce_ms'), '.3f')} "
-            f"| {_cell(r.get('allreduce_alone_ms'), '.3f')} | {_cell(r.get('allreduce_busbw_gbs'), '.0f')} "
-            f"| {_cell(r['attention_tflops'], '.0f')} | {_cell(r.get('speedup'), '.2f')} "
-            f"| {_cell(r.get('scaling_efficiency'), '.0%')} |"
+            f"| {R.fmt(r['layer_ms'], '.3f')} | {R.fmt(r['attention_ms'], '.3f')} "
+            f"| {R.fmt(r['projections_ms'], '.3f')} | {R.fmt(r.get('allreduce_ms'), '.3f')} "
+            f"| {R.fmt(r.get('allreduce_alone_ms'), '.3f')} | {R.fmt(r.get('allreduce_busbw_gbs'), '.0f')} "
+            f"| {R.fmt(r['attention_tflops'], '.0f')} | {R.fmt(r.get('speedup'), '.2f')} "
+            f"| {R.fmt(r.get('scaling_efficiency'), '.0%')} |"
         )
     if skipped:
         lines += ["", f"Not measured: {'; '.join(skipped)}."]
@@ -358,10 +341,10 @@ def drive(args: argparse.Namespace, argv: Sequence[str]) -> None:
             rows += slowest_rank(result["ranks"])
             env = result["env"]
     add_scaling(rows)
-    out_dir = Path(args.out) if args.out else RESULTS_DIR / gpu_slug(env["gpu"])
+    out_dir = Path(args.out) if args.out else R.RESULTS_DIR / R.gpu_name_slug(env["gpu"])
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(out_dir / "tp.csv", rows)
-    command = " ".join(["python benchmarks/bench_tp.py", *argv])
+    command = R.command_line("bench_tp.py", argv)
     report = render_markdown(rows, env, args, command, skipped)
     (out_dir / "tp.md").write_text(report)
     print(report)

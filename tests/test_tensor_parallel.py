@@ -201,4 +201,4 @@ def test_bench_tp_takes_the_slowest_rank_and_scales_against_one_gpu(tmp_path) ->
     report = bench.render_markdown(rows, {"gpu": "NVIDIA H200"}, args, "python benchmarks/bench_tp.py", ["4 GPUs"])
     assert "| 2 | 8192 | 8192 | 64 | TRITON | 7.500 | 4.200 |" in report and "80%" in report
     assert "Not measured: 4 GPUs." in report
-    assert bench.gpu_slug("NVIDIA H200") == "h200"
+    assert bench.R.gpu_name_slug("NVIDIA H200") == "h200"  # the results folder it writes into

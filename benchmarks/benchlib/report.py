@@ -46,8 +46,13 @@ def gpu_slug(device: torch.device) -> str:
 
     if device.type != "cuda":
         return "cpu"
-    name = torch.cuda.get_device_name(device).lower()
-    name = re.sub(r"^nvidia\s+", "", name)
+    return gpu_name_slug(torch.cuda.get_device_name(device))
+
+
+def gpu_name_slug(name: str) -> str:
+    """:func:`gpu_slug` from the GPU's name, for a process that leaves the GPUs to others:
+    ``"NVIDIA H200"`` -> ``"h200"``."""
+    name = re.sub(r"^nvidia\s+", "", name.lower())
     name = re.sub(r"^(geforce|tesla|quadro)\s+", "", name)
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
 
