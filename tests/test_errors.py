@@ -134,6 +134,14 @@ def test_device_mismatch_is_named() -> None:
         mla_ops.prefill(g["q"], g["k"], g["v"], g["cu_seqlens"].to("meta"), 4)
 
 
+def _assert_refused(op, op_name: str, args: list, overrides: dict, error: type[Exception], message: str) -> None:
+    """``op(*args)``, with ``args[i]`` replaced by ``overrides[i]``, raises ``error`` saying ``op_name: message``."""
+    for i, value in overrides.items():
+        args[i] = value
+    with pytest.raises(error, match=re.escape(f"{op_name}: {message}")):
+        op(*args)
+
+
 def _chunk_args():
     b = make_batch([3, 4], 2, 192, 128, BF16)
     _, k_c, v_c = make_qkv(5, 2, 192, 128, BF16)
@@ -161,11 +169,9 @@ CHUNK_CASES = [
 
 @pytest.mark.parametrize(("name", "overrides", "error", "message"), CHUNK_CASES, ids=[c[0] for c in CHUNK_CASES])
 def test_context_chunk_errors(name, overrides, error, message) -> None:
-    args = _chunk_args()
-    for i, value in overrides.items():
-        args[i] = value
-    with pytest.raises(error, match=re.escape("mla.prefill_context_chunk: " + message)):
-        mla_ops.prefill_context_chunk(*args)
+    _assert_refused(
+        mla_ops.prefill_context_chunk, "mla.prefill_context_chunk", _chunk_args(), overrides, error, message
+    )
 
 
 def _merge_args():
@@ -205,11 +211,7 @@ MERGE_CASES = [
 
 @pytest.mark.parametrize(("name", "overrides", "error", "message"), MERGE_CASES, ids=[c[0] for c in MERGE_CASES])
 def test_merge_errors(name, overrides, error, message) -> None:
-    args = _merge_args()
-    for i, value in overrides.items():
-        args[i] = value
-    with pytest.raises(error, match=re.escape("mla.merge_attn_states: " + message)):
-        mla_ops.merge_attn_states(*args)
+    _assert_refused(mla_ops.merge_attn_states, "mla.merge_attn_states", _merge_args(), overrides, error, message)
 
 
 def test_prefill_with_context_rejects_malformed_chunks() -> None:

@@ -184,42 +184,38 @@ Selection rules for compute capability 7.5 and SelectorConfig(dtype=torch.bfloat
 @pytest.mark.usefixtures("all_installed")
 class TestErrorMessages(expecttest.TestCase):
     def test_no_valid_backend_names_config_and_every_reason(self) -> None:
-        with self.assertRaises(ValueError) as ctx:
-            sel.select_backend(SM90, SelectorConfig(torch.float32, DEEPSEEK))
-        self.assertExpectedInline(
-            str(ctx.exception),
+        self.assertExpectedRaisesInline(
+            ValueError,
+            lambda: sel.select_backend(SM90, SelectorConfig(torch.float32, DEEPSEEK)),
             """No valid MLA prefill backend found with SelectorConfig(dtype=torch.float32, mla_dimensions=MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)). Reasons: {FLASHINFER: [dtype float32 is not supported (use bfloat16, float16)], FLASH_ATTN: [dtype float32 is not supported (use bfloat16, float16)], TRITON: [dtype float32 is not supported (use bfloat16, float16)]}.""",
         )
 
     def test_no_valid_backend_for_odd_dims(self) -> None:
-        with self.assertRaises(ValueError) as ctx:
-            sel.select_backend(SM90, SelectorConfig(torch.bfloat16, ODD))
-        self.assertExpectedInline(
-            str(ctx.exception),
+        self.assertExpectedRaisesInline(
+            ValueError,
+            lambda: sel.select_backend(SM90, SelectorConfig(torch.bfloat16, ODD)),
             """No valid MLA prefill backend found with SelectorConfig(dtype=torch.bfloat16, mla_dimensions=MLADimensions(qk_nope_head_dim=256, qk_rope_head_dim=64, v_head_dim=128)). Reasons: {FLASHINFER: [head dims (Dqk, Dv) = (320, 128) have no FlashInfer ragged prefill kernel: fa2/fa3 are built for Dqk == Dv in (64, 128, 256) and for DeepSeek's (192, 128)], FLASH_ATTN: [head dims (Dqk=320, Dv=128) are not supported: FlashAttention-4 (flash_attn.cute) on SM90 supports head dims from 8 to 256; FlashAttention-3 (flash_attn_interface) supports Dqk up to 256; FlashAttention-2 (flash_attn) supports head dims up to 256, and the padded head dim max(Dqk, Dv) is 320; PyTorch's bundled FlashAttention-2 (torch.ops.aten._flash_attention_forward) supports head dims up to 256, and the padded head dim max(Dqk, Dv) is 320], TRITON: [qk head dim (qk_nope + qk_rope) 320 exceeds 256]}.""",
         )
 
     def test_unsupported_platform(self) -> None:
-        with self.assertRaises(ValueError) as ctx:
-            sel.select_backend(SM75, SelectorConfig(torch.bfloat16, DEEPSEEK))
-        self.assertExpectedInline(
-            str(ctx.exception),
+        self.assertExpectedRaisesInline(
+            ValueError,
+            lambda: sel.select_backend(SM75, SelectorConfig(torch.bfloat16, DEEPSEEK)),
             """No valid MLA prefill backend found with SelectorConfig(dtype=torch.bfloat16, mla_dimensions=MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)): no MLA prefill backend priority list for compute capability 7.5; automatic selection covers SM80/SM86/SM89 (Ampere, Ada), SM90 (Hopper) and SM100 (Blackwell). Set MLA_OPS_PREFILL_BACKEND to force a backend that is valid here.""",
         )
 
     def test_invalid_override(self) -> None:
-        with mla_ops.prefill_backend("FLASHINFER"), self.assertRaises(ValueError) as ctx:
-            sel.select_backend(SM90, SelectorConfig(torch.bfloat16, ODD))
-        self.assertExpectedInline(
-            str(ctx.exception),
-            """Selected MLA prefill backend FLASHINFER is not valid for this configuration. Reason: ["head dims (Dqk, Dv) = (320, 128) have no FlashInfer ragged prefill kernel: fa2/fa3 are built for Dqk == Dv in (64, 128, 256) and for DeepSeek's (192, 128)"]""",
-        )
+        with mla_ops.prefill_backend("FLASHINFER"):
+            self.assertExpectedRaisesInline(
+                ValueError,
+                lambda: sel.select_backend(SM90, SelectorConfig(torch.bfloat16, ODD)),
+                """Selected MLA prefill backend FLASHINFER is not valid for this configuration. Reason: ["head dims (Dqk, Dv) = (320, 128) have no FlashInfer ragged prefill kernel: fa2/fa3 are built for Dqk == Dv in (64, 128, 256) and for DeepSeek's (192, 128)"]""",
+            )
 
     def test_unknown_backend_name(self) -> None:
-        with self.assertRaises(ValueError) as ctx:
-            mla_ops.set_prefill_backend("FLASH")
-        self.assertExpectedInline(
-            str(ctx.exception),
+        self.assertExpectedRaisesInline(
+            ValueError,
+            lambda: mla_ops.set_prefill_backend("FLASH"),
             """unknown MLA prefill backend 'FLASH'; choose one of: REFERENCE, TRITON, FLASH_ATTN, FLASHINFER""",
         )
 
