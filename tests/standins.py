@@ -417,13 +417,18 @@ def fa3_module(variant: str = "new") -> types.ModuleType:
 # --- FlashAttention-2 (flash_attn) and PyTorch's bundled copy ---------------------------------------------
 
 
-def fa2_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, *, value_name: str):
+def fa2_attention(calls: list[dict], call: dict[str, Any], *, value_name: str):
     """FlashAttention-2's varlen forward (``mha_varlen_fwd``, in flash-attn and in PyTorch's copy): one head
-    size for q, k and v, and ``+inf`` in the LSE of rows without keys."""
+    size for q, k and v, and ``+inf`` in the LSE of rows without keys.
+
+    ``call`` holds the arguments under flash-attn's names (``q``, ``cu_seqlens_q``, ``softmax_scale``, ...),
+    whatever the caller's own; it is appended to ``calls`` first, so a test reads what the kernel ran on."""
+    calls.append(call)
+    q, k, v, cu_q, cu_k = call["q"], call["k"], call["v"], call["cu_seqlens_q"], call["cu_seqlens_k"]
     if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
         raise RuntimeError(f"{value_name} must have shape (total_k, num_heads_k, head_size_og)")
-    check_kernel_inputs(q, k, v, cu_q, cu_k, max_q, max_k)
-    return kernel_attention(q, k, v, cu_q, cu_k, scale, causal, math.inf)
+    check_kernel_inputs(q, k, v, cu_q, cu_k, call["max_seqlen_q"], call["max_seqlen_k"])
+    return kernel_attention(q, k, v, cu_q, cu_k, call["softmax_scale"], call["causal"], math.inf)
 
 
 def fa2_module() -> types.ModuleType:
@@ -437,13 +442,11 @@ def fa2_module() -> types.ModuleType:
         causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
         return_attn_probs=False, block_table=None,
     ):  # fmt: skip
-        module.calls.append(dict(
+        out, lse = fa2_attention(module.calls, dict(
             q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
             window_size=window_size, return_attn_probs=return_attn_probs,
-        ))  # fmt: skip
-        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
-        out, lse = fa2_attention(*args, value_name="v")
+        ), value_name="v")  # fmt: skip
         return (out, lse, torch.empty(0, dtype=q.dtype)) if return_attn_probs else out
 
     module.flash_attn_varlen_func = flash_attn_varlen_func
@@ -459,13 +462,11 @@ def bundled_op() -> Callable[..., Any]:
         query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *,
         scale=None, window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None,
     ):  # fmt: skip
-        calls.append(dict(
+        out, lse = fa2_attention(calls, dict(
             q=query, k=key, v=value, cu_seqlens_q=cum_seq_q, cu_seqlens_k=cum_seq_k, max_seqlen_q=max_q,
             max_seqlen_k=max_k, dropout_p=dropout_p, causal=is_causal, return_debug_mask=return_debug_mask,
             softmax_scale=scale, window_size_left=window_size_left,
-        ))  # fmt: skip
-        args = (query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, scale, is_causal)
-        out, lse = fa2_attention(*args, value_name="value")
+        ), value_name="value")  # fmt: skip
         rng_state = torch.empty(2, dtype=torch.int64)
         return out, lse, rng_state, torch.empty(()), torch.empty(0, dtype=query.dtype)
 
