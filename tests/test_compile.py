@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch._dynamo
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-from utils import cu_seqlens_of, make_batch, make_qkv
+from utils import cu_seqlens_of, make_batch, make_qkv, reset_compile
 
 import mla_ops
 from mla_ops.model import MLAAttention, MLAConfig, random_batch
@@ -47,8 +47,7 @@ def _compiled_variants(fn) -> int:
 
 
 def _run_batches(mark_dynamic: bool, dynamic: bool | None = None) -> tuple[int, int]:
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    reset_compile()
 
     def attend(q, k, v, cu, max_seqlen, chunks):
         return mla_ops.prefill_with_context(q, k, v, cu, max_seqlen, chunks)
@@ -109,8 +108,7 @@ def layer_batches(layer: MLAAttention, count: int = 10, chunk_size: int = 8):
 
 @torch.no_grad()
 def test_mla_layer_compiles_fullgraph_once_across_ten_batches() -> None:
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    reset_compile()
     torch.manual_seed(0)
     layer = MLAAttention(MLAConfig(hidden_size=256, num_heads=4, kv_lora_rank=64), dtype=torch.bfloat16)
     compiled = torch.compile(layer, fullgraph=True, dynamic=True)

@@ -11,6 +11,7 @@ import torch
 from benchlib.methods import recorded_graphs
 from graph_replays import REPLAYS, StaticBatch, capture, replay_batch, replays
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from utils import reset_compile
 
 import mla_ops
 from mla_ops.backends.registry import PrefillBackendEnum
@@ -82,8 +83,7 @@ def _batches(layer: MLAAttention, count: int):
 def test_compile_fullgraph_dynamic(backend, layers) -> None:
     _require(backend)
     layer, truth = layers
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    reset_compile()
     with mla_ops.prefill_backend(backend):
         compiled = torch.compile(layer, fullgraph=True, dynamic=True)
         for batch in _batches(layer, 10):
@@ -105,8 +105,7 @@ def test_compile_reduce_overhead(backend, layers) -> None:
     # automatically, the calls are routed (test_reduce_overhead_routes_around_auto_selected_flashinfer).
     _require(backend)
     layer, truth = layers
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    reset_compile()
     with mla_ops.prefill_backend(backend):
         compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
         batches = list(_batches(layer, 3))
@@ -170,8 +169,7 @@ def test_reduce_overhead_routes_around_auto_selected_flashinfer(layers) -> None:
     batches = [replay_batch(layer, lengths, context, seed) for seed, (lengths, context) in enumerate(REPLAYS)]
     eager = [layer(*_args(batch)) for batch in batches]  # FLASHINFER
     want = [_truth(truth, batch) for batch in batches]
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    reset_compile()
     compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
     for _ in range(2):  # warm-up and recording in the first round; every later call replays
         for batch, eager_out, want_out in zip(batches, eager, want):

@@ -131,6 +131,13 @@ def dense_attention(
     return out, lse
 
 
+def reset_compile() -> None:
+    """Forget every compiled graph and zero Dynamo's counters, so that what a test counts (graph breaks,
+    recompiles, CUDA-graph skips) is its own."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
 def _valid_rows(cu_seqlens_q: torch.Tensor) -> int:
     return int(cu_seqlens_q[-1])
 
