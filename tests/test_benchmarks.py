@@ -707,3 +707,20 @@ def test_report_marks_wrong_and_failed_methods(tmp_path):
     assert "| flex_attention | — | — | 0 | 0 | 2 | RuntimeError: no kernel |" in md
     assert "FLASHINFER / flashinfer_raw" in md and "best raw baseline" in md
     assert (tmp_path / "results.png").exists() == HAS_MATPLOTLIB and len(notes) == (0 if HAS_MATPLOTLIB else 1)
+
+
+def test_a_stale_launch_error_is_consumed_once(monkeypatch):
+    # A library's failed launch leaves CUDA's last error set; the next launch raises it. One is absorbed,
+    # a second failure is real and propagates.
+    real_zeros, errors = torch.zeros, ["CUDA error: invalid argument"]
+
+    def zeros(*args, **kwargs):
+        if errors:
+            raise RuntimeError(errors.pop())
+        return real_zeros(*args, **{**kwargs, "device": "cpu"})
+
+    monkeypatch.setattr(torch, "zeros", zeros)
+    M.clear_launch_error(torch.device("cuda", 0))
+    errors[:] = ["CUDA error: invalid argument", "CUDA error: an illegal memory access was encountered"]
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        M.clear_launch_error(torch.device("cuda", 0))

@@ -774,7 +774,24 @@ def check_and_time(
         result.status, result.note, result.time_ms = "error", short_error(exc), None
         if p.device.type == "cuda":  # after an out-of-memory error, return what the failed call held
             torch.cuda.empty_cache()
+            clear_launch_error(p.device)
     return result
+
+
+def clear_launch_error(device: torch.device) -> None:
+    """Consume a kernel-launch error that a failed library call left behind on ``device``.
+
+    A library that reports a failed launch (FlashInfer's ``merge_state`` at H=128, T=16384 on the H200:
+    "invalid argument") but does not reset CUDA's last error hands it to the next PyTorch launch, which
+    then raises although it is fine: in one run the next benchmark's L2 flush did, and the whole run
+    stopped. One throwaway launch takes the stale error; a second failure would be a real one.
+    """
+    import torch
+
+    try:
+        torch.zeros(1, device=device)
+    except RuntimeError:
+        torch.zeros(1, device=device)
 
 
 def overhead_ratio(
