@@ -716,7 +716,7 @@ def test_a_stale_launch_error_is_consumed_once(monkeypatch):
 
     def zeros(*args, **kwargs):
         if errors:
-            raise RuntimeError(errors.pop())
+            raise RuntimeError(errors.pop(0))
         return real_zeros(*args, **{**kwargs, "device": "cpu"})
 
     monkeypatch.setattr(torch, "zeros", zeros)
