@@ -206,6 +206,16 @@ def _as_chunk(index: int, chunk: object, q: torch.Tensor, v: torch.Tensor) -> Co
     return ContextChunk(k_c, v_c, cu_seqlens_k, _length(where, "max_seqlen_k", max_seqlen_k))
 
 
+def _scaled_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[T, H, D]`` times ``weight`` ``[H, T]`` per row, with rows of weight 0 set to 0.
+
+    ``where(w == 0, 0, x * w)``: a side without keys is dropped even if its ``x`` holds NaN, while a NaN
+    weight (from a NaN LSE) still turns the row into NaN.
+    """
+    w = weight.t()[..., None]
+    return torch.where(w == 0, 0.0, x * w)
+
+
 def _merge_in_fp32(partials: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge ``(out [T, H, Dv], lse [H, T])`` partial results with one rounding at the end.
 
@@ -224,14 +234,11 @@ def _merge_in_fp32(partials: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tup
         shift = torch.where(torch.isneginf(new_max), 0.0, new_max)
         old_weight = torch.exp(running_max - shift)
         weight = torch.exp(lse - shift)
-        # `where(w == 0, 0, x * w)`: a side without keys is dropped even if its out holds NaN, while a
-        # NaN weight (from a NaN LSE) still turns the row into NaN.
-        scaled_acc = torch.where(old_weight.t()[..., None] == 0, 0.0, acc * old_weight.t()[..., None])
-        scaled_out = torch.where(weight.t()[..., None] == 0, 0.0, out.float() * weight.t()[..., None])
-        acc = scaled_acc + scaled_out
+        acc = _scaled_rows(acc, old_weight) + _scaled_rows(out.float(), weight)
         total = total * old_weight + weight
         running_max = new_max
-    out = torch.where(total.t()[..., None] == 0, 0.0, acc / total.t()[..., None])
+    rows_total = total.t()[..., None]
+    out = torch.where(rows_total == 0, 0.0, acc / rows_total)
     lse = torch.where(total == 0, -math.inf, shift + torch.log(total))
     return out.to(first_out.dtype), lse
 
