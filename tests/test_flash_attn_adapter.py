@@ -18,6 +18,7 @@ import pytest
 import standins
 import torch
 from standins import no_host_sync
+from torch.utils._python_dispatch import TorchDispatchMode
 from utils import DEEPSEEK_DIMS, RaggedBatch, assert_attention_close, cu_seqlens_of, make_batch, make_qkv
 
 import mla_ops
@@ -375,6 +376,34 @@ def test_fa4_takes_v_as_it_is_and_returns_the_lse_in_the_package_convention(path
     assert call["cu_seqlens_q"] is ran.batch.cu_seqlens and call["cu_seqlens_k"] is ran.cu_k
     assert (call["max_seqlen_q"], call["max_seqlen_k"], call["softmax_scale"]) == (ran.max_q, ran.max_k, scale)
     assert call["causal"] is (path == "prefill") and call["return_lse"] is True
+
+
+class _AtenOps(TorchDispatchMode):
+    """Records the name of every aten op run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("path", ["prefill", "chunk"])
+@pytest.mark.parametrize(("impl", "fixes_lse"), [(FA4, False), (FA3, True), (FA2, True), (BUNDLED, True)])
+def test_the_empty_row_lse_pass_runs_only_where_the_kernel_needs_it(impl, path, fixes_lse):
+    # FlashAttention-2 (and FlashAttention-3's softmax epilogue) write +inf for a row with no keys, which
+    # an in-place pass turns into the contract's -inf; FlashAttention-4 writes -inf itself, so its calls
+    # skip that launch. Causal self-attention has no such rows on any implementation.
+    chain = Chain(impl, fa3="new")
+    batch, k, v, cu_k = _chunk_inputs(3, strided_v=False)
+    if path == "prefill":
+        k, v, cu_k = batch.k, batch.v, batch.cu_seqlens
+    with _AtenOps() as ops:
+        out, lse = chain.run(path, batch.q, k, v, batch.cu_seqlens, cu_k, 64, 30, 0.1)
+    assert_attention_close(out, lse, batch.q, k, v, batch.cu_seqlens, cu_k, 0.1, path == "prefill")
+    assert ("nan_to_num_.default" in ops.names) == (fixes_lse and path == "chunk"), ops.names
 
 
 def test_fa3_without_lse_is_a_clear_error():

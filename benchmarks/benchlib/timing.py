@@ -17,6 +17,7 @@ machine, and the median over rounds discards the rounds that drift hit.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -145,7 +146,18 @@ def measure(
         n_warmup, n_samples = warmup_calls or 0, samples
     for _ in range(n_warmup):
         fn()
-    return Timing(tuple(t / calls_per_sample for t in _samples(prepare, run, device, n_samples)))
+    # As timeit does, pause the garbage collector while the samples are taken: a collection that
+    # earlier allocations trigger would otherwise land in whichever function's sample runs next, which
+    # on microsecond host-bound calls is larger than the cost being measured.
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        times = _samples(prepare, run, device, n_samples)
+    finally:
+        if was_enabled:
+            gc.enable()
+    return Timing(tuple(t / calls_per_sample for t in times))
 
 
 def _estimate_ms(prepare: Callable[[], None], run: Callable[[], None], device: torch.device) -> float:

@@ -146,6 +146,10 @@ class _Kind:
     pads_v: bool
     capability_rule: Callable[[DeviceCapability], str | None]
     dims_rule: Callable[[DeviceCapability | None, int, int], list[str]]
+    #: Whether its kernels may write an LSE of ``+inf`` for a row that sees no key (FlashAttention-2's
+    #: early exit, FlashAttention-3's softmax epilogue in newer trees), which the package's contract
+    #: spells ``-inf``; FlashAttention-4 writes ``-inf`` already.
+    empty_lse_posinf: bool = False
 
     def capability_reason(self, capability: DeviceCapability) -> str | None:
         """Why this implementation has no kernels for ``capability``, or ``None`` when it has."""
@@ -159,14 +163,15 @@ class _Kind:
 _FA2_LABEL = "FlashAttention-2 (flash_attn)"
 _BUNDLED_LABEL = "PyTorch's bundled FlashAttention-2 (torch.ops.aten._flash_attention_forward)"
 _FA4 = _Kind("flash_attn.cute", "FlashAttention-4 (flash_attn.cute)", False, _fa4_capability, _fa4_dims)
-_FA3 = _Kind("flash_attn_interface", "FlashAttention-3 (flash_attn_interface)", False, _fa3_capability, _fa3_dims)
-_FA2 = _Kind("flash_attn", _FA2_LABEL, True, _fa2_capability(_FA2_LABEL), _fa2_dims(_FA2_LABEL))
+_FA3 = _Kind("flash_attn_interface", "FlashAttention-3 (flash_attn_interface)", False, _fa3_capability, _fa3_dims, True)
+_FA2 = _Kind("flash_attn", _FA2_LABEL, True, _fa2_capability(_FA2_LABEL), _fa2_dims(_FA2_LABEL), True)
 _BUNDLED = _Kind(
     "torch.ops.aten._flash_attention_forward",
     _BUNDLED_LABEL,
     True,
     _fa2_capability(_BUNDLED_LABEL),
     _fa2_dims(_BUNDLED_LABEL),
+    True,
 )
 _KINDS = (_FA4, _FA3, _FA2, _BUNDLED)
 
@@ -175,11 +180,15 @@ _KINDS = (_FA4, _FA3, _FA2, _BUNDLED)
 
 
 def _is_aligned(t: torch.Tensor, element_offset: int = 0) -> bool:
-    """Whether every ``[token, head]`` row of ``t`` (shifted by ``element_offset``) starts on 16 bytes."""
+    """Whether every ``[token, head]`` row of ``t`` ``[T, H, D]`` (shifted by ``element_offset``) starts
+    on 16 bytes. Runs on every call for q, k and v, so it is written out for three dimensions."""
     size = t.element_size()
     if (t.data_ptr() + element_offset * size) % _ALIGN_BYTES:
         return False
-    return all(n == 1 or (s * size) % _ALIGN_BYTES == 0 for n, s in zip(t.shape[:-1], t.stride()[:-1]))
+    (tokens, heads, _), (token_stride, head_stride, _) = t.shape, t.stride()
+    return (tokens == 1 or token_stride * size % _ALIGN_BYTES == 0) and (
+        heads == 1 or head_stride * size % _ALIGN_BYTES == 0
+    )
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -259,7 +268,7 @@ def widen_v(v: torch.Tensor, width: int) -> tuple[torch.Tensor, int, str]:
 
 
 def _finish(
-    label: str,
+    kind: _Kind,
     out: torch.Tensor,
     lse: torch.Tensor,
     num_tokens: int,
@@ -273,21 +282,25 @@ def _finish(
     ``out`` ``[T, H, >= first + Dv]`` -> ``[T, H, Dv]`` contiguous; ``lse`` float32 ``[H, T]`` with
     FlashAttention's ``+inf`` for rows without keys turned into ``-inf``. The output of those rows is
     already 0: FlashAttention-2's early exit writes zeros to O and ``+inf`` to the LSE
-    (csrc/flash_attn/src/flash_fwd_kernel.h, "We exit early and write 0 to gO and gLSE"), and
-    FlashAttention-3's ``store_zero`` epilogue writes zeros and ``-inf``. Causal self-attention has no
-    such rows (every token sees itself), so that pass only runs for context chunks.
+    (csrc/flash_attn/src/flash_fwd_kernel.h, "We exit early and write 0 to gO and gLSE"),
+    FlashAttention-3's ``store_zero`` epilogue writes zeros and ``-inf`` (its softmax epilogue, in newer
+    trees, ``+inf``), and FlashAttention-4 zeroes
+    the accumulator of a tile with no key block and writes ``-inf`` for a row whose sum is 0
+    (``flash_attn/cute/softmax.py``, ``finalize``). So the ``+inf`` pass runs only for the kinds that
+    need it, and only for context chunks: causal self-attention has no such rows (every token sees
+    itself).
     """
     if out.shape[-1] != dv or not out.is_contiguous():
         out = _columns(out, first, dv)
     if lse.shape != (num_heads, num_tokens) or lse.dtype != torch.float32:
         raise RuntimeError(
-            f"{label} returned a softmax LSE of shape {tuple(lse.shape)} and dtype {lse.dtype}; the FLASH_ATTN "
+            f"{kind.label} returned a softmax LSE of shape {tuple(lse.shape)} and dtype {lse.dtype}; the FLASH_ATTN "
             f"backend reads the varlen layout float32 [H, total_q] = [{num_heads}, {num_tokens}], which older "
             "releases do not use. Upgrade the library, or select another backend with MLA_OPS_PREFILL_BACKEND"
         )
     if not lse.is_contiguous():
         lse = lse.contiguous()
-    if not causal:
+    if kind.empty_lse_posinf and not causal:
         # One in-place pass: +inf (no keys) -> -inf; -inf stays; NaN stays NaN so that it is not hidden.
         lse.nan_to_num_(nan=math.nan, posinf=-math.inf, neginf=-math.inf)
     return out, lse
@@ -342,7 +355,7 @@ class _Adapter:
             if dv > dqk:
                 q, k = _pad_columns(q, dv), _pad_columns(k, dv)
         out, lse = self._call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
-        return _finish(self.kind.label, out, lse, num_tokens, num_heads, first, dv, causal)
+        return _finish(self.kind, out, lse, num_tokens, num_heads, first, dv, causal)
 
     def _call(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
         raise NotImplementedError
