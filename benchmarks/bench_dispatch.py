@@ -207,6 +207,36 @@ def measure_merge(args: argparse.Namespace, device: torch.device) -> dict[str, A
     return row
 
 
+def measure_dispatch_floor(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """What the dispatcher alone costs here: an op with ``mla.prefill``'s schema whose Python kernel
+    only returns two preallocated tensors, through ``torch.ops`` against the kernel function called
+    directly. No op with a Python kernel can cost less than this above its raw call."""
+    import torch
+
+    from mla_ops.ops import SCHEMAS
+
+    p = P.make_problem(P.Shape("causal", args.heads, (args.tokens,)), device, getattr(torch, args.dtype), args.seed)
+    q, k, v, cu_q, _, max_q, _, scale = p.attention_args()
+    outputs = (torch.empty_like(v), torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=device))
+
+    def kernel(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
+        return outputs
+
+    lib = torch.library.Library("mla_bench", "FRAGMENT")
+    if not hasattr(torch.ops.mla_bench, "noop_prefill"):
+        lib.define("noop_" + SCHEMAS["prefill"])
+    lib.impl("noop_prefill", kernel, "CPU")
+    lib.impl("noop_prefill", kernel, "CUDA")
+    op = torch.ops.mla_bench.noop_prefill
+    fns = {"op_us": lambda: op(q, k, v, cu_q, max_q, scale), "direct_us": lambda: kernel(q, k, v, cu_q, max_q, scale)}
+    row: dict[str, Any] = {"path": "dispatch floor", "backend": "no-op", "tokens": args.tokens, "heads": args.heads}
+    row.update(per_call_us(fns, dict.fromkeys(fns, args.iters), device, args.rounds))
+    row["op_minus_direct_us"] = row["op_us"] - row["direct_us"]
+    row["note"] = "a Python kernel that returns preallocated outputs, registered with mla.prefill's schema"
+    lib._destroy()
+    return row
+
+
 #: The columns of dispatch.md: the per-call figures in µs.
 COLUMNS: list[R.Column] = [
     ("path", R.text("path")),
@@ -225,10 +255,13 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
     """The results as Markdown: header, the table, and what the columns mean."""
     shape = f"T={rows[0]['tokens']}, H={rows[0]['heads']}, (Dqk, Dv) = ({P.DQK}, {P.DV})" if rows else ""
     intro = (
-        "Per-call wall time in µs (median over rounds of back-to-back calls; on CUDA the larger of host issue "
+        "Per-call wall time in µs (median over rounds of back-to-back calls, the garbage collector paused as "
+        "timeit does; on CUDA the larger of host issue "
         "cost and device time). *op − direct* is the cost of the op layer (dispatcher, input checks, "
         "routing); *op − raw* adds the backend's own wrapping (output allocation, LSE conversion, padding). "
-        "*graph* columns: device time per call inside a replayed CUDA graph. Design goal: op − raw <= 5 µs."
+        "*graph* columns: device time per call inside a replayed CUDA graph. The *dispatch floor* row is an op "
+        "with mla.prefill's schema whose Python kernel only returns preallocated outputs: what the dispatcher "
+        "alone costs on this host, below which no op with a Python kernel can go. Design goal: op − raw <= 5 µs."
     )
     title = f"MLA op dispatch overhead: {env.get('gpu')}, {env.get('dtype')}, {shape}"
     return R.results_markdown(title, env, intro, R.rows_table(rows, COLUMNS))
@@ -325,6 +358,11 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                 + "  "
                 + result.get("note", "")
             )
+    print("dispatch floor...", flush=True)
+    try:
+        rows.append(measure_dispatch_floor(args, device))
+    except Exception as exc:
+        rows.append({"path": "dispatch floor", "backend": "—", "note": f"failed: {R.short_error(exc)}"})
     print("merge_attn_states...", flush=True)
     try:
         rows.append(measure_merge(args, device))

@@ -83,7 +83,7 @@ def _check_scale(op: str, softmax_scale: object) -> None:
         raise ValueError(f"{op}: softmax_scale must be finite, got {softmax_scale}")
 
 
-_BF16, _FP16, _INT32 = torch.bfloat16, torch.float16, torch.int32
+_BF16, _FP16, _FP32, _INT32 = torch.bfloat16, torch.float16, torch.float32, torch.int32
 
 
 def _attention_inputs_are_valid(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, self_attention) -> bool:
@@ -203,6 +203,29 @@ def check_attention_inputs(
     _check_scale(op, softmax_scale)
 
 
+def _merge_inputs_are_valid(prefix_out, prefix_lse, suffix_out, suffix_lse) -> bool:
+    """The common case of :func:`check_merge_inputs` in one expression, as for the attention inputs."""
+    tensor = torch.Tensor
+    if not all(isinstance(t, tensor) for t in (prefix_out, prefix_lse, suffix_out, suffix_lse)):
+        return False
+    shape, dt, dev = prefix_out.shape, prefix_out.dtype, prefix_out.device
+    return (
+        len(shape) == 3
+        and (dt is _BF16 or dt is _FP16)
+        and suffix_out.dtype is dt
+        and suffix_out.shape == shape
+        and prefix_lse.dtype is _FP32
+        and suffix_lse.dtype is _FP32
+        and prefix_lse.shape == (shape[1], shape[0])
+        and suffix_lse.shape == (shape[1], shape[0])
+        and suffix_out.device == dev
+        and prefix_lse.device == dev
+        and suffix_lse.device == dev
+        and (0 in shape or (prefix_out.stride(2) == 1 and suffix_out.stride(2) == 1))
+        and not (torch.is_grad_enabled() and (prefix_out.requires_grad or suffix_out.requires_grad))
+    )
+
+
 def check_merge_inputs(
     prefix_out: torch.Tensor,
     prefix_lse: torch.Tensor,
@@ -210,6 +233,8 @@ def check_merge_inputs(
     suffix_lse: torch.Tensor,
 ) -> None:
     """Validate the inputs of ``mla.merge_attn_states`` without reading data."""
+    if _merge_inputs_are_valid(prefix_out, prefix_lse, suffix_out, suffix_lse):
+        return
     op = "mla.merge_attn_states"
     _check_rank3(op, "prefix_out", prefix_out, "[T, H, Dv]")
     _check_rank3(op, "suffix_out", suffix_out, "[T, H, Dv]")

@@ -13,6 +13,16 @@ the constexpr values and the launch options. A key finer than Triton's costs a c
 cache then answers; a coarser one would launch the wrong binary, so never leave a specialised input
 out.
 
+A caller that launches the same *layout* again and again (the same shapes, strides, scalars and grid;
+only the tensors' addresses differ) can go one step further: it passes ``layout=`` (a key that fixes
+every argument but the leading, per-call ones, and fixes the grid) when it launches, and later
+:meth:`CachedLaunch.relaunch` with only the leading arguments. That skips rebuilding the scalar
+arguments, the constexpr dictionary and the specialisation key, which is most of what is left of the
+Python cost per launch.
+
+Triton's launch hooks (profilers such as Proton add them) are honoured: the hook chains are read on
+every launch, and launch metadata is built only when a hook is installed.
+
 Used only on CUDA tensors whose device is the current device (the launcher, like Triton's own, loads
 the kernel into the current context), with a Triton that has the ``knobs`` runtime of 3.4 and newer;
 anywhere else every launch goes through the JIT function, as before.
@@ -21,6 +31,7 @@ anywhere else every launch goes through the JIT function, as before.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -38,6 +49,35 @@ except ImportError:  # pragma: no cover - a CPU-only build of torch
 __all__ = ["CachedLaunch"]
 
 
+#: Layouts remembered per kernel; past this many (a serving loop sees a new token count per batch) the
+#: table starts over, which costs one slower launch per layout.
+MAX_LAYOUTS = 4096
+
+
+def _hooks() -> tuple[Any, Any]:
+    """Triton's launch enter/exit hooks, or ``(None, None)`` when none is installed.
+
+    Triton 3.6 keeps them as ``HookChain`` objects that are present even when empty; passing an empty
+    chain would make the launcher build launch metadata and call into Python twice for nothing.
+    """
+    runtime = _knobs.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    if getattr(enter, "calls", True) or getattr(leave, "calls", True):
+        return enter, leave
+    return None, None
+
+
+class _Fixed:
+    """A compiled variant with its grid and every argument after the leading ones fixed."""
+
+    __slots__ = ("compiled", "grid", "tail")
+
+    def __init__(self, compiled: Any, grid: tuple[int, ...], tail: tuple) -> None:
+        self.compiled = compiled
+        self.grid = (*grid, 1, 1)[:3]
+        self.tail = tail
+
+
 class CachedLaunch:
     """A ``@triton.jit`` kernel whose compiled variants are launched directly after their first launch.
 
@@ -49,6 +89,7 @@ class CachedLaunch:
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self.compiled: dict[tuple, Any] = {}
+        self.layouts: dict[Hashable, _Fixed] = {}
         params = getattr(kernel, "params", None)  # absent under TRITON_INTERPRET=1: JIT launches only
         self.constexpr_names = [p.name for p in params if p.is_constexpr] if params is not None else []
         self.enabled = params is not None and _knobs is not None and _current_stream is not None
@@ -64,10 +105,18 @@ class CachedLaunch:
         grid: tuple[int, ...],
         args: tuple,
         constexprs: dict[str, Any],
+        *,
+        layout: Hashable | None = None,
+        leading: int = 0,
         **options: Any,
     ) -> None:
         """Launch on ``device`` with ``grid``: ``args`` (the non-constexpr arguments, in order),
-        ``constexprs`` (by name) and Triton launch ``options`` (``num_warps``, ``num_stages``)."""
+        ``constexprs`` (by name) and Triton launch ``options`` (``num_warps``, ``num_stages``).
+
+        ``layout``: when given, remember this launch so that :meth:`relaunch` can repeat it with new
+        values of the first ``leading`` arguments. The caller guarantees that ``layout`` determines
+        ``key``, ``grid``, ``args[leading:]``, ``constexprs`` and ``options``.
+        """
         direct = self.enabled and device.type == "cuda" and device.index == torch.cuda.current_device()
         compiled = self.compiled.get(key) if direct else None
         if compiled is None:
@@ -75,14 +124,37 @@ class CachedLaunch:
             if direct and launched is not None:
                 self.compiled[key] = launched
             return
-        full = (*args, *(constexprs[name] for name in self.constexpr_names))
-        stream = _current_stream(device.index)
-        grid_0, grid_1, grid_2 = (*grid, 1, 1)[:3]
-        enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
-        metadata = compiled.launch_metadata(grid, stream, *full) if enter is not None else None
+        tail = (*args[leading:], *(constexprs[name] for name in self.constexpr_names))
+        fixed = _Fixed(compiled, grid, tail)
+        if layout is not None:
+            if len(self.layouts) >= MAX_LAYOUTS:
+                self.layouts.clear()
+            self.layouts[layout] = fixed
+        self._run(fixed, device.index, args[:leading])
+
+    def relaunch(self, layout: Hashable, device: torch.device, leading: tuple) -> bool:
+        """Launch the variant remembered under ``layout`` with new leading arguments; ``False`` (and
+        nothing launched) when ``layout`` is not remembered or ``device`` is not the current device."""
+        fixed = self.layouts.get(layout)
+        if fixed is None or device.index != torch.cuda.current_device():
+            return False
+        self._run(fixed, device.index, leading)
+        return True
+
+    @staticmethod
+    def _run(fixed: _Fixed, device_index: int, leading: tuple) -> None:
+        compiled = fixed.compiled
+        stream = _current_stream(device_index)
+        enter, leave = _hooks()
+        if enter is None:
+            metadata = None
+        else:
+            metadata = compiled.launch_metadata(fixed.grid, stream, *leading, *fixed.tail)
+        grid_0, grid_1, grid_2 = fixed.grid
         compiled.run(
-            grid_0, grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave, *full
-        )
+            grid_0, grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave,
+            *leading, *fixed.tail,
+        )  # fmt: skip
 
 
 def pointer_alignment(*tensors: torch.Tensor | None) -> tuple[bool, ...]:

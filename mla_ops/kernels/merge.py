@@ -120,10 +120,37 @@ def merge_attn_states_triton(
         tensors' device and its current stream, whichever device is current.
     """
     num_tokens, num_heads, dv = prefix_out.shape
-    out = torch.empty((num_tokens, num_heads, dv), dtype=prefix_out.dtype, device=prefix_out.device)
-    lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=prefix_out.device)
+    device = prefix_out.device
+    out = torch.empty((num_tokens, num_heads, dv), dtype=prefix_out.dtype, device=device)
+    lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=device)
     if num_tokens == 0 or num_heads == 0 or dv == 0:
         return out, lse
+    # Everything the launch depends on but the addresses: the shapes, the inputs' strides and 16-byte
+    # alignment (the outputs are fresh, contiguous and aligned), the dtype, the device and the overrides.
+    layout = (
+        prefix_out.shape, prefix_out.stride(), suffix_out.stride(), prefix_lse.stride(), suffix_lse.stride(),
+        prefix_out.dtype, device, block_t, num_warps,
+        pointer_alignment(prefix_out, prefix_lse, suffix_out, suffix_lse),
+    )  # fmt: skip
+    # Triton launches on the current device and its current stream, not on the tensors' device.
+    with on_device(device):
+        if not _launcher.relaunch(layout, device, (prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse)):
+            _launch(prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse, block_t, num_warps, layout)
+    return out, lse
+
+
+def _launch(
+    prefix_out: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_out: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block_t: int | None,
+    num_warps: int | None,
+    layout: tuple,
+) -> None:
+    num_tokens, num_heads, dv = prefix_out.shape
     config = merge_config(prefix_out.device)
     block_t = block_t or config.block_t
     num_warps = num_warps or config.num_warps
@@ -143,10 +170,7 @@ def merge_attn_states_triton(
         tuple(constexprs.values()), num_warps,
     )  # fmt: skip
     args = (prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse, num_tokens, *strides)
-    # Triton launches on the current device and its current stream, not on the tensors' device.
-    with on_device(prefix_out.device):
-        _launcher(key, prefix_out.device, grid, args, constexprs, num_warps=num_warps)
-    return out, lse
+    _launcher(key, prefix_out.device, grid, args, constexprs, num_warps=num_warps, layout=layout, leading=6)
 
 
 _launcher = CachedLaunch(_merge_kernel)
