@@ -6,11 +6,20 @@ GPU library. ``torch.compile`` and ``FakeTensorMode`` use them to propagate shap
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from .checks import check_argument_types, check_attention_inputs, check_cu_seqlens_values, check_merge_inputs
+from .checks import (
+    AttentionInputs,
+    check_argument_types,
+    check_attention_inputs,
+    check_cu_seqlens_values,
+    check_merge_inputs,
+)
 
 __all__ = [
+    "AttentionInputs",
     "check_argument_types",
     "check_attention_inputs",
     "check_cu_seqlens_values",
@@ -38,34 +47,16 @@ def prefill_fake(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fake ``mla::prefill``: ``out`` ``[T, H, Dv]`` (dtype of ``q``), ``lse`` float32 ``[H, T]``."""
     check_attention_inputs(
-        "mla.prefill", q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, self_attention=True
+        "mla.prefill", (q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale), self_attention=True
     )
     return _attention_outputs(q, v)
 
 
-def prefill_context_chunk_fake(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fake ``mla::prefill_context_chunk``: ``out`` ``[Tq, H, Dv]``, ``lse`` float32 ``[H, Tq]``."""
-    check_attention_inputs(
-        "mla.prefill_context_chunk",
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        softmax_scale,
-        False,
-    )
+def prefill_context_chunk_fake(*inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fake ``mla::prefill_context_chunk``, called with the op's arguments in its schema's order
+    (:data:`AttentionInputs`): ``out`` ``[Tq, H, Dv]``, ``lse`` float32 ``[H, Tq]``."""
+    check_attention_inputs("mla.prefill_context_chunk", inputs, self_attention=False)
+    q, _, v, *_ = inputs
     return _attention_outputs(q, v)
 
 

@@ -133,26 +133,22 @@ def _attention_inputs_are_valid(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale
     )
 
 
-def check_attention_inputs(
-    op: str,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    self_attention: bool,
-) -> None:
+#: The arguments of ``mla.prefill_context_chunk`` in its schema's order: ``(q, k, v, cu_seqlens_q,
+#: cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)``.
+AttentionInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, float]
+
+
+def check_attention_inputs(op: str, inputs: AttentionInputs, self_attention: bool) -> None:
     """Validate the inputs of ``mla.prefill`` or ``mla.prefill_context_chunk`` without reading data.
 
-    ``self_attention`` selects the ``mla.prefill`` rules: ``k`` and ``v`` are the new tokens
-    themselves, described by ``cu_seqlens_q`` (pass it as ``cu_seqlens_k`` too).
+    ``inputs`` is :data:`AttentionInputs`. ``self_attention`` selects the ``mla.prefill`` rules: ``k``
+    and ``v`` are the new tokens themselves, described by ``cu_seqlens_q`` (pass it as ``cu_seqlens_k``
+    too, and ``max_seqlen`` as both bounds).
 
     Raises ``TypeError`` for a wrong type or dtype and ``ValueError`` for a wrong shape, device,
     stride or value; each message names the argument and says what to pass instead.
     """
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale = inputs
     if _attention_inputs_are_valid(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, self_attention
     ):

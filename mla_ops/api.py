@@ -111,7 +111,7 @@ def prefill(
     check_argument_types(op, {"q": q, "k": k, "v": v, "cu_seqlens": cu_seqlens}, {"max_seqlen": max_seqlen})
     scale = _scale(op, q, softmax_scale)
     if torch.compiler.is_compiling():  # the scale's type is checked above; its value may be symbolic here
-        check_attention_inputs(op, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 1.0, True)
+        check_attention_inputs(op, (q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 1.0), True)
         if routes_in_graph():
             return _PREFILL_IN_GRAPH(q, k, v, cu_seqlens, max_seqlen, scale)
     return torch.ops.mla.prefill(q, k, v, cu_seqlens, max_seqlen, scale)
@@ -153,7 +153,7 @@ def prefill_context_chunk(
     )
     scale = _scale(op, q, softmax_scale)
     if torch.compiler.is_compiling():  # the scale's type is checked above; its value may be symbolic here
-        check_attention_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 1.0, False)
+        check_attention_inputs(op, (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 1.0), False)
         if routes_in_graph():
             return _PREFILL_CONTEXT_CHUNK_IN_GRAPH(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale

@@ -60,14 +60,14 @@ def _attention_kernels(in_graph: bool):
 
     def prefill(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
         check_attention_inputs(
-            "mla.prefill", q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True
+            "mla.prefill", (q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale), True
         )
         with on_device(q.device):
             backend = backend_for(q, v, in_graph=in_graph)
             return backend.attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
 
     def prefill_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale):
-        check_attention_inputs("mla.prefill_context_chunk", q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
+        check_attention_inputs("mla.prefill_context_chunk", (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale), False)
         with on_device(q.device):
             backend = backend_for(q, v, in_graph=in_graph)
             return backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)

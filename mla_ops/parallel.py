@@ -186,20 +186,10 @@ class TensorParallelMLAAttention(MLAAttention):
             tp.load_state_dict(shard_state_dict(layer.state_dict(), layer.config.num_heads, tp.tp_rank, tp.tp_size))
         return tp
 
-    def partial_forward(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        max_seqlen: int,
-        context: Sequence[LatentChunk] = (),
-    ) -> torch.Tensor:
-        """This rank's term of the output, ``[T, hidden_size]``: its heads through its ``o_proj`` columns.
-
-        The sum of every rank's term is the unsplit layer's output; :meth:`forward` adds the all-reduce.
-        Arguments as for :meth:`forward`.
-        """
-        return super().forward(hidden, positions, cu_seqlens, max_seqlen, context)
+    #: This rank's term of the output, ``[T, hidden_size]``: the unsplit layer's computation on this
+    #: rank's heads, through its ``o_proj`` columns. The sum of every rank's term is the unsplit layer's
+    #: output; :meth:`forward` adds the all-reduce. Arguments as for :meth:`MLAAttention.forward`.
+    partial_forward = MLAAttention.forward
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum ``partial`` over the group, in place; returns it."""

@@ -28,15 +28,17 @@ needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason=SKIP_REASON
 VOCAB = 128
 FACTOR = 2.0
 
+#: What both tiny models share. A large initializer range makes attention peaked, so that a wrong mask
+#: or a wrong layout changes the logits far beyond the tolerance.
+TINY = dict(vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=512, initializer_range=0.2)
+
 #: A tiny DeepSeek-V3 with the real MLA head dims (q/k 128 + 64 = 192, v 128) and dense MLPs only
-#: (first_k_dense_replace covers every layer). A large initializer range makes attention peaked, so
-#: that a wrong mask or a wrong layout changes the logits far beyond the tolerance.
+#: (first_k_dense_replace covers every layer).
 DEEPSEEK = dict(
-    vocab_size=VOCAB,
+    TINY,
     hidden_size=64,
     intermediate_size=64,
     moe_intermediate_size=32,
-    num_hidden_layers=2,
     num_attention_heads=2,
     num_key_value_heads=2,
     q_lora_rank=None,
@@ -45,23 +47,11 @@ DEEPSEEK = dict(
     qk_rope_head_dim=64,
     v_head_dim=128,
     first_k_dense_replace=2,
-    max_position_embeddings=512,
-    initializer_range=0.2,
 )
 
 #: A tiny Llama with grouped-query attention (4 query heads over 2 key/value heads) and equal head
 #: dims (64, 64).
-LLAMA = dict(
-    vocab_size=VOCAB,
-    hidden_size=128,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    max_position_embeddings=512,
-    initializer_range=0.2,
-)
+LLAMA = dict(TINY, hidden_size=128, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 
 
 def make_config(kind: str, **overrides: object):

@@ -328,19 +328,8 @@ class _Adapter:
         )
         return f"{self.kind.label}{version}: {how}"
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        softmax_scale: float,
-        causal: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the kernel; inputs and outputs in the package conventions (see :class:`PrefillBackend`)."""
+    def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        """Run the kernel; arguments, outputs and conventions are those of :meth:`PrefillBackend.attention`."""
         num_tokens, num_heads, dqk = q.shape
         dv = v.shape[-1]
         q, k = _aligned(q), _aligned(k)
