@@ -236,6 +236,31 @@ def test_merge_matches_reference(shape, dtype):
     assert (out.float() - ref_out.float()).abs().max().item() <= ulp
 
 
+def test_merge_relaunches_its_layout_on_new_tensors():
+    """From a layout's second launch on, the kernel is relaunched with only the tensors replaced: every
+    call must read its own inputs and write its own outputs, whatever the layout remembered."""
+    from mla_ops.kernels.merge import _launcher, merge_attn_states_triton
+
+    gen = torch.Generator().manual_seed(4)
+    kv = torch.randn(64, 8, 192, generator=gen).to(DEVICE, torch.bfloat16)
+    results = []
+    for call in range(4):
+        prefix_out = torch.randn(64, 8, 128, generator=gen).to(DEVICE, torch.bfloat16)
+        suffix_out = kv[..., 64:] if call % 2 else torch.randn(64, 8, 128, generator=gen).to(DEVICE, torch.bfloat16)
+        prefix_lse, suffix_lse = (torch.randn(8, 64, generator=gen).to(DEVICE) for _ in range(2))
+        if call == 3:  # the same layout with the suffix's NaN rows masked by an empty side
+            suffix_lse[:, ::2] = -math.inf
+            suffix_out = suffix_out.clone()
+            suffix_out[::2] = math.nan
+        out, lse = merge_attn_states_triton(prefix_out, prefix_lse, suffix_out, suffix_lse)
+        ref_out, ref_lse = merge_attn_states_reference(prefix_out, prefix_lse, suffix_out, suffix_lse)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(out.float(), ref_out.float(), rtol=1e-2, atol=1e-2)
+        results.append(out)
+    assert len({t.data_ptr() for t in results}) == len(results)  # fresh outputs each call
+    assert _launcher.layouts, "the merge remembers its layouts"
+
+
 def test_merge_uses_triton_and_handles_zero_tokens():
     from mla_ops.kernels.merge import merge_attn_states_triton
 
