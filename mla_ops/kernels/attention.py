@@ -31,7 +31,7 @@ loop calls ``exp2``) and fp32 accumulators. Design points:
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -606,24 +606,10 @@ def attention_triton(
             config = _table_configs[key] = smaller
 
 
-def _launch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    causal: bool,
-    config: AttentionConfig,
-) -> None:
-    plan = launch_plan(
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, config
-    )
-    _launcher(plan.key, q.device, plan.grid, plan.args, plan.constexprs, **plan.options)
+def _launch(*plan_args: Any) -> None:
+    """Launch the kernel for :func:`launch_plan`'s arguments (q, k, v, out, lse, ..., config)."""
+    plan = launch_plan(*plan_args)
+    _launcher(plan.key, plan_args[0].device, plan.grid, plan.args, plan.constexprs, **plan.options)
 
 
 class LaunchPlan(NamedTuple):
