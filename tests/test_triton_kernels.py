@@ -191,7 +191,7 @@ def test_tma_path_matches_pointer_path():
 # sequence, whole-block descriptor stores, masked stores for the last block), the lazy rescale, and
 # the structured control flow that warp specialisation needs (programs without a block run on with
 # empty key ranges). The interpreter ignores ``warp_specialize=True`` itself: whether Triton applies
-# it for sm_90a is checked by tests/test_triton_compile_sm90.py.
+# it for sm_90a is checked by benchmarks/compile_sm90.py (no GPU needed).
 HOPPER_KNOBS = {
     "qo": dict(use_tma=True, qo_tma=True),
     "lazy": dict(lazy_rescale=True),
