@@ -50,7 +50,10 @@ CHECK_SHAPES = (
     P.Shape("chunk", 16, (1, 17, 0, 127, 300, 64), (40, 0, 5, 130, 257, 64)),
 )
 
-#: Candidates for SM90 (227 KiB shared memory). "tma" loads K/V through TMA descriptors.
+#: Candidates for SM90 (227 KiB shared memory). Flags (see mla_ops.kernels.configs): "tma" loads K/V
+#: through TMA descriptors, "qo" Q and the output too, "lazy" rescales the accumulator only when a
+#: row max grew by more than 2^8. Each compiles for sm_90a without spills (benchmarks/compile_sm90.py);
+#: "ws" (warp specialisation) is left out: Triton 3.6 does not apply it to this kernel.
 DEFAULT_CANDIDATES = [
     "128,64,8,2",
     "128,64,8,3",
@@ -63,6 +66,12 @@ DEFAULT_CANDIDATES = [
     "128,64,8,3,tma",
     "128,64,8,4,tma",
     "128,128,8,2,tma",
+    "128,64,8,3,lazy",
+    "128,64,8,3,tma,lazy",
+    "128,64,8,4,tma,lazy",
+    "128,64,8,3,tma,qo",
+    "128,64,8,3,tma,qo,lazy",
+    "128,64,8,4,tma,qo,lazy",
 ]
 QUICK_CANDIDATES = ["128,64,8,3", "128,128,8,2", "128,64,8,3,tma"]
 
@@ -107,7 +116,7 @@ def sweep_attention(
     if not tma_supported() or cap < (9, 0):
         # Without descriptors the launcher would silently run the pointer path under a "tma" label.
         log("TMA descriptors unavailable here (needs Triton >= 3.3 and SM90+): skipping the 'tma' candidates")
-        candidates = [c for c in candidates if not c.use_tma]
+        candidates = [c for c in candidates if not (c.use_tma or c.qo_tma)]
     for causal in (True, False):
         table = table_attention_config(cap, P.DQK, P.DV, causal, torch.bfloat16)
         if table not in candidates:
@@ -243,7 +252,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--candidates",
         default="",
-        help="';'-separated attention configs 'BLOCK_M,BLOCK_N,num_warps,num_stages[,tma]' (default: a built-in list)",
+        help="';'-separated attention configs 'BLOCK_M,BLOCK_N,num_warps,num_stages[,tma][,qo][,ws][,lazy]'\n"
+        "(default: a built-in list)",
     )
     parser.add_argument("--quick", action="store_true", help="three candidates only (a smoke run)")
     parser.add_argument("--no-flashinfer", action="store_true", help="skip timing FlashInfer fa3")
@@ -256,6 +266,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
+
+    from mla_ops.kernels.configs import CONFIG_ENV_VAR
 
     device = P.require_cuda("tune_triton.py", "timing the Triton kernels")
     dtype = torch.bfloat16
@@ -311,11 +323,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             ]
             if scored:
                 score, config = max(scored, key=lambda t: t[0])
-                tma = ", use_tma=True" if config.use_tma else ""
                 log(
-                    f"  -> SM90_ATTENTION[({P.DQK}, {P.DV}, {causal})] = AttentionConfig("
-                    f"{config.block_m}, {config.block_n}, {config.num_warps}, {config.num_stages}{tma})"
-                    f"  # geomean {score:.1f} TFLOP/s"
+                    f"  -> SM90_ATTENTION[({P.DQK}, {P.DV}, {causal})] = {config!r}  # geomean {score:.1f} TFLOP/s"
+                    f" ({CONFIG_ENV_VAR}={config})"
                 )
     R.write_json(args.out.with_name(args.out.name.removesuffix(".csv") + ".env.json"), env)
     log(f"wrote {args.out} in {time.time() - started:.0f} s")

@@ -187,6 +187,43 @@ def test_tma_path_matches_pointer_path():
     assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.1, False)
 
 
+# The Hopper knobs, as the interpreter can run them: Q/out through descriptors (zeroed rows past a
+# sequence, whole-block descriptor stores, masked stores for the last block), the lazy rescale, and
+# the structured control flow that warp specialisation needs (programs without a block run on with
+# empty key ranges). The interpreter ignores ``warp_specialize=True`` itself: whether Triton applies
+# it for sm_90a is checked by benchmarks/compile_sm90.py (no GPU needed).
+HOPPER_KNOBS = {
+    "qo": dict(use_tma=True, qo_tma=True),
+    "lazy": dict(lazy_rescale=True),
+    "ws": dict(use_tma=True, qo_tma=True, warp_specialize=True),
+    "all": dict(use_tma=True, qo_tma=True, warp_specialize=True, lazy_rescale=True),
+}
+
+
+@interpreted
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
+@pytest.mark.parametrize("knobs", list(HOPPER_KNOBS), ids=str)
+def test_hopper_knobs_match_reference(knobs, causal):
+    flags = HOPPER_KNOBS[knobs]
+    if flags.get("use_tma"):
+        pytest.importorskip("triton.tools.tensor_descriptor", reason="this Triton has no host TMA descriptors")
+    # Full and partial 16-row blocks, an empty sequence, 5 padding rows holding NaN (a descriptor
+    # load reads them for the last block), keys far larger than the first tile's (lazy rescale
+    # must rescale then) and strided v.
+    lengths_q = [32, 0, 16, 21]
+    lengths_k = lengths_q if causal else [40, 7, 0, 33]
+    q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, 192, 128, torch.float16, seed=9, strided_v=True)
+    if causal:
+        cu_k = cu_q
+    k[cu_k[0] + 20 : cu_k[0] + 24] *= 8.0  # row maxima grow by far more than 2^8 after the first tile
+    q = torch.cat([q, torch.full_like(q[:5], math.nan)])
+    config = AttentionConfig(16, 16, 4, 1, **flags)
+    out, lse = attention_triton(q, k, v, cu_q, cu_k, 32, 40, 0.1, causal=causal, config=config)
+    n = sum(lengths_q)
+    assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.1, causal)
+    assert torch.isneginf(lse[:, n:]).all(), "padding rows must have lse -inf"
+
+
 @interpreted
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
@@ -333,6 +370,14 @@ def test_config_env_var(monkeypatch):
     )
     monkeypatch.setenv(configs.CONFIG_ENV_VAR, "128,64,8,3,1")
     assert configs.env_attention_config() == AttentionConfig(128, 64, 8, 3, use_tma=True)
+    monkeypatch.setenv(configs.CONFIG_ENV_VAR, "128,64,4,2, WS,lazy,tma,qo")
+    hopper = AttentionConfig(128, 64, 4, 2, use_tma=True, qo_tma=True, warp_specialize=True, lazy_rescale=True)
+    assert configs.env_attention_config() == hopper
+    # str() writes the same format back, so the tuning script's output can be pasted into the variable.
+    lazy_tma = AttentionConfig(128, 64, 8, 3, use_tma=True, lazy_rescale=True)
+    for config in (hopper, AttentionConfig(64, 32, 4, 2), lazy_tma):
+        assert AttentionConfig.parse(str(config)) == config
+    assert AttentionConfig.parse("128,64,8,3,tma,0") == AttentionConfig(128, 64, 8, 3)
 
 
 @pytest.mark.parametrize(
@@ -344,7 +389,9 @@ def test_config_env_var(monkeypatch):
         ("128,512,8,3", "block_n must be a power of two"),
         ("128,64,6,3", "num_warps must be 1, 2, 4, 8 or 16, got 6"),
         ("128,64,8,0", "num_stages must be an integer from 1 to 8"),
-        ("128,64,8,3,yes", "fifth field must be 0/1"),
+        ("128,64,8,3,yes", "unknown flag 'yes'"),
+        ("128,64,4,2,tma,ws", "warp_specialize needs use_tma and qo_tma"),
+        ("128,64,8,2,tma,qo,ws", "warp_specialize needs num_warps=4"),
     ],
 )
 def test_config_env_var_errors(monkeypatch, text, message):

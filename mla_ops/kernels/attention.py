@@ -31,6 +31,7 @@ loop calls ``exp2``) and fp32 accumulators. Design points:
 from __future__ import annotations
 
 import os
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -46,7 +47,7 @@ try:  # Triton >= 3.3
 except ImportError:  # pragma: no cover - older Triton: pointer loads only
     TensorDescriptor = None
 
-__all__ = ["attention_triton", "head_dim_split", "tma_supported"]
+__all__ = ["LaunchPlan", "attention_triton", "head_dim_split", "launch_plan", "tma_supported"]
 
 _LOG2E = 1.4426950408889634
 
@@ -60,6 +61,10 @@ _SEQ_CHUNK = 256
 #: Extra programs that write lse = -inf into the padding rows past cu_seqlens_q[-1].
 _MAX_PAD_PROGRAMS = 64
 _PAD_FILL_BLOCK = 1024
+
+#: Lazy rescaling (``AttentionConfig.lazy_rescale``) keeps a row's running max until the max grew
+#: by more than this, in base 2: p stays <= 2^8, as in FlashAttention-4.
+_RESCALE_THRESHOLD = tl.constexpr(8.0)
 
 
 def head_dim_split(dqk: int) -> tuple[int, int]:
@@ -123,12 +128,20 @@ def _attend_tiles(
     SCALE_NONNEG: tl.constexpr,
     USE_TMA: tl.constexpr,
     UPCAST: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
 ):
-    """Fold the key tiles ``[lo, hi)`` of one sequence into the running (acc, l_i, m_i)."""
+    """Fold the key tiles ``[lo, hi)`` of one sequence into the running (acc, l_i, m_i).
+
+    ``WARP_SPEC`` asks Triton to warp-specialise the loop (a TMA producer warp group feeding two
+    consumer warp groups on Hopper); ``LAZY_RESCALE`` (mask-free tiles only) keeps the running max
+    until some row's max grew by more than ``_RESCALE_THRESHOLD`` (base 2), so most tiles skip
+    rescaling the accumulator.
+    """
     offs_n = tl.arange(0, BLOCK_N)
     offs_da = tl.arange(0, D_A)
     offs_dv = tl.arange(0, D_V)
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         tok = k_tok0 + start_n  # int64: the tile's first key token in the packed tensors
         if MASKED:
@@ -170,6 +183,23 @@ def _attend_tiles(
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - m_use[:, None])
             alpha = tl.math.exp2(m_i - m_use)
+        elif LAZY_RESCALE:
+            # Every score here is finite (no mask), so m_new is too. The block keeps its running max
+            # m_i while no row's max grew by more than the threshold: p <= 2^threshold then, which
+            # fp32 l/acc and the 16-bit P operand hold exactly enough, and acc skips its rescale. The
+            # branch is uniform over the program. Rescaling to m_new is always exact; the threshold
+            # only decides how often it happens, and the epilogue uses whichever m_i was kept.
+            if SCALE_NONNEG:
+                m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            else:
+                m_new = tl.maximum(m_i, tl.max(qk * qk_scale, 1))
+            if tl.max(m_new - m_i, 0) > _RESCALE_THRESHOLD:
+                alpha = tl.math.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                acc = acc * alpha[:, None]
+                m_i = m_new
+            m_new = m_i
+            p = tl.math.exp2(qk * qk_scale - m_i[:, None])
         else:
             if SCALE_NONNEG:
                 # max(qk) * scale == max(qk * scale) for scale >= 0, and the subtraction below fuses
@@ -181,8 +211,10 @@ def _attend_tiles(
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 p = tl.math.exp2(s - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        if MASKED or not LAZY_RESCALE:
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+        l_i = l_i + tl.sum(p, 1)
         # --- P @ V ---------------------------------------------------------------------------------
         if USE_TMA:
             v = V.load([tok.to(tl.int32), h * stride_vh])
@@ -244,10 +276,13 @@ def _fill_padding_lse(
 )
 def _attn_fwd_kernel(
     Q,
+    QD,
+    QD2,
     K,
     K2,
     V,
     Out,
+    OD,
     Lse,
     cu_seqlens_q,
     cu_seqlens_k,
@@ -277,6 +312,9 @@ def _attn_fwd_kernel(
     CAUSAL: tl.constexpr,
     SCALE_NONNEG: tl.constexpr,
     USE_TMA: tl.constexpr,
+    QO_TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
     UPCAST: tl.constexpr,
     PAD_FILL: tl.constexpr,
     SEQ_CHUNK: tl.constexpr,
@@ -295,11 +333,17 @@ def _attn_fwd_kernel(
             num_pad_programs,
             PAD_FILL,
         )
-        return
+        # Triton's Hopper warp specialisation handles structured control flow only, and an early
+        # return is not: with WARP_SPEC, programs with no block run on with empty key ranges and
+        # masked stores instead (`live` below).
+        if not WARP_SPEC:
+            return
 
     # Program -> (head, slot). Heads form groups of `heads_per_group` whose K/V fits in L2; inside a
     # group the slots run in order and the heads fastest.
     group_size = heads_per_group * num_slots
+    if WARP_SPEC:
+        group_size = tl.maximum(group_size, 1)  # padding programs run on (below): no division by 0
     group = pid // group_size
     r = pid - group * group_size
     heads_here = tl.minimum(heads_per_group, num_heads - group * heads_per_group)
@@ -314,36 +358,59 @@ def _attn_fwd_kernel(
         starts = tl.load(cu_seqlens_q + idx, mask=idx < num_seqs, other=0)
         hits += ((starts // BLOCK_M + idx <= slot) & (idx < num_seqs)).to(tl.int32)
     b = tl.sum(hits, axis=0) - 1
+    if WARP_SPEC:
+        b = tl.minimum(tl.maximum(b, 0), tl.maximum(num_seqs - 1, 0))  # in bounds for padding programs
 
     q_start = tl.load(cu_seqlens_q + b)
-    q_end = tl.load(cu_seqlens_q + b + 1)
+    q_end = tl.load(cu_seqlens_q + tl.minimum(b + 1, num_seqs))
     len_q = q_end - q_start
     first_slot = q_start // BLOCK_M + b
     num_own = q_end // BLOCK_M - q_start // BLOCK_M + 1  # slots of sequence b (>= its block count)
     j = slot - first_slot
-    if j >= num_own:  # a slot past the last sequence's (only when q holds padding rows)
-        return
+    # The constexpr test stays nested: with WARP_SPEC the whole `if` then holds no return.
+    if j >= num_own:  # noqa: SIM102 - a slot past the last sequence's (only when q holds padding rows)
+        if not WARP_SPEC:
+            return
     start_m = num_own - 1 - j  # last block first: in causal attention it has the most keys
     m0 = start_m * BLOCK_M
-    if m0 >= len_q:
-        return
+    if m0 >= len_q:  # noqa: SIM102
+        if not WARP_SPEC:
+            return
     k_start = tl.load(cu_seqlens_k + b)
-    len_k = tl.load(cu_seqlens_k + b + 1) - k_start
+    len_k = tl.load(cu_seqlens_k + tl.minimum(b + 1, num_seqs)) - k_start
+    if WARP_SPEC:
+        # A program without a block (padding programs included) gets no key tile, no stored row,
+        # and in-bounds coordinates.
+        live = (pid < num_main) & (j < num_own) & (m0 < len_q)
+        len_k = tl.where(live, len_k, 0)
+        len_q = tl.where(live, len_q, 0)
+        m0 = tl.where(live, m0, 0)
+        h = tl.where(live, h, 0)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     row_ok = offs_m < len_q
     rows = tl.arange(0, BLOCK_M)
     offs_da = tl.arange(0, D_A)
-    q_ptr = Q + (q_start + m0).to(tl.int64) * stride_qt + h * stride_qh + rows[:, None] * stride_qt
-    q_a = tl.load(q_ptr + offs_da[None, :], mask=row_ok[:, None], other=0.0)
-    if D_B > 0:
-        offs_db = D_A + tl.arange(0, D_B)
-        if D_A + D_B != DQK:
-            q_b = tl.load(q_ptr + offs_db[None, :], mask=row_ok[:, None] & (offs_db[None, :] < DQK), other=0.0)
+    if QO_TMA:
+        # A descriptor load cannot mask rows: the block's rows past this sequence are the next
+        # sequence's or a budget's padding (which may hold NaN), so they are zeroed like a masked load.
+        q_row = (q_start + m0).to(tl.int32)
+        q_a = tl.where(row_ok[:, None], QD.load([q_row, h * stride_qh]), 0.0).to(QD.dtype)
+        if D_B > 0:
+            q_b = tl.where(row_ok[:, None], QD2.load([q_row, h * stride_qh + D_A]), 0.0).to(QD.dtype)
         else:
-            q_b = tl.load(q_ptr + offs_db[None, :], mask=row_ok[:, None], other=0.0)
+            q_b = q_a  # unused
     else:
-        q_b = q_a  # unused
+        q_ptr = Q + (q_start + m0).to(tl.int64) * stride_qt + h * stride_qh + rows[:, None] * stride_qt
+        q_a = tl.load(q_ptr + offs_da[None, :], mask=row_ok[:, None], other=0.0)
+        if D_B > 0:
+            offs_db = D_A + tl.arange(0, D_B)
+            if D_A + D_B != DQK:
+                q_b = tl.load(q_ptr + offs_db[None, :], mask=row_ok[:, None] & (offs_db[None, :] < DQK), other=0.0)
+            else:
+                q_b = tl.load(q_ptr + offs_db[None, :], mask=row_ok[:, None], other=0.0)
+        else:
+            q_b = q_a  # unused
 
     # Key j is visible from query row i when j <= i + (len_k - len_q) (bottom-right causal
     # alignment; for new tokens len_k == len_q) and j < len_k.
@@ -364,12 +431,12 @@ def _attn_fwd_kernel(
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q_a, q_b, K, K2, V, k_tok0, h, stride_kt, stride_kh, stride_vt, stride_vh,
         0, full_hi, len_k, q_pos, qk_scale,
-        DQK, DV, D_A, D_B, D_V, BLOCK_N, False, CAUSAL, SCALE_NONNEG, USE_TMA, UPCAST,
+        DQK, DV, D_A, D_B, D_V, BLOCK_N, False, CAUSAL, SCALE_NONNEG, USE_TMA, UPCAST, WARP_SPEC, LAZY_RESCALE,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
         acc, l_i, m_i, q_a, q_b, K, K2, V, k_tok0, h, stride_kt, stride_kh, stride_vt, stride_vh,
         full_hi, hi, len_k, q_pos, qk_scale,
-        DQK, DV, D_A, D_B, D_V, BLOCK_N, True, CAUSAL, SCALE_NONNEG, USE_TMA, UPCAST,
+        DQK, DV, D_A, D_B, D_V, BLOCK_N, True, CAUSAL, SCALE_NONNEG, USE_TMA, UPCAST, False, False,
     )  # fmt: skip
 
     # Rows that saw no key have l = 0: out = 0 and lse = -inf instead of 0/0.
@@ -383,6 +450,13 @@ def _attn_fwd_kernel(
     o_ptr = Out + (q_start + m0).to(tl.int64) * stride_ot + h * stride_oh + rows[:, None] * stride_ot + offs_dv[None, :]
     if D_V != DV:
         tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    elif QO_TMA:
+        # A descriptor store writes whole blocks: only a block inside its sequence takes it, the
+        # sequence's last, partial block stores through masked pointers (a uniform branch).
+        if m0 + BLOCK_M <= len_q:  # a dead program (WARP_SPEC) has len_q = 0
+            OD.store([(q_start + m0).to(tl.int32), h * stride_oh], out.to(OD.dtype))
+        else:
+            tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     else:
         tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     tl.store(Lse + h.to(tl.int64) * stride_lse_h + q_start + offs_m, lse, mask=row_ok)
@@ -396,30 +470,45 @@ def tma_supported() -> bool:
     return TensorDescriptor is not None
 
 
-def _tma_descriptors(k: torch.Tensor, v: torch.Tensor, d_a: int, d_b: int, block_n: int):
-    """``(K, K2, V)`` descriptors over the packed ``[T, H*D]`` rows, or ``None`` if TMA cannot serve them.
+def _descriptor_rows(t: torch.Tensor, block_rows: int, widths: tuple[int, ...]):
+    """Descriptors over the packed ``[T, H*D]`` rows of ``t``, one per block width, or ``None``.
 
-    Each descriptor views one tensor as 2-D ``[tokens, columns]`` with the token stride as its row
-    stride; head ``h`` starts at column ``h * stride_h``. That covers strided ``v`` views of a wider
-    ``kv`` tensor too. TMA needs 16-byte aligned bases and row strides, and the split widths must
-    tile Dqk exactly (a padded second part would read the next head's channels).
+    Each views ``t`` as 2-D ``[tokens, columns]`` with the token stride as its row stride; head ``h``
+    starts at column ``h * stride_h``. That covers strided ``v`` views of a wider ``kv`` tensor too.
+    TMA needs a 16-byte aligned base and 16-byte aligned row and head strides.
     """
-    if TensorDescriptor is None or k.shape[0] == 0 or not (k.is_cuda or _interpreting()):
+    elem = t.element_size()
+    if t.data_ptr() % 16 or (t.stride(0) * elem) % 16 or (t.stride(1) * elem) % 16:
         return None
-    dqk, dv = k.shape[-1], v.shape[-1]
-    if d_a + d_b != dqk or (1 << (dv - 1).bit_length()) != dv:
+    cols = (t.shape[1] - 1) * t.stride(1) + t.shape[2]
+    return tuple(TensorDescriptor(t, [t.shape[0], cols], [t.stride(0), 1], [block_rows, w]) for w in widths)
+
+
+def _split_descriptors(
+    qk: torch.Tensor, other: torch.Tensor, d_a: int, d_b: int, block_rows: int, anywhere: bool = False
+):
+    """``(QK, QK2, other)`` descriptors, or ``None`` if TMA cannot serve them: ``qk`` is q or k, read
+    in the two split widths ``(d_a, d_b)``; ``other`` is v or out, read or written whole.
+
+    The split widths must tile Dqk exactly (a padded second part would read the next head's
+    channels) and Dv must be a power of two. ``anywhere`` builds them over CPU tensors too.
+    """
+    usable = TensorDescriptor is not None and qk.shape[0] > 0 and (qk.is_cuda or _interpreting() or anywhere)
+    if not usable or d_a + d_b != qk.shape[-1] or (1 << (other.shape[-1] - 1).bit_length()) != other.shape[-1]:
         return None
-    elem = k.element_size()
-    for t in (k, v):
-        if t.data_ptr() % 16 or (t.stride(0) * elem) % 16 or (t.stride(1) * elem) % 16:
-            return None
-    heads = k.shape[1]
-    k_cols = (heads - 1) * k.stride(1) + dqk
-    v_cols = (heads - 1) * v.stride(1) + dv
-    desc_k = TensorDescriptor(k, [k.shape[0], k_cols], [k.stride(0), 1], [block_n, d_a])
-    desc_k2 = TensorDescriptor(k, [k.shape[0], k_cols], [k.stride(0), 1], [block_n, d_b]) if d_b else desc_k
-    desc_v = TensorDescriptor(v, [v.shape[0], v_cols], [v.stride(0), 1], [block_n, dv])
-    return desc_k, desc_k2, desc_v
+    desc_qk = _descriptor_rows(qk, block_rows, (d_a, d_b) if d_b else (d_a,))
+    desc_other = _descriptor_rows(other, block_rows, (other.shape[-1],))
+    if desc_qk is None or desc_other is None:
+        return None
+    return desc_qk[0], desc_qk[-1], desc_other[0]
+
+
+def _descriptor_key(descs) -> tuple | None:
+    """What Triton may specialise a descriptor on: its block shape and dtype (fixed by the config),
+    its strides and its shape (the token count only by divisibility; the width exactly)."""
+    if descs is None:
+        return None
+    return tuple((d.shape[0] % 16 == 0, d.shape[0] == 1, d.shape[1], tuple(d.strides)) for d in descs)
 
 
 #: The table's configuration per (device, Dqk, Dv, causal, dtype), after any step-down forced by the
@@ -517,7 +606,28 @@ def attention_triton(
             config = _table_configs[key] = smaller
 
 
-def _launch(
+def _launch(*plan_args: Any) -> None:
+    """Launch the kernel for :func:`launch_plan`'s arguments (q, k, v, out, lse, ..., config)."""
+    plan = launch_plan(*plan_args)
+    _launcher(plan.key, plan_args[0].device, plan.grid, plan.args, plan.constexprs, **plan.options)
+
+
+class LaunchPlan(NamedTuple):
+    """Everything one launch of the attention kernel needs: ``kernel[grid](*args, **constexprs, **options)``.
+
+    ``key`` names the compiled variant for :class:`~mla_ops.kernels.launch.CachedLaunch`;
+    ``descriptors`` says which loads and stores go through TMA descriptors (``"kv"``, ``"qo"``).
+    """
+
+    key: tuple
+    grid: tuple[int]
+    args: tuple
+    constexprs: dict
+    options: dict
+    descriptors: tuple[str, ...]
+
+
+def launch_plan(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -530,7 +640,14 @@ def _launch(
     softmax_scale: float,
     causal: bool,
     config: AttentionConfig,
-) -> None:
+    descriptors_anywhere: bool = False,
+) -> LaunchPlan:
+    """The kernel's arguments, grid, constexprs and options for one call of :func:`attention_triton`.
+
+    ``descriptors_anywhere`` builds TMA descriptors over CPU tensors too, for compiling a GPU variant
+    ahead of time on a machine without one (``benchmarks/compile_sm90.py``); the tensors must then
+    stand for the GPU ones in shape, strides and alignment.
+    """
     num_tokens, num_heads, dqk = q.shape
     dv = v.shape[-1]
     d_a, d_b = head_dim_split(dqk)
@@ -546,19 +663,19 @@ def _launch(
     num_pad_programs = min(_MAX_PAD_PROGRAMS, triton.cdiv(num_tokens, 256))
     grid = (num_heads * num_slots + num_pad_programs,)
 
-    descs = _tma_descriptors(k, v, d_a, d_b, block_n) if config.use_tma else None
-    if descs is not None:
-        k_arg, k2_arg, v_arg = descs
-        # What Triton may specialise a descriptor on: its block shape and dtype (fixed by the config),
-        # its strides and its shape (the token count only by divisibility; the width exactly).
-        tma_key = tuple((d.shape[0] % 16 == 0, d.shape[0] == 1, d.shape[1], tuple(d.strides)) for d in descs)
-    else:
-        k_arg, k2_arg, v_arg = k, k, v
-        tma_key = None
+    kv_descs = _split_descriptors(k, v, d_a, d_b, block_n, descriptors_anywhere) if config.use_tma else None
+    qo_descs = _split_descriptors(q, out, d_a, d_b, block_m, descriptors_anywhere) if config.qo_tma else None
+    k_arg, k2_arg, v_arg = kv_descs or (k, k, v)
+    q_arg, q2_arg, o_arg = qo_descs or (q, q, out)
+    # Warp specialisation needs every dot operand to come through TMA; without descriptors (an
+    # input TMA cannot describe) the loop runs as the plain pipelined one.
     constexprs = dict(
         DQK=dqk, DV=dv, D_A=d_a, D_B=d_b, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=bool(causal), SCALE_NONNEG=softmax_scale >= 0, USE_TMA=descs is not None,
-        UPCAST=_interpreting() and q.dtype == torch.bfloat16, PAD_FILL=_PAD_FILL_BLOCK, SEQ_CHUNK=_SEQ_CHUNK,
+        CAUSAL=bool(causal), SCALE_NONNEG=softmax_scale >= 0, USE_TMA=kv_descs is not None,
+        QO_TMA=qo_descs is not None,
+        WARP_SPEC=config.warp_specialize and kv_descs is not None and qo_descs is not None,
+        LAZY_RESCALE=config.lazy_rescale, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
+        PAD_FILL=_PAD_FILL_BLOCK, SEQ_CHUNK=_SEQ_CHUNK,
     )  # fmt: skip
     strides = (
         q.stride(0),
@@ -571,15 +688,19 @@ def _launch(
         out.stride(1),
     )
     args = (
-        q, k_arg, k2_arg, v_arg, out, lse, cu_seqlens_q, cu_seqlens_k, *strides, lse.stride(0),
+        q, q_arg, q2_arg, k_arg, k2_arg, v_arg, out, o_arg, lse, cu_seqlens_q, cu_seqlens_k, *strides, lse.stride(0),
         num_tokens, num_heads, num_seqs, num_slots, heads_per_group, num_pad_programs, float(softmax_scale) * _LOG2E,
     )  # fmt: skip
-    # Every integer Triton specialises (the strides and the head count) by value, every pointer by alignment.
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    # Every integer Triton specialises (the strides and the head count) by value, every pointer by
+    # alignment, every descriptor by what _descriptor_key lists.
     key = (
         q.device.index, q.dtype, num_heads, strides, pointer_alignment(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k),
-        tuple(constexprs.values()), config.num_warps, config.num_stages, tma_key,
+        tuple(constexprs.values()), config.num_warps, config.num_stages, _descriptor_key(kv_descs),
+        _descriptor_key(qo_descs),
     )  # fmt: skip
-    _launcher(key, q.device, grid, args, constexprs, num_warps=config.num_warps, num_stages=config.num_stages)
+    used = tuple(name for name, descs in (("kv", kv_descs), ("qo", qo_descs)) if descs is not None)
+    return LaunchPlan(key, grid, args, constexprs, options, used)
 
 
 _launcher = CachedLaunch(_attn_fwd_kernel)

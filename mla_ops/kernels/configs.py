@@ -5,8 +5,15 @@ is seen, which can be in the middle of CUDA graph capture. The kernels therefore
 keyed on the device's architecture and on ``(Dqk, Dv, causal, dtype)``. ``benchmarks/tune_triton.py``
 sweeps candidate configurations on a GPU and prints the best ones; copy them into the tables below.
 
-For experiments, ``MLA_OPS_TRITON_CONFIG="BLOCK_M,BLOCK_N,num_warps,num_stages[,tma]"`` overrides the
-attention table for every call (``tma`` is ``0`` or ``1``: load K/V through TMA tensor descriptors).
+For experiments, ``MLA_OPS_TRITON_CONFIG="BLOCK_M,BLOCK_N,num_warps,num_stages[,FLAG...]"`` overrides
+the attention table for every call. The flags, in any order (see :class:`AttentionConfig`):
+
+- ``tma`` (or ``1``): load K/V through TMA tensor descriptors; ``ptr`` (or ``0``): pointer loads (default);
+- ``qo``: also load Q and store the output through TMA descriptors;
+- ``ws``: warp-specialise the mask-free key loop (needs ``tma``, ``qo`` and, on Hopper, 4 warps);
+- ``lazy``: rescale the accumulator only when a row's max grew by more than 2^8.
+
+e.g. ``128,64,4,2,tma,qo,ws,lazy``.
 
 This module does not import Triton, so the tables can be read (and tested) without it.
 """
@@ -22,7 +29,11 @@ import torch
 #: Environment variable that overrides the attention launch configuration.
 CONFIG_ENV_VAR = "MLA_OPS_TRITON_CONFIG"
 
-_FORMAT = "BLOCK_M,BLOCK_N,num_warps,num_stages[,tma]"
+_FORMAT = "BLOCK_M,BLOCK_N,num_warps,num_stages[,tma][,qo][,ws][,lazy]"
+
+#: Named flags of the configuration text and the fields they set (``0``/``ptr`` clear ``use_tma``).
+_FLAGS = {"tma": "use_tma", "1": "use_tma", "qo": "qo_tma", "ws": "warp_specialize", "lazy": "lazy_rescale"}
+_CLEAR_FLAGS = ("0", "ptr")
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -42,6 +53,18 @@ class AttentionConfig:
         use_tma: load K and V through TMA tensor descriptors (Hopper and newer, Triton with
             ``triton.tools.tensor_descriptor``). Inputs a descriptor cannot describe fall back to
             plain pointer loads.
+        qo_tma: load the Q block and store the output block through TMA descriptors too. Rows past
+            a sequence are zeroed after the load; a sequence's last, partial block stores through
+            masked pointers (a descriptor store cannot mask rows).
+        warp_specialize: warp-specialise the mask-free key loop (``tl.range(warp_specialize=True)``).
+            On Hopper, Triton 3.6 splits the loop into a TMA producer warp group and two consumer
+            warp groups of ``num_warps`` each, so it needs ``use_tma`` and ``qo_tma`` (it fails when
+            a dot operand comes from pointer loads) and ``num_warps=4`` (it ignores the request at 8
+            warps): 12 warps run per program. Without descriptors (an input TMA cannot describe)
+            the loop is not specialised.
+        lazy_rescale: in the mask-free key loop, rescale the accumulator only when some row's
+            running max grew by more than 2^8 (FlashAttention-4's conditional rescale); exact, it
+            only changes how often the rescale runs.
     """
 
     block_m: int
@@ -49,6 +72,9 @@ class AttentionConfig:
     num_warps: int
     num_stages: int
     use_tma: bool = False
+    qo_tma: bool = False
+    warp_specialize: bool = False
+    lazy_rescale: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -60,18 +86,29 @@ class AttentionConfig:
             problems.append(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
         if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
             problems.append(f"num_stages must be an integer from 1 to 8, got {self.num_stages!r}")
+        if self.warp_specialize and not (self.use_tma and self.qo_tma):
+            problems.append(
+                "warp_specialize needs use_tma and qo_tma (the 'tma' and 'qo' flags): Triton specialises only "
+                "loops whose dot operands all come through TMA"
+            )
+        if self.warp_specialize and self.num_warps != 4:
+            problems.append(
+                f"warp_specialize needs num_warps=4 (two consumer warp groups of 4 warps and a producer), "
+                f"got {self.num_warps!r}"
+            )
         if problems:
             raise ValueError("invalid Triton attention config: " + "; ".join(problems))
 
     def __str__(self) -> str:
-        tma = ",tma" if self.use_tma else ""
-        return f"{self.block_m},{self.block_n},{self.num_warps},{self.num_stages}{tma}"
+        flags = "".join(f",{flag}" for flag, name in _FLAGS.items() if flag != "1" and getattr(self, name))
+        return f"{self.block_m},{self.block_n},{self.num_warps},{self.num_stages}{flags}"
 
     @classmethod
     def parse(cls, text: str, source: str = CONFIG_ENV_VAR) -> AttentionConfig:
-        """Parse ``"BLOCK_M,BLOCK_N,num_warps,num_stages[,tma]"``; raises ``ValueError`` saying what is wrong."""
+        """Parse ``"BLOCK_M,BLOCK_N,num_warps,num_stages[,FLAG...]"`` (flags: ``tma``/``1``, ``ptr``/``0``,
+        ``qo``, ``ws``, ``lazy``); raises ``ValueError`` saying what is wrong."""
         fields = [f.strip() for f in text.split(",")]
-        if len(fields) not in (4, 5):
+        if len(fields) < 4:
             raise ValueError(f"{source} must be {_FORMAT!r} (e.g. '128,64,8,3'), got {text!r}")
         try:
             numbers = [int(f) for f in fields[:4]]
@@ -79,14 +116,20 @@ class AttentionConfig:
             raise ValueError(
                 f"{source} must be {_FORMAT!r} with integer fields (e.g. '128,64,8,3'), got {text!r}"
             ) from None
-        use_tma = False
-        if len(fields) == 5:
-            flag = fields[4].lower()
-            if flag not in ("0", "1", "tma", "ptr"):
-                raise ValueError(f"{source}: the fifth field must be 0/1 (or 'tma'/'ptr'), got {fields[4]!r}")
-            use_tma = flag in ("1", "tma")
+        flags: dict[str, bool] = {}
+        for field in fields[4:]:
+            flag = field.lower()
+            if flag in _CLEAR_FLAGS:
+                flags["use_tma"] = False
+            elif flag in _FLAGS:
+                flags[_FLAGS[flag]] = True
+            else:
+                raise ValueError(
+                    f"{source}={text!r}: unknown flag {field!r}; after the four numbers come any of "
+                    f"'tma' (or 1), 'ptr' (or 0), 'qo', 'ws', 'lazy'"
+                )
         try:
-            return cls(*numbers, use_tma=use_tma)
+            return cls(*numbers, **flags)
         except ValueError as exc:
             raise ValueError(f"{source}={text!r}: {exc}") from None
 

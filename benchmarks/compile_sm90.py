@@ -1,0 +1,199 @@
+#!/usr/bin/env python
+"""Compile the Triton attention kernel's variants for Hopper (sm_90a) ahead of time, on any machine.
+
+No GPU is needed: Triton's NVIDIA backend ships ``ptxas``, and each variant is built from the exact
+arguments, constexprs and options that ``attention_triton`` would launch it with
+(:func:`mla_ops.kernels.attention.launch_plan`, over CPU stand-ins with the GPU tensors' shapes,
+strides and alignment). For each configuration and path it prints whether it compiled, the registers
+per thread and spilled bytes (from ``ptxas -v``), the shared memory per program, the warps per program
+(warp specialisation adds a producer warp group), and what the TTGIR holds: ``ttg.warp_specialize``
+regions and TMA (``async_tma_copy``) operations. A configuration that does not compile, spills, or
+asks for warp specialisation the compiler did not apply is reported as a failure (exit status 1).
+
+Usage::
+
+    python benchmarks/compile_sm90.py                     # the SM90 table and the tuning candidates
+    python benchmarks/compile_sm90.py --configs "128,64,4,2,tma,ws;128,64,8,3,lazy" --dims 192,128
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+#: The compute capability compiled for: Hopper, whose architecture-specific target is sm_90a.
+CAPABILITY = 90
+#: Tokens and heads of the stand-in tensors: enough for every block size, small enough to allocate.
+TOKENS, HEADS = 1024, 16
+
+
+@dataclass
+class Variant:
+    """One compiled variant and what the compiler made of it."""
+
+    config: str
+    causal: bool
+    error: str | None = None
+    registers: int | None = None
+    spill_bytes: int | None = None
+    shared_bytes: int | None = None
+    warps: int | None = None
+    warp_specialized: bool = False
+    tma_ops: int = 0
+    descriptors: tuple[str, ...] = ()
+
+    def problems(self, wants_ws: bool) -> list[str]:
+        """Why this variant is not fit to launch; empty when it is."""
+        if self.error is not None:
+            return [self.error]
+        found = []
+        if self.spill_bytes:
+            found.append(f"spills {self.spill_bytes} bytes")
+        if wants_ws and not self.warp_specialized:
+            found.append("warp specialisation requested but not applied")
+        return found
+
+
+def _stand_ins(dqk: int, dv: int, causal: bool):
+    """CPU tensors shaped and strided like the GPU ones: ``v`` a strided view of a ``[T, H, 256]`` kv."""
+    import torch
+
+    dtype = torch.bfloat16
+    q = torch.empty(TOKENS, HEADS, dqk, dtype=dtype)
+    k = torch.empty(TOKENS, HEADS, dqk, dtype=dtype)
+    kv = torch.empty(TOKENS, HEADS, dv + 128, dtype=dtype)
+    v = kv[..., 128:]
+    out = torch.empty(TOKENS, HEADS, dv, dtype=dtype)
+    lse = torch.empty(HEADS, TOKENS, dtype=torch.float32)
+    cu_q = torch.tensor([0, TOKENS // 2, TOKENS], dtype=torch.int32)
+    cu_k = cu_q if causal else torch.tensor([0, 300, TOKENS], dtype=torch.int32)
+    return q, k, v, out, lse, cu_q, cu_k
+
+
+def _ptxas_usage(ptx: str) -> tuple[int, int]:
+    """``(registers per thread, spilled bytes stored + loaded)`` from ``ptxas -v`` for sm_90a."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        cmd = [get_ptxas(CAPABILITY).path, "-v", f"--gpu-name={sm_arch_from_capability(CAPABILITY)}", str(src)]
+        cmd += ["-o", str(Path(tmp) / "kernel.cubin")]
+        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    registers = max(int(r) for r in re.findall(r"Used (\d+) registers", log))
+    spills = sum(int(b) for b in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    return registers, spills
+
+
+def compile_variant(config: Any, dqk: int, dv: int, causal: bool) -> Variant:
+    """Compile ``config`` for sm_90a as ``attention_triton`` would launch it; never raises."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    from mla_ops.kernels.attention import _attn_fwd_kernel as kernel
+    from mla_ops.kernels.attention import launch_plan
+
+    variant = Variant(str(config), causal)
+    try:
+        q, k, v, out, lse, cu_q, cu_k = _stand_ins(dqk, dv, causal)
+        plan = launch_plan(
+            q, k, v, out, lse, cu_q, cu_k, TOKENS, TOKENS, dqk**-0.5, causal, config, descriptors_anywhere=True
+        )
+        variant.descriptors = plan.descriptors
+        target = GPUTarget("cuda", CAPABILITY, 32)
+        backend = make_backend(target)
+        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+        bound, specialization, options = binder(*plan.args, **plan.constexprs, **plan.options)
+        options, signature, constexprs, attrs = kernel._pack_args(
+            backend, dict(plan.options), bound, specialization, options
+        )
+        compiled = triton.compile(
+            ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__
+        )
+        ttgir = compiled.asm["ttgir"]
+        variant.registers, variant.spill_bytes = _ptxas_usage(compiled.asm["ptx"])
+        variant.shared_bytes = compiled.metadata.shared
+        variant.warps = compiled.metadata.num_warps
+        variant.warp_specialized = "ttg.warp_specialize" in ttgir
+        variant.tma_ops = len(re.findall(r"async_tma_copy|async_tma_store|tma_store|descriptor_(?:load|store)", ttgir))
+    except Exception as exc:  # a variant the compiler rejects is a result to report
+        variant.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+    return variant
+
+
+def default_configs() -> list[str]:
+    """The SM90 table's (192, 128) entries and the tuning script's default candidates."""
+    from tune_triton import DEFAULT_CANDIDATES
+
+    from mla_ops.kernels.configs import SM90_ATTENTION
+
+    table = [str(c) for key, c in SM90_ATTENTION.items() if key[:2] == (192, 128)]
+    return list(dict.fromkeys([*table, *DEFAULT_CANDIDATES]))
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument(
+        "--configs",
+        default="",
+        help="';'-separated configs 'BLOCK_M,BLOCK_N,num_warps,num_stages[,tma][,qo][,ws][,lazy]'\n"
+        "(default: the SM90 table's (192, 128) entries and tune_triton.py's candidates)",
+    )
+    parser.add_argument("--dims", default="192,128", help="Dqk,Dv (default 192,128)")
+    parser.add_argument("--path", choices=("both", "causal", "chunk"), default="both", help="which path to compile")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        import triton
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        get_ptxas(CAPABILITY)
+    except Exception as exc:
+        print(f"compile_sm90.py needs Triton with its NVIDIA backend and ptxas: {exc}", file=sys.stderr)
+        return 2
+    from mla_ops.kernels.configs import AttentionConfig
+
+    dqk, dv = (int(x) for x in args.dims.split(","))
+    texts = args.configs.split(";") if args.configs else default_configs()
+    configs = [AttentionConfig.parse(t, "--configs") for t in texts]
+    paths = {"both": (True, False), "causal": (True,), "chunk": (False,)}[args.path]
+    print(f"triton {triton.__version__}, sm_{CAPABILITY}a, (Dqk, Dv) = ({dqk}, {dv}), bf16")
+    header = ("config", "path", "regs", "spill", "smem KiB", "warps", "ws", "tma")
+    print("{:<28} {:<6} {:>4} {:>5} {:>8} {:>5} {:>3} {:>3}  descriptors".format(*header))
+    failed = 0
+    for config in configs:
+        for causal in paths:
+            v = compile_variant(config, dqk, dv, causal)
+            path = "causal" if causal else "chunk"
+            problems = v.problems(config.warp_specialize)
+            if v.error is None:
+                print(
+                    f"{v.config:<28} {path:<6} {v.registers:>4} {v.spill_bytes:>5} {v.shared_bytes / 1024:>8.1f} "
+                    f"{v.warps:>5} {'yes' if v.warp_specialized else 'no':>3} {v.tma_ops:>3}  "
+                    f"{','.join(v.descriptors) or '-'}{'  FAIL: ' + '; '.join(problems) if problems else ''}"
+                )
+            else:
+                print(f"{v.config:<28} {path:<6} FAIL: {v.error}")
+            failed += bool(problems)
+    print(f"{failed} of {len(configs) * len(paths)} variants failed" if failed else "all variants compiled")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
