@@ -505,12 +505,13 @@ def test_out_of_resources_steps_down_unless_explicit(monkeypatch):
 
     real_launch, tried = attention._launch, []
 
-    def launch(*args):
-        config = args[-1]
+    def launch(plan_args, layout):
+        config = plan_args[-1]
+        assert config in layout, "the layout names the configuration it launches"
         tried.append(config)
         if config.block_n > 16:
             raise OutOfResources(config.block_n * 1024, 16 * 1024, "shared memory")
-        return real_launch(*args)
+        return real_launch(plan_args, layout)
 
     monkeypatch.setattr(attention, "_launch", launch)
     monkeypatch.setattr(attention, "_table_configs", {})
@@ -597,3 +598,22 @@ def test_cached_launch_skips_the_jit_after_the_first_launch(monkeypatch):
     assert chain() == (None, None)
     hooks.launch_enter_hook.calls.append(print)
     assert chain() == (hooks.launch_enter_hook, hooks.launch_exit_hook)
+
+
+def test_relaunched_leading_arguments_are_the_plans():
+    """A remembered layout is relaunched with _pointer_args in place of the plan's leading arguments;
+    for a plan without descriptors the two must be the very same tensors, in the same order."""
+    from mla_ops.kernels import attention
+
+    batch = make_batch([5, 0, 17], HEADS, 192, 128, torch.bfloat16, strided_v=True, padding=2, seed=3)
+    out = torch.empty(batch.q.shape[0], HEADS, 128, dtype=torch.bfloat16)
+    lse = torch.empty(HEADS, batch.q.shape[0])
+    cu = batch.cu_seqlens
+    plan = attention.launch_plan(
+        batch.q, batch.k, batch.v, out, lse, cu, cu, 17, 17, 0.1, True, AttentionConfig(64, 32, 4, 2)
+    )
+    assert plan.descriptors == ()
+    expected = attention._pointer_args(batch.q, batch.k, batch.v, out, lse, cu, cu)
+    assert len(expected) == attention._LEADING
+    assert all(a is b for a, b in zip(plan.args[: attention._LEADING], expected, strict=True))
+    assert not any(isinstance(a, torch.Tensor) for a in plan.args[attention._LEADING :]), "only scalars follow"

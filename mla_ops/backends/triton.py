@@ -34,6 +34,7 @@ class TritonBackend(PrefillBackend):
     """
 
     name = "TRITON"
+    _kernel = None  # mla_ops.kernels.attention.attention_triton, once imported
 
     def library_reasons(self, capability: DeviceCapability | None, config: SelectorConfig) -> list[str]:
         try:
@@ -57,11 +58,12 @@ class TritonBackend(PrefillBackend):
         return f"{where}: mla_ops varlen flash-attention forward, QK split into power-of-two dots (192 = 128 + 64)"
 
     def attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
-        from ..kernels.attention import attention_triton
+        kernel = self._kernel
+        if kernel is None:  # imported on first use, then kept: an import statement per call costs a microsecond
+            from ..kernels.attention import attention_triton
 
-        return attention_triton(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal=causal
-        )
+            kernel = self._kernel = attention_triton
+        return kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
 
     def warmup(self, device: torch.device, config: SelectorConfig, num_heads: int) -> None:
         """Compile every kernel variant a model with ``config`` and ``num_heads`` heads will launch.

@@ -31,7 +31,7 @@ loop calls ``exp2``) and fp32 accumulators. Design points:
 from __future__ import annotations
 
 import os
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import triton
@@ -585,13 +585,25 @@ def attention_triton(
             if config is None:
                 config = _table_configs[key] = attention_config(q.device, dqk, dv, causal, q.dtype)
     while True:
+        # Everything the launch depends on but the addresses (see launch_plan): shapes, strides, the
+        # inputs' 16-byte alignment (the outputs are fresh, contiguous and aligned), the scalars, the
+        # configuration. A layout seen before is relaunched with only the tensors replaced.
+        layout = (
+            q.shape, q.stride(), k.shape[0], k.stride(), dv, v.stride(), cu_seqlens_q.shape[0], max_seqlen_q > 0,
+            max_seqlen_k, softmax_scale, causal, q.dtype, q.device, config,
+            pointer_alignment(q, k, v, cu_seqlens_q, cu_seqlens_k),
+        )  # fmt: skip
         try:
             # Triton launches on the current device and its current stream, not on q's device.
             with on_device(q.device):
-                _launch(
-                    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                    config,
-                )  # fmt: skip
+                if not _launcher.relaunch(
+                    layout, q.device, _pointer_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+                ):
+                    _launch(
+                        (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                         causal, config),
+                        layout,
+                    )  # fmt: skip
             return out, lse
         except OutOfResources as exc:
             # The table is tuned for one GPU; on a smaller one, step down instead of failing. An
@@ -606,10 +618,26 @@ def attention_triton(
             config = _table_configs[key] = smaller
 
 
-def _launch(*plan_args: Any) -> None:
-    """Launch the kernel for :func:`launch_plan`'s arguments (q, k, v, out, lse, ..., config)."""
+def _launch(plan_args: tuple, layout: tuple) -> None:
+    """Launch the kernel for :func:`launch_plan`'s arguments (q, k, v, out, lse, ..., config), and let
+    :class:`CachedLaunch` remember ``layout`` when the plan has no TMA descriptors: those hold the
+    tensors' addresses, so a plan that uses them is built again for every call."""
     plan = launch_plan(*plan_args)
-    _launcher(plan.key, plan_args[0].device, plan.grid, plan.args, plan.constexprs, **plan.options)
+    remember = layout if not plan.descriptors else None
+    _launcher(
+        plan.key, plan_args[0].device, plan.grid, plan.args, plan.constexprs, layout=remember, leading=_LEADING,
+        **plan.options,
+    )  # fmt: skip
+
+
+def _pointer_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k) -> tuple:
+    """The kernel's first arguments when nothing goes through a TMA descriptor: each descriptor slot
+    (``Q``, ``Q2``, ``K``, ``K2``, ``V``, ``OutDesc``) takes the tensor itself."""
+    return (q, q, q, k, k, v, out, out, lse, cu_seqlens_q, cu_seqlens_k)
+
+
+#: How many leading kernel arguments change from call to call (tensors and descriptors).
+_LEADING = 11
 
 
 class LaunchPlan(NamedTuple):
