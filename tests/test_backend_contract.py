@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import pytest
 import standins
 import torch
-from utils import DEEPSEEK_DIMS, GraphBuffers, assert_attention_close, cu_seqlens_of, make_batch, make_qkv
+from utils import DEEPSEEK_DIMS, GraphBuffers, RaggedBatch, assert_attention_close, cu_seqlens_of, make_batch, make_qkv
 
 import mla_ops
 from mla_ops import DeviceCapability, MLADimensions, SelectorConfig
@@ -156,33 +156,18 @@ def _heads(target: Target) -> int:
     return 16 if target.gpu else 2
 
 
-@dataclass
-class Chunk:
-    """A context chunk: ``k``/``v`` packed as ``cu_seqlens_k`` says."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    cu: torch.Tensor
-    lengths: list[int]
-
-    @property
-    def max_seqlen(self) -> int:
-        return max(self.lengths, default=0)
+def make_chunk(lengths, heads, dqk, dv, dtype, device, strided_v=False, seed=100) -> RaggedBatch:
+    """A context chunk: ``k``/``v`` packed as ``cu_seqlens`` says (a batch whose ``q`` goes unused)."""
+    return make_batch(lengths, heads, dqk, dv, dtype, device, strided_v, seed=seed)
 
 
-def make_chunk(lengths, heads, dqk, dv, dtype, device, strided_v=False, seed=100) -> Chunk:
-    gen = torch.Generator().manual_seed(seed)
-    _, k, v = make_qkv(sum(lengths), heads, dqk, dv, dtype, device, strided_v=strided_v, generator=gen)
-    return Chunk(k, v, cu_seqlens_of(lengths, device), list(lengths))
-
-
-def check_path(run: Installed, path: str, batch, chunk: Chunk | None, scale: float, slack: int = 0):
+def check_path(run: Installed, path: str, batch, chunk: RaggedBatch | None, scale: float, slack: int = 0):
     """Run ``path`` (``"causal"`` or ``"chunk"``) and check it; returns ``(out, lse)``."""
     max_q = batch.max_seqlen + slack
     if path == "causal":
         k, v, cu_k, max_k = batch.k, batch.v, batch.cu_seqlens, max_q
     else:
-        k, v, cu_k, max_k = chunk.k, chunk.v, chunk.cu, chunk.max_seqlen + slack
+        k, v, cu_k, max_k = chunk.k, chunk.v, chunk.cu_seqlens, chunk.max_seqlen + slack
     out, lse = run.attention(batch.q, k, v, batch.cu_seqlens, cu_k, max_q, max_k, scale, path == "causal")
     assert_attention_close(out, lse, batch.q, k, v, batch.cu_seqlens, cu_k, scale, path == "causal")
     return out, lse
@@ -262,7 +247,7 @@ def test_chunk_without_any_key(installed):
     heads = _heads(installed.target)
     batch = make_batch([4, 6], heads, dqk, dv, BF16, installed.device, padding=2)
     chunk = make_chunk([0, 0], heads, dqk, dv, BF16, installed.device)
-    out, lse = installed.attention(batch.q, chunk.k, chunk.v, batch.cu_seqlens, chunk.cu, 6, 0, 0.1, False)
+    out, lse = installed.attention(batch.q, chunk.k, chunk.v, batch.cu_seqlens, chunk.cu_seqlens, 6, 0, 0.1, False)
     assert out.shape == (12, heads, dv) and lse.shape == (heads, 12)
     check_empty_rows(out, lse, slice(0, 10))
 
@@ -324,7 +309,7 @@ def test_output_conventions(installed, path, dtype):
     assert lse.shape == (heads, tokens) and lse.dtype == torch.float32 and lse.is_contiguous()
     assert out.device == batch.q.device and lse.device == batch.q.device
     # The same numbers with a base-2 LSE (what FlashInfer's kernels return) must be caught.
-    k, v, cu_k = (batch.k, batch.v, batch.cu_seqlens) if path == "causal" else (chunk.k, chunk.v, chunk.cu)
+    k, v, cu_k = (batch.k, batch.v, batch.cu_seqlens) if path == "causal" else (chunk.k, chunk.v, chunk.cu_seqlens)
     with pytest.raises(AssertionError, match="lse error"):
         assert_attention_close(out, lse / math.log(2.0), batch.q, k, v, batch.cu_seqlens, cu_k, scale, path == "causal")
 

@@ -3,6 +3,7 @@ for every CUDA backend. Each result is checked against a float64 computation of 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 
@@ -59,6 +60,16 @@ def _assert_close_to_truth(out: torch.Tensor, want: torch.Tensor, rows: int | No
     assert rel <= REL_TOL, f"relative error {rel:.3e} vs float64 exceeds {REL_TOL:.0e}"
 
 
+@contextlib.contextmanager
+def _compiled_with(backend: str, layer: MLAAttention, **options):
+    """``layer`` under ``torch.compile(fullgraph=True, **options)`` with ``backend`` forced for the block, on
+    fresh Dynamo state and counters (skips where ``backend``'s library is missing)."""
+    _require(backend)
+    reset_compile()
+    with mla_ops.prefill_backend(backend):
+        yield torch.compile(layer, fullgraph=True, **options)
+
+
 def _assert_close_to_eager(out: torch.Tensor, eager: torch.Tensor, tol: float) -> None:
     diff = ((out.float() - eager.float()).norm() / eager.float().norm()).item()
     assert diff <= tol, f"compiled or replayed output differs from eager by {diff:.2e} (relative), over {tol:.0e}"
@@ -81,11 +92,8 @@ def _batches(layer: MLAAttention, count: int):
 @pytest.mark.parametrize("backend", BACKENDS)
 @torch.no_grad()
 def test_compile_fullgraph_dynamic(backend, layers) -> None:
-    _require(backend)
     layer, truth = layers
-    reset_compile()
-    with mla_ops.prefill_backend(backend):
-        compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    with _compiled_with(backend, layer, dynamic=True) as compiled:
         for batch in _batches(layer, 10):
             want = _truth(truth, batch)
             eager = layer(*_args(batch))
@@ -103,11 +111,8 @@ def test_compile_reduce_overhead(backend, layers) -> None:
     # The backends that read the offsets on the device, forced, run inside the graphs. FLASHINFER plans on
     # the host: forced, it is refused there (test_flashinfer_is_refused_inside_cudagraph_trees); selected
     # automatically, the calls are routed (test_reduce_overhead_routes_around_auto_selected_flashinfer).
-    _require(backend)
     layer, truth = layers
-    reset_compile()
-    with mla_ops.prefill_backend(backend):
-        compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
+    with _compiled_with(backend, layer, mode="reduce-overhead") as compiled:
         batches = list(_batches(layer, 3))
         for _ in range(3):  # warm-up, record, then replays
             for batch in batches:

@@ -148,11 +148,10 @@ class Shape:
     @property
     def id(self) -> str:
         """A stable identifier, e.g. ``causal-h16-4x4096`` or ``chunk-h128-1x1024-ctx1x16384``."""
-        if self.suite == "merge":
-            return f"merge-h{self.heads}-t{self.q_lens[0]}"
+        lengths = f"t{self.q_lens[0]}" if self.suite == "merge" else _runs(self.q_lens)
         if self.suite == "chunk":
-            return f"chunk-h{self.heads}-{_runs(self.q_lens)}-ctx{_runs(self.k_lens)}"
-        return f"causal-h{self.heads}-{_runs(self.q_lens)}"
+            lengths += f"-ctx{_runs(self.k_lens)}"
+        return f"{self.suite}-h{self.heads}-{lengths}"
 
     @property
     def label(self) -> str:

@@ -252,6 +252,20 @@ class _LayerConfig(NamedTuple):
     causal: bool
 
 
+class _Call(NamedTuple):
+    """One validated call's inputs, as the eager and graph paths pass them on: ``cu_k`` is None on the
+    causal path (the new tokens over themselves, one offsets tensor)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor | None
+    max_seqlen_q: int
+    max_seqlen_k: int
+    cfg: _LayerConfig
+
+
 # --- eager plans ----------------------------------------------------------------------------------
 
 
@@ -505,16 +519,8 @@ class FlashInferBackend(PrefillBackend):
             if len(pool) < MAX_POOLED_WRAPPERS:
                 pool.append(plan.wrapper)
 
-    def _make_eager_plan(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        host: torch.Tensor,
-        cu_k: torch.Tensor | None,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        cfg: _LayerConfig,
-    ) -> _EagerPlan:
+    def _make_eager_plan(self, call: _Call, host: torch.Tensor) -> _EagerPlan:
+        q, k, _, _, cu_k, max_seqlen_q, max_seqlen_k, cfg = call
         host_q = host[0]
         host_k = host_q if cu_k is None else host[1]
         if cu_k is None:
@@ -532,16 +538,8 @@ class FlashInferBackend(PrefillBackend):
         self._plan(wrapper, kernel, host_q, host_k, cfg)
         return _EagerPlan(wrapper, kernel, num_rows, host, cu_k)
 
-    def _eager_plan_for(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        cu_q: torch.Tensor,
-        cu_k: torch.Tensor | None,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        cfg: _LayerConfig,
-    ) -> _EagerPlan:
+    def _eager_plan_for(self, call: _Call) -> _EagerPlan:
+        cu_q, cu_k, cfg = call.cu_q, call.cu_k, call.cfg
         batch_key = _offsets_key(cu_q)
         plan_key = (cfg, None if cu_k is None else _offsets_key(cu_k))
         group = self._batches.get(batch_key)
@@ -565,7 +563,7 @@ class FlashInferBackend(PrefillBackend):
                 "in-place rewrites cannot be detected cheaply; the offsets are read on the host (a device sync) "
                 "at every call. Allocate offsets tensors outside inference mode to plan once per batch."
             )
-        plan = self._make_eager_plan(q, k, host, cu_k, max_seqlen_q, max_seqlen_k, cfg)
+        plan = self._make_eager_plan(call, host)
         if group is None:
             group = self._batches[batch_key] = _BatchPlans(cu_q)
             while len(self._batches) > MAX_CACHED_BATCHES:
@@ -575,18 +573,9 @@ class FlashInferBackend(PrefillBackend):
         group.plans[plan_key] = plan
         return plan
 
-    def _run_eager(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_q: torch.Tensor,
-        cu_k: torch.Tensor | None,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        cfg: _LayerConfig,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        plan = self._eager_plan_for(q, k, cu_q, cu_k, max_seqlen_q, max_seqlen_k, cfg)
+    def _run_eager(self, call: _Call) -> tuple[torch.Tensor, torch.Tensor]:
+        plan = self._eager_plan_for(call)
+        q, k, v, _, cu_k, _, _, cfg = call
         out, lse = _empty_outputs(q, cfg.head_dim_vo)
         num_tokens, n = q.shape[0], plan.num_rows
         if n < num_tokens or plan.wrapper is None:
@@ -677,17 +666,9 @@ class FlashInferBackend(PrefillBackend):
         return _GraphWrapper(wrapper, kernel, cfg, entry_q.offsets, entry_k.offsets, q.shape[0], k.shape[0])
 
     def _run_graph(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_q: torch.Tensor,
-        cu_k: torch.Tensor | None,
-        entry_q: _GraphBuffer,
-        entry_k: _GraphBuffer,
-        cfg: _LayerConfig,
-        capturing: bool,
+        self, call: _Call, entry_q: _GraphBuffer, entry_k: _GraphBuffer, capturing: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, cu_q, cu_k, _, _, cfg = call
         _check_unchanged("cu_seqlens" if cu_k is None else "cu_seqlens_q", cu_q, entry_q)
         if cu_k is not None:
             _check_unchanged("cu_seqlens_k", cu_k, entry_k)
@@ -719,18 +700,19 @@ class FlashInferBackend(PrefillBackend):
         if num_tokens == 0:
             return _empty_outputs(q, cfg.head_dim_vo)
         cu_k = None if causal else cu_seqlens_k  # causal: the new tokens over themselves, one offsets tensor
+        call = _Call(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q, max_seqlen_k, cfg)
         capturing = is_capturing()
         entry_q = self._registered(cu_seqlens_q)
         if entry_q is not None:
             entry_k = entry_q if cu_k is None else self._registered(cu_k)
             if entry_k is not None:
-                return self._run_graph(q, k, v, cu_seqlens_q, cu_k, entry_q, entry_k, cfg, capturing)
+                return self._run_graph(call, entry_q, entry_k, capturing)
             if capturing:
                 raise _capture_error("this context chunk's cu_seqlens_k is not registered for CUDA graphs")
         elif capturing:
             name = "cu_seqlens" if cu_k is None else "cu_seqlens_q"
             raise _capture_error(f"{name} is not registered for CUDA graphs")
-        return self._run_eager(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q, max_seqlen_k, cfg)
+        return self._run_eager(call)
 
     # --- warm-up ----------------------------------------------------------------------------------
 
