@@ -306,3 +306,41 @@ def test_merge_uses_triton_and_handles_zero_tokens():
 def test_warmup_compiles_without_error(dims):
     config = SelectorConfig(torch.bfloat16, MLADimensions.from_head_dims(*dims))
     TritonBackend().warmup(torch.device(DEVICE), config, num_heads=16)
+
+
+def test_table_tma_config_uses_pointers_for_small_eager_chunks_and_tma_otherwise(monkeypatch):
+    """The chunk table entry asks for TMA: a small eager chunk loads through pointers (descriptors would
+    cost more host time than they save), a large one and any captured one through TMA."""
+    from mla_ops.kernels import attention
+
+    table = attention.attention_config(torch.device(DEVICE), 192, 128, False, torch.bfloat16)
+    if not (table.use_tma or table.qo_tma):
+        pytest.skip(f"this GPU's table entry for the context-chunk path ({table}) loads through pointers")
+    plans = []
+    real_plan = attention.launch_plan
+
+    def spy(*args, **kwargs):
+        plans.append(real_plan(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(attention, "launch_plan", spy)
+    monkeypatch.setattr(attention._launcher, "layouts", {})
+    heads, scale = 16, _scale(192)
+    batch = make_batch([40, 24], heads, 192, 128, torch.bfloat16, device=DEVICE, strided_v=True, seed=8)
+    small, large = 1024, attention.TMA_MIN_KEY_ROWS // heads
+    chunks = {}
+    for keys in (small, large):
+        _, k, v = make_qkv(keys, heads, 192, 128, torch.bfloat16, DEVICE, True, torch.Generator().manual_seed(keys))
+        cu_k = cu_seqlens_of([keys // 2, keys - keys // 2], DEVICE)
+        chunks[keys] = cu_k, k, v
+        out, lse = attention.attention_triton(batch.q, k, v, batch.cu_seqlens, cu_k, 40, keys, scale, False)
+        assert plans[-1].descriptors == (() if keys == small else ("kv",)), keys
+        assert_attention_close(out, lse, batch.q, k, v, batch.cu_seqlens, cu_k, scale, False)
+    # Captured after the large call compiled the TMA variant (a compile must not happen inside capture).
+    cu_k, k, v = chunks[small]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = attention.attention_triton(batch.q, k, v, batch.cu_seqlens, cu_k, 40, small, scale, False)
+    assert plans[-1].descriptors == ("kv",), "inside capture the host cost is paid once: TMA"
+    graph.replay()
+    assert_attention_close(out, lse, batch.q, k, v, batch.cu_seqlens, cu_k, scale, False)

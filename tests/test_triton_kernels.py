@@ -617,3 +617,32 @@ def test_relaunched_leading_arguments_are_the_plans():
     assert len(expected) == attention._LEADING
     assert all(a is b for a, b in zip(plan.args[: attention._LEADING], expected, strict=True))
     assert not any(isinstance(a, torch.Tensor) for a in plan.args[attention._LEADING :]), "only scalars follow"
+
+
+@interpreted
+def test_small_chunks_of_a_tma_table_config_load_through_pointers(monkeypatch):
+    """A table configuration that asks for TMA is launched through pointers below TMA_MIN_KEY_ROWS key
+    rows times heads (the descriptors' host cost would exceed what they save), through TMA above it, and
+    an explicit configuration always as given; the results are the same."""
+    from mla_ops.kernels import attention
+
+    tma = AttentionConfig(16, 16, 4, 1, use_tma=True)
+    plans = []
+    real_plan = attention.launch_plan
+
+    def spy(*args, **kwargs):
+        plans.append(real_plan(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(attention, "launch_plan", spy)
+    monkeypatch.setattr(attention, "_table_configs", {})
+    monkeypatch.setattr(attention, "attention_config", lambda *a: tma)
+    monkeypatch.setattr(attention, "TMA_MIN_KEY_ROWS", 40 * HEADS)
+    batch = make_batch([9, 0, 13], HEADS, 192, 128, torch.bfloat16, seed=21)
+    for keys, expected in (([4, 30, 5], ()), ([20, 0, 21], ("kv",))):
+        _, k, v = make_qkv(sum(keys), HEADS, 192, 128, torch.bfloat16, generator=torch.Generator().manual_seed(5))
+        cu_k = cu_seqlens_of(keys)
+        for config, descriptors in ((None, expected), (tma, ("kv",))):
+            out, lse = attention_triton(batch.q, k, v, batch.cu_seqlens, cu_k, 13, max(keys), 0.1, False, config=config)
+            assert plans[-1].descriptors == descriptors, (keys, config)
+            assert_attention_close(out, lse, batch.q, k, v, batch.cu_seqlens, cu_k, 0.1, False)

@@ -74,6 +74,7 @@ class TritonBackend(PrefillBackend):
         compilations serve every later batch.
         """
         from ..kernels.attention import attention_triton
+        from ..kernels.configs import attention_config
         from ..kernels.merge import merge_attn_states_triton
 
         device = torch.device(device)
@@ -91,12 +92,28 @@ class TritonBackend(PrefillBackend):
         lengths = [3, 0, 5]
         cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=device)
         cu_k = torch.tensor([0, 4, 4, 4], dtype=torch.int32, device=device)  # one empty chunk slice
-        q, k = rand(10, num_heads, dqk), rand(10, num_heads, dqk)  # 2 padding rows
-        kv = rand(10, num_heads, dqk + dv)
-        for v in (rand(10, num_heads, dv), kv[..., dqk:]):
+        q, k = rand(20, num_heads, dqk), rand(20, num_heads, dqk)  # 12 padding rows
+        kv = rand(20, num_heads, dqk + dv)
+        # Table configurations that load through TMA descriptors do so only for large eager batches and
+        # inside CUDA-graph capture (see TMA_MIN_KEY_ROWS): compile those variants too, passing the table
+        # configuration explicitly, for token counts that are and are not multiples of 16 (Triton
+        # specialises a descriptor's row count on that).
+        tma_configs = {
+            causal: table
+            for causal in (True, False)
+            if (table := attention_config(device, dqk, dv, causal, config.dtype)).use_tma or table.qo_tma
+        }
+        for v in (rand(20, num_heads, dv), kv[..., dqk:]):
             out, lse = attention_triton(q, k, v, cu, cu, max(lengths), max(lengths), scale, causal=True)
             out_c, lse_c = attention_triton(q, k[:4], v[:4], cu, cu_k, max(lengths), 4, scale, causal=False)
             merge_attn_states_triton(out_c, lse_c, out, lse)
+            for causal, table in tma_configs.items():
+                for rows in (12, 16):
+                    if causal:
+                        attention_triton(q[:rows], k[:rows], v[:rows], cu, cu, 5, 5, scale, True, config=table)
+                    else:
+                        cu_rows = torch.tensor([0, rows, rows, rows], dtype=torch.int32, device=device)
+                        attention_triton(q, k[:rows], v[:rows], cu, cu_rows, 5, rows, scale, False, config=table)
         # An empty chunk tensor (no context in this chunk for any sequence) takes the pointer path.
         empty_k, empty_v = k[:0], v[:0]
         zeros = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
