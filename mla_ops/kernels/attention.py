@@ -586,12 +586,17 @@ def attention_triton(
         raise TypeError(
             f"attention_triton: q, k, v must all be bfloat16 or float16, got {q.dtype}, {k.dtype}, {v.dtype}"
         )
-    for name, d in (("Dqk", dqk), ("Dv", dv)):
-        if d % 16 or not 16 <= d <= 256:
-            raise ValueError(f"attention_triton: {name} must be a multiple of 16 from 16 to 256, got {d}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.numel() and t.stride(-1) != 1:
-            raise ValueError(f"attention_triton: {name} must have stride 1 in its last dimension, got {t.stride()}")
+    usual = (
+        dqk % 16 == 0 and 16 <= dqk <= 256 and dv % 16 == 0 and 16 <= dv <= 256
+        and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    )  # fmt: skip
+    if not usual:  # find what is wrong (an empty tensor may have any strides)
+        for name, d in (("Dqk", dqk), ("Dv", dv)):
+            if d % 16 or not 16 <= d <= 256:
+                raise ValueError(f"attention_triton: {name} must be a multiple of 16 from 16 to 256, got {d}")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.numel() and t.stride(-1) != 1:
+                raise ValueError(f"attention_triton: {name} must have stride 1 in its last dimension, got {t.stride()}")
 
     out = torch.empty((num_tokens, num_heads, dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=q.device)
