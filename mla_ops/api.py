@@ -23,7 +23,14 @@ import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.mla)
 from .graph_trees import IN_GRAPH_TWINS, routes_in_graph
-from .meta.checks import check_argument_types, check_attention_inputs, check_merge_inputs
+from .meta.checks import MAX_SEQLEN_LIMIT, check_argument_types, check_attention_inputs, check_merge_inputs
+
+# The ops' default overloads, which the eager fast paths call directly: the OpOverloadPacket's __call__
+# costs a microsecond more. (Traced calls keep the packet, as graphs have always shown it.)
+_PREFILL = torch.ops.mla.prefill.default
+_PREFILL_CONTEXT_CHUNK = torch.ops.mla.prefill_context_chunk.default
+_MERGE_ATTN_STATES = torch.ops.mla.merge_attn_states.default
+_Tensor = torch.Tensor
 
 # The ops' twins for calls inside CUDA-graph trees: same schemas, routed with in_graph=True.
 _PREFILL_IN_GRAPH = getattr(torch.ops.mla, IN_GRAPH_TWINS["prefill"])
@@ -71,6 +78,16 @@ def _scale(op: str, q: torch.Tensor, softmax_scale: object) -> float:
     return float(softmax_scale)
 
 
+def _plain_scale(q: torch.Tensor, softmax_scale: object) -> float | None:
+    """The scale for the eager fast path: a float as given, the default for a 3-D ``q``, else ``None``
+    (the full checks then say what is wrong)."""
+    if type(softmax_scale) is float:
+        return softmax_scale
+    if softmax_scale is None and q.dim() == 3:
+        return default_softmax_scale(q.shape[2])
+    return None
+
+
 def _length(op: str, name: str, value: object) -> int:
     """``value`` as an int: Python ints and ``SymInt`` pass through, NumPy integers are converted."""
     if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
@@ -106,6 +123,21 @@ def prefill(
     Inside torch.compile's CUDA-graph trees (``mode="reduce-overhead"``), the call runs the best backend
     that reads the offsets on the device (:mod:`mla_ops.graph_trees`).
     """
+    # Eagerly, with arguments of the plain types, straight to the op: its kernel validates everything.
+    # The checks below add what the dispatcher would reject with messages that name no argument (other
+    # types), and what torch.compile needs (is_compiling() comes first, so Dynamo looks no further).
+    if (
+        not torch.compiler.is_compiling()
+        and type(max_seqlen) is int
+        and max_seqlen <= MAX_SEQLEN_LIMIT  # larger ints do not fit the schema's int64
+        and isinstance(q, _Tensor)
+        and isinstance(k, _Tensor)
+        and isinstance(v, _Tensor)
+        and isinstance(cu_seqlens, _Tensor)
+    ):
+        scale = _plain_scale(q, softmax_scale)
+        if scale is not None:
+            return _PREFILL(q, k, v, cu_seqlens, max_seqlen, scale)
     op = "mla.prefill"
     max_seqlen = _length(op, "max_seqlen", max_seqlen)
     check_argument_types(op, {"q": q, "k": k, "v": v, "cu_seqlens": cu_seqlens}, {"max_seqlen": max_seqlen})
@@ -143,6 +175,21 @@ def prefill_context_chunk(
 
     Inside torch.compile's CUDA-graph trees, routed as :func:`prefill` is.
     """
+    if (  # eagerly, with plain arguments, straight to the op (see prefill)
+        not torch.compiler.is_compiling()
+        and type(max_seqlen_q) is int
+        and type(max_seqlen_k) is int
+        and max_seqlen_q <= MAX_SEQLEN_LIMIT
+        and max_seqlen_k <= MAX_SEQLEN_LIMIT
+        and isinstance(q, _Tensor)
+        and isinstance(k, _Tensor)
+        and isinstance(v, _Tensor)
+        and isinstance(cu_seqlens_q, _Tensor)
+        and isinstance(cu_seqlens_k, _Tensor)
+    ):
+        scale = _plain_scale(q, softmax_scale)
+        if scale is not None:
+            return _PREFILL_CONTEXT_CHUNK(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
     op = "mla.prefill_context_chunk"
     max_seqlen_q = _length(op, "max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _length(op, "max_seqlen_k", max_seqlen_k)
@@ -177,6 +224,14 @@ def merge_attn_states(
         ``(out, lse)`` as if attention had run over both key sets at once. A row empty on both sides
         gives ``out = 0`` and ``lse = -inf``; a NaN LSE on either side gives NaN in ``out`` and ``lse``.
     """
+    if (  # eagerly, with tensors, straight to the op (see prefill)
+        not torch.compiler.is_compiling()
+        and isinstance(prefix_out, _Tensor)
+        and isinstance(prefix_lse, _Tensor)
+        and isinstance(suffix_out, _Tensor)
+        and isinstance(suffix_lse, _Tensor)
+    ):
+        return _MERGE_ATTN_STATES(prefix_out, prefix_lse, suffix_out, suffix_lse)
     op = "mla.merge_attn_states"
     check_argument_types(
         op,

@@ -338,3 +338,26 @@ def test_compile_without_fullgraph_surfaces_the_package_error() -> None:
     torch._dynamo.reset()
     with pytest.raises(Exception, match="cu_seqlens must have dtype int32"):  # fullgraph: inside Dynamo's error
         torch.compile(mla_ops.prefill, fullgraph=True, backend="eager")(q, k, v, cu.long(), 9)
+
+
+def test_plain_eager_calls_go_straight_to_the_op(monkeypatch) -> None:
+    """Eager calls with arguments of the plain types skip the API's own checks (the op's kernel makes them
+    all); other types still meet those checks, which name the argument."""
+    import mla_ops.api as api
+
+    q, k, v, cu, max_seqlen, chunks = _batch(1, seed=2)
+    chunk = chunks[0]
+    expected = mla_ops.prefill(q, k, v, cu, max_seqlen, 0.1)
+
+    def unexpected(*args, **kwargs):
+        raise AssertionError("the eager fast path ran the API's checks")
+
+    monkeypatch.setattr(api, "check_argument_types", unexpected)
+    with torch.no_grad():
+        out, _ = mla_ops.prefill(q, k, v, cu, max_seqlen, 0.1)
+        assert torch.equal(out, expected[0])
+        mla_ops.prefill(q, k, v, cu, max_seqlen)  # the default scale
+        out_c, lse_c = mla_ops.prefill_context_chunk(q, chunk.k, chunk.v, cu, chunk.cu_seqlens_k, max_seqlen, 7)
+        mla_ops.merge_attn_states(out, expected[1], out_c, lse_c)
+        with pytest.raises(AssertionError, match="fast path ran"):
+            mla_ops.prefill(q, k, v, cu, np.int64(max_seqlen))  # not a plain int: the full checks
