@@ -13,7 +13,7 @@ the attention table for every call. The flags, in any order (see :class:`Attenti
 - ``ws``: warp-specialise the key loop (needs ``tma``, ``qo`` and, on Hopper, 4 warps; not with ``lazy``);
 - ``lazy``: rescale the accumulator only when a row's max grew by more than 2^8.
 
-e.g. ``128,64,4,2,tma,qo,ws,lazy``.
+e.g. ``128,64,4,2,tma,qo,ws`` or ``128,64,8,3,tma,qo,lazy``.
 
 This module does not import Triton, so the tables can be read (and tested) without it.
 """
