@@ -13,7 +13,7 @@ asks for warp specialisation the compiler did not apply is reported as a failure
 Usage::
 
     python benchmarks/compile_sm90.py                     # the SM90 table and the tuning candidates
-    python benchmarks/compile_sm90.py --configs "128,64,4,2,tma,ws;128,64,8,3,lazy" --dims 192,128
+    python benchmarks/compile_sm90.py --configs "128,64,4,2,tma,qo,ws;128,64,8,3,lazy" --dims 192,128
 """
 
 from __future__ import annotations

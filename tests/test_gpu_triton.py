@@ -110,8 +110,17 @@ def test_tma_variant(causal):
         assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.07, causal)
 
 
-#: The Hopper variants tune_triton.py sweeps (Q/out descriptors, lazy rescale): selectable, not yet tabled.
-HOPPER_VARIANTS = ["128,64,8,3,lazy", "128,64,8,4,tma,lazy", "128,64,8,3,tma,qo", "128,64,8,4,tma,qo,lazy"]
+#: The Hopper variants tune_triton.py sweeps (Q/out descriptors, lazy rescale, the warp-specialised
+#: loop): selectable, not yet tabled.
+HOPPER_VARIANTS = [
+    "128,64,8,3,lazy",
+    "128,64,8,4,tma,lazy",
+    "128,64,8,3,tma,qo",
+    "128,64,8,4,tma,qo,lazy",
+    "128,64,4,2,tma,qo,ws",
+    "128,64,4,3,tma,qo,ws",
+    "128,128,4,2,tma,qo,ws",
+]
 
 
 @pytest.mark.parametrize("text", HOPPER_VARIANTS)

@@ -189,14 +189,14 @@ def test_tma_path_matches_pointer_path():
 
 # The Hopper knobs, as the interpreter can run them: Q/out through descriptors (zeroed rows past a
 # sequence, whole-block descriptor stores, masked stores for the last block), the lazy rescale, and
-# the structured control flow that warp specialisation needs (programs without a block run on with
-# empty key ranges). The interpreter ignores ``warp_specialize=True`` itself: whether Triton applies
-# it for sm_90a is checked by benchmarks/compile_sm90.py (no GPU needed).
+# the warp-specialised kernel's own loop and branch-free control flow (programs without a block run
+# on with empty key ranges). The interpreter ignores ``warp_specialize=True`` itself: whether Triton
+# applies it for sm_90a is checked by benchmarks/compile_sm90.py (no GPU needed).
 HOPPER_KNOBS = {
     "qo": dict(use_tma=True, qo_tma=True),
     "lazy": dict(lazy_rescale=True),
     "ws": dict(use_tma=True, qo_tma=True, warp_specialize=True),
-    "all": dict(use_tma=True, qo_tma=True, warp_specialize=True, lazy_rescale=True),
+    "qo+lazy": dict(use_tma=True, qo_tma=True, lazy_rescale=True),
 }
 
 
@@ -220,6 +220,33 @@ def test_hopper_knobs_match_reference(knobs, causal):
     config = AttentionConfig(16, 16, 4, 1, **flags)
     out, lse = attention_triton(q, k, v, cu_q, cu_k, 32, 40, 0.1, causal=causal, config=config)
     n = sum(lengths_q)
+    assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.1, causal)
+    assert torch.isneginf(lse[:, n:]).all(), "padding rows must have lse -inf"
+
+
+@interpreted
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
+def test_warp_specialised_loop_reads_no_padding_keys(causal):
+    """The ``ws`` loop moves a sequence's last tile back to end at its last key instead of masking V.
+
+    A first sequence shorter than a tile then reads rows before row 0 (zeros), a later one its
+    predecessor's keys (weighed 0), a tile-aligned one nothing twice; keys past ``cu_seqlens_k[-1]``
+    hold NaN and must not reach any output. Causal runs with more keys than queries (bottom-right).
+    """
+    pytest.importorskip("triton.tools.tensor_descriptor", reason="this Triton has no host TMA descriptors")
+    lengths_q = [5, 20, 16, 3, 0, 17, 11]
+    lengths_k = [9, 20, 16, 3, 0, 33, 13] if causal else [7, 20, 32, 3, 0, 40, 13]
+    # One more key sequence, cut off below: its rows are the padding past cu_seqlens_k[-1].
+    q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, [*lengths_k, 6], 192, 128, torch.float16, seed=11, strided_v=True)
+    cu_k = cu_k[:-1].contiguous()
+    end = int(cu_k[-1])
+    k[end:] = math.nan
+    v[end:] = math.nan
+    q = torch.cat([q, torch.full_like(q[:3], math.nan)])
+    config = AttentionConfig(16, 16, 4, 1, use_tma=True, qo_tma=True, warp_specialize=True)
+    out, lse = attention_triton(q, k, v, cu_q, cu_k, 20, 40, 0.1, causal=causal, config=config)
+    n = sum(lengths_q)
+    assert not out[:n].isnan().any() and not lse[:, :n].isnan().any()
     assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.1, causal)
     assert torch.isneginf(lse[:, n:]).all(), "padding rows must have lse -inf"
 
@@ -370,8 +397,8 @@ def test_config_env_var(monkeypatch):
     )
     monkeypatch.setenv(configs.CONFIG_ENV_VAR, "128,64,8,3,1")
     assert configs.env_attention_config() == AttentionConfig(128, 64, 8, 3, use_tma=True)
-    monkeypatch.setenv(configs.CONFIG_ENV_VAR, "128,64,4,2, WS,lazy,tma,qo")
-    hopper = AttentionConfig(128, 64, 4, 2, use_tma=True, qo_tma=True, warp_specialize=True, lazy_rescale=True)
+    monkeypatch.setenv(configs.CONFIG_ENV_VAR, "128,64,4,2, WS,tma,qo")
+    hopper = AttentionConfig(128, 64, 4, 2, use_tma=True, qo_tma=True, warp_specialize=True)
     assert configs.env_attention_config() == hopper
     # str() writes the same format back, so the tuning script's output can be pasted into the variable.
     lazy_tma = AttentionConfig(128, 64, 8, 3, use_tma=True, lazy_rescale=True)
@@ -392,6 +419,7 @@ def test_config_env_var(monkeypatch):
         ("128,64,8,3,yes", "unknown flag 'yes'"),
         ("128,64,4,2,tma,ws", "warp_specialize needs use_tma and qo_tma"),
         ("128,64,8,2,tma,qo,ws", "warp_specialize needs num_warps=4"),
+        ("128,64,4,2,tma,qo,ws,lazy", "warp_specialize and lazy_rescale do not combine"),
     ],
 )
 def test_config_env_var_errors(monkeypatch, text, message):

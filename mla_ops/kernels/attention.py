@@ -129,20 +129,17 @@ def _attend_tiles(
     SCALE_NONNEG: tl.constexpr,
     USE_TMA: tl.constexpr,
     UPCAST: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
 ):
     """Fold the key tiles ``[lo, hi)`` of one sequence into the running (acc, l_i, m_i).
 
-    ``WARP_SPEC`` asks Triton to warp-specialise the loop (a TMA producer warp group feeding two
-    consumer warp groups on Hopper); ``LAZY_RESCALE`` (mask-free tiles only) keeps the running max
-    until some row's max grew by more than ``_RESCALE_THRESHOLD`` (base 2), so most tiles skip
-    rescaling the accumulator.
+    ``LAZY_RESCALE`` (mask-free tiles only) keeps the running max until some row's max grew by more
+    than ``_RESCALE_THRESHOLD`` (base 2), so most tiles skip rescaling the accumulator.
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_da = tl.arange(0, D_A)
     offs_dv = tl.arange(0, D_V)
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
+    for start_n in tl.range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         tok = k_tok0 + start_n  # int64: the tile's first key token in the packed tensors
         if MASKED:
@@ -239,6 +236,75 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
+#: Stands for "no key" in the warp-specialised loop's column index: larger than any row's last key.
+_NO_KEY = tl.constexpr(1 << 30)
+
+
+@triton.jit
+def _attend_tiles_ws(
+    acc,
+    l_i,
+    m_i,
+    q_a,
+    q_b,
+    K,
+    K2,
+    V,
+    k_start,
+    h,
+    stride_kh,
+    stride_vh,
+    hi,
+    len_k,
+    last_key,
+    qk_scale,
+    D_A: tl.constexpr,
+    D_B: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Fold the key tiles ``[0, hi)`` of one sequence into (acc, l_i, m_i) in one warp-specialised loop.
+
+    On Hopper, Triton 3.6 turns this loop into a producer warp group issuing the TMA loads of K and V
+    and two consumer warp groups of 64 query rows each (``num_warps=4`` per group). Its pass takes
+    only one loop whose dot operands all come through descriptors, and no ``scf.if`` with an else
+    branch anywhere in the kernel, so this loop differs from :func:`_attend_tiles`:
+
+    - one loop for every tile, each masked: row ``i`` sees key ``j`` when ``j <= last_key[i]`` (its
+      causal limit, at most ``len_k - 1``). A mask-free loop followed by a masked one fails in the
+      pass's code partitioning, and a mask applied under a branch is an ``if`` with an else branch.
+    - the tile that crosses the sequence's end is moved back to end at its last key, and its keys
+      before ``start_n`` (already folded in) are masked, so V is never read past the sequence: those
+      rows are padding that may hold NaN, and masking V in registers would make the PV operand a
+      non-TMA one, which the pass cannot feed. A tile moved before row 0 reads zeros (TMA fills
+      rows out of bounds with zeros); one moved into the previous sequence reads its keys, which are
+      finite like every key of the batch, and weighs them 0.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=True):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        first = tl.minimum(start_n, len_k - BLOCK_N)
+        tok = k_start + first
+        qk = _dot(q_a, tl.trans(K.load([tok, h * stride_kh])), None, UPCAST)
+        if D_B > 0:
+            qk = _dot(q_b, tl.trans(K2.load([tok, h * stride_kh + D_A])), qk, UPCAST)
+        # Column c of the tile is key start_n + c' with c' = first - start_n + c; keys before start_n
+        # become _NO_KEY, and row i sees c' <= last_key[i] - start_n: one compare per score.
+        col = first - start_n + offs_n
+        col = tl.where(col >= 0, col, _NO_KEY)
+        s = tl.where(col[None, :] <= (last_key - start_n)[:, None], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no visible key yet keeps m = -inf; shifting it by 0 keeps NaN out.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = _dot(p.to(q_a.dtype), V.load([tok, h * stride_vh]), acc, UPCAST)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
 @triton.jit
 def _fill_padding_lse(
     Lse,
@@ -251,18 +317,22 @@ def _fill_padding_lse(
     num_pad_programs,
     FILL: tl.constexpr,
 ):
-    """Write lse = -inf into the rows past cu_seqlens_q[-1], spread over ``num_pad_programs`` programs."""
+    """Write lse = -inf into the rows past cu_seqlens_q[-1], spread over ``num_pad_programs`` programs.
+
+    A negative ``pad_pid`` (a program of the main grid) writes nothing. There is no branch: the empty
+    cases are empty loops, which is also what Triton's Hopper warp specialisation needs (it fails
+    on this fill inside an ``if`` of the specialised kernel).
+    """
     total = tl.load(cu_seqlens_q + num_seqs)
-    npad = num_tokens - total
-    if npad > 0:
-        offs = tl.arange(0, FILL)
-        neg_inf = tl.full([FILL], float("-inf"), dtype=tl.float32)
-        count = num_heads * npad
-        for i in range(pad_pid, tl.cdiv(count, FILL), num_pad_programs):
-            idx = i * FILL + offs
-            hh = idx // npad
-            t = total + idx - hh * npad
-            tl.store(Lse + hh.to(tl.int64) * stride_lse_h + t, neg_inf, mask=idx < count)
+    npad = tl.maximum(num_tokens - total, 1)  # the divisor below; no rows when total == num_tokens
+    offs = tl.arange(0, FILL)
+    neg_inf = tl.full([FILL], float("-inf"), dtype=tl.float32)
+    count = tl.where((pad_pid >= 0) & (total < num_tokens), num_heads * npad, 0)
+    for i in range(tl.maximum(pad_pid, 0), tl.cdiv(count, FILL), num_pad_programs):
+        idx = i * FILL + offs
+        hh = idx // npad
+        t = total + idx - hh * npad
+        tl.store(Lse + hh.to(tl.int64) * stride_lse_h + t, neg_inf, mask=idx < count)
 
 
 @triton.jit(
@@ -322,23 +392,20 @@ def _attn_fwd_kernel(
 ):
     pid = tl.program_id(0)
     num_main = num_heads * num_slots
-    if pid >= num_main:
+    if WARP_SPEC:
+        # Triton's Hopper warp specialisation handles structured control flow only: no early return
+        # (programs with no block run on with empty key ranges and masked stores, `live` below),
+        # and the fill runs in every program (an empty loop in the main grid's).
         _fill_padding_lse(
-            Lse,
-            cu_seqlens_q,
-            num_seqs,
-            num_tokens_q,
-            num_heads,
-            stride_lse_h,
-            pid - num_main,
-            num_pad_programs,
+            Lse, cu_seqlens_q, num_seqs, num_tokens_q, num_heads, stride_lse_h, pid - num_main, num_pad_programs,
             PAD_FILL,
-        )
-        # Triton's Hopper warp specialisation handles structured control flow only, and an early
-        # return is not: with WARP_SPEC, programs with no block run on with empty key ranges and
-        # masked stores instead (`live` below).
-        if not WARP_SPEC:
-            return
+        )  # fmt: skip
+    elif pid >= num_main:
+        _fill_padding_lse(
+            Lse, cu_seqlens_q, num_seqs, num_tokens_q, num_heads, stride_lse_h, pid - num_main, num_pad_programs,
+            PAD_FILL,
+        )  # fmt: skip
+        return
 
     # Program -> (head, slot). Heads form groups of `heads_per_group` whose K/V fits in L2; inside a
     # group the slots run in order and the heads fastest.
@@ -348,6 +415,8 @@ def _attn_fwd_kernel(
     group = pid // group_size
     r = pid - group * group_size
     heads_here = tl.minimum(heads_per_group, num_heads - group * heads_per_group)
+    if WARP_SPEC:
+        heads_here = tl.maximum(heads_here, 1)  # a padding program's group is past the last head
     slot = r // heads_here
     h = group * heads_per_group + (r - slot * heads_here)
 
@@ -396,11 +465,19 @@ def _attn_fwd_kernel(
         # A descriptor load cannot mask rows: the block's rows past this sequence are the next
         # sequence's or a budget's padding (which may hold NaN), so they are zeroed like a masked load.
         q_row = (q_start + m0).to(tl.int32)
-        q_a = tl.where(row_ok[:, None], QD.load([q_row, h * stride_qh]), 0.0).to(QD.dtype)
-        if D_B > 0:
-            q_b = tl.where(row_ok[:, None], QD2.load([q_row, h * stride_qh + D_A]), 0.0).to(QD.dtype)
+        if WARP_SPEC:
+            # Rows are independent and those past the sequence are never stored, so a NaN there
+            # stays in its row; zeroing them would route Q through registers (more shared memory).
+            q_a = QD.load([q_row, h * stride_qh])
+            q_b = q_a  # unused unless D_B > 0
+            if D_B > 0:
+                q_b = QD2.load([q_row, h * stride_qh + D_A])
         else:
-            q_b = q_a  # unused
+            q_a = tl.where(row_ok[:, None], QD.load([q_row, h * stride_qh]), 0.0).to(QD.dtype)
+            if D_B > 0:
+                q_b = tl.where(row_ok[:, None], QD2.load([q_row, h * stride_qh + D_A]), 0.0).to(QD.dtype)
+            else:
+                q_b = q_a  # unused
     else:
         q_ptr = Q + (q_start + m0).to(tl.int64) * stride_qt + h * stride_qh + rows[:, None] * stride_qt
         q_a = tl.load(q_ptr + offs_da[None, :], mask=row_ok[:, None], other=0.0)
@@ -429,16 +506,27 @@ def _attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_V], dtype=tl.float32)
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q_a, q_b, K, K2, V, k_tok0, h, stride_kt, stride_kh, stride_vt, stride_vh,
-        0, full_hi, len_k, q_pos, qk_scale,
-        DQK, DV, D_A, D_B, D_V, BLOCK_N, False, CAUSAL, SCALE_NONNEG, USE_TMA, UPCAST, WARP_SPEC, LAZY_RESCALE,
-    )  # fmt: skip
-    acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q_a, q_b, K, K2, V, k_tok0, h, stride_kt, stride_kh, stride_vt, stride_vh,
-        full_hi, hi, len_k, q_pos, qk_scale,
-        DQK, DV, D_A, D_B, D_V, BLOCK_N, True, CAUSAL, SCALE_NONNEG, USE_TMA, UPCAST, False, False,
-    )  # fmt: skip
+    if WARP_SPEC:
+        # Row i's last visible key: its causal limit, or the sequence's last key.
+        if CAUSAL:
+            last_key = tl.minimum(q_pos, len_k - 1)
+        else:
+            last_key = tl.full([BLOCK_M], 0, tl.int32) + (len_k - 1)
+        acc, l_i, m_i = _attend_tiles_ws(
+            acc, l_i, m_i, q_a, q_b, K, K2, V, k_start, h, stride_kh, stride_vh, hi, len_k, last_key, qk_scale,
+            D_A, D_B, BLOCK_N, UPCAST,
+        )  # fmt: skip
+    else:
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q_a, q_b, K, K2, V, k_tok0, h, stride_kt, stride_kh, stride_vt, stride_vh,
+            0, full_hi, len_k, q_pos, qk_scale,
+            DQK, DV, D_A, D_B, D_V, BLOCK_N, False, CAUSAL, SCALE_NONNEG, USE_TMA, UPCAST, LAZY_RESCALE,
+        )  # fmt: skip
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q_a, q_b, K, K2, V, k_tok0, h, stride_kt, stride_kh, stride_vt, stride_vh,
+            full_hi, hi, len_k, q_pos, qk_scale,
+            DQK, DV, D_A, D_B, D_V, BLOCK_N, True, CAUSAL, SCALE_NONNEG, USE_TMA, UPCAST, False,
+        )  # fmt: skip
 
     # Rows that saw no key have l = 0: out = 0 and lse = -inf instead of 0/0.
     empty = l_i == 0.0
@@ -451,10 +539,13 @@ def _attn_fwd_kernel(
     o_ptr = Out + (q_start + m0).to(tl.int64) * stride_ot + h * stride_oh + rows[:, None] * stride_ot + offs_dv[None, :]
     if D_V != DV:
         tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-    elif QO_TMA:
+    elif QO_TMA and not WARP_SPEC:
         # A descriptor store writes whole blocks: only a block inside its sequence takes it, the
-        # sequence's last, partial block stores through masked pointers (a uniform branch).
-        if m0 + BLOCK_M <= len_q:  # a dead program (WARP_SPEC) has len_q = 0
+        # sequence's last, partial block stores through masked pointers (a uniform branch). Warp
+        # specialisation cannot have that else branch, nor a descriptor store at all: Triton 3.6
+        # splits `out` between its two consumer warp groups, and a half block no longer matches
+        # the descriptor's block (the IR verifier rejects it).
+        if m0 + BLOCK_M <= len_q:
             OD.store([(q_start + m0).to(tl.int32), h * stride_oh], out.to(OD.dtype))
         else:
             tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None])

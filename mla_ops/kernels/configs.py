@@ -10,10 +10,10 @@ the attention table for every call. The flags, in any order (see :class:`Attenti
 
 - ``tma`` (or ``1``): load K/V through TMA tensor descriptors; ``ptr`` (or ``0``): pointer loads (default);
 - ``qo``: also load Q and store the output through TMA descriptors;
-- ``ws``: warp-specialise the mask-free key loop (needs ``tma``, ``qo`` and, on Hopper, 4 warps);
+- ``ws``: warp-specialise the key loop (needs ``tma``, ``qo`` and, on Hopper, 4 warps; not with ``lazy``);
 - ``lazy``: rescale the accumulator only when a row's max grew by more than 2^8.
 
-e.g. ``128,64,4,2,tma,qo,ws,lazy``.
+e.g. ``128,64,4,2,tma,qo,ws`` or ``128,64,8,3,tma,qo,lazy``.
 
 This module does not import Triton, so the tables can be read (and tested) without it.
 """
@@ -56,15 +56,18 @@ class AttentionConfig:
         qo_tma: load the Q block and store the output block through TMA descriptors too. Rows past
             a sequence are zeroed after the load; a sequence's last, partial block stores through
             masked pointers (a descriptor store cannot mask rows).
-        warp_specialize: warp-specialise the mask-free key loop (``tl.range(warp_specialize=True)``).
-            On Hopper, Triton 3.6 splits the loop into a TMA producer warp group and two consumer
-            warp groups of ``num_warps`` each, so it needs ``use_tma`` and ``qo_tma`` (it fails when
-            a dot operand comes from pointer loads) and ``num_warps=4`` (it ignores the request at 8
-            warps): 12 warps run per program. Without descriptors (an input TMA cannot describe)
-            the loop is not specialised.
+        warp_specialize: run every key tile in one warp-specialised loop
+            (``tl.range(warp_specialize=True)``). On Hopper, Triton 3.6 splits it into a TMA producer
+            warp group and two consumer warp groups of ``num_warps`` warps, each owning half of the
+            query block, so it needs ``use_tma`` and ``qo_tma`` (it fails when a dot operand comes
+            from pointer loads) and ``num_warps=4`` (it ignores the request at any other count): 12
+            warps run per program. Every tile is masked (one compare per score) and the output is
+            stored through pointers; the kernel's docstring of ``_attend_tiles_ws`` says why.
+            Without descriptors (an input TMA cannot describe) the usual loops run instead.
         lazy_rescale: in the mask-free key loop, rescale the accumulator only when some row's
             running max grew by more than 2^8 (FlashAttention-4's conditional rescale); exact, it
-            only changes how often the rescale runs.
+            only changes how often the rescale runs. Not with ``warp_specialize``: its branch is an
+            ``if`` with an else block, and Triton 3.6 then silently declines to specialise.
     """
 
     block_m: int
@@ -90,6 +93,11 @@ class AttentionConfig:
             problems.append(
                 "warp_specialize needs use_tma and qo_tma (the 'tma' and 'qo' flags): Triton specialises only "
                 "loops whose dot operands all come through TMA"
+            )
+        if self.warp_specialize and self.lazy_rescale:
+            problems.append(
+                "warp_specialize and lazy_rescale do not combine (the 'ws' and 'lazy' flags): the lazy rescale's "
+                "branch makes Triton 3.6 decline warp specialisation"
             )
         if self.warp_specialize and self.num_warps != 4:
             problems.append(
