@@ -44,14 +44,14 @@ FIELDS = R.Fields(
     ("path", "path"),
     ("backend", "backend"),
     ("auto_selected", "auto", lambda row: "yes" if row.get("auto_selected") else ""),
-    ("tokens", None),
-    ("heads", None),
+    "tokens",
+    "heads",
     ("routing_us", "routing µs", ".2f"),
     ("api_us", "mla_ops.* µs", ".2f"),
     ("op_us", "torch.ops.mla.* µs", ".2f"),
     ("direct_us", "direct µs", ".2f"),
     ("raw_us", "raw µs", ".2f"),
-    ("raw_call", None),  # in the Markdown table with the note
+    "raw_call",  # in the Markdown table with the note
     ("op_minus_direct_us", "op − direct", ".2f"),
     ("op_minus_raw_us", "op − raw", ".2f"),
     ("graph_op_us", "graph op µs", ".2f"),

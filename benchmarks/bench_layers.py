@@ -46,18 +46,18 @@ if TYPE_CHECKING:
 #: The columns of layers.csv, and of layers.md for those with a header.
 FIELDS = R.Fields(
     ("backend", "backend"),
-    ("raw_call", None),  # in the Markdown table with the note
-    ("batch", None),
-    ("layers", None),
-    ("heads", None),
-    ("hidden", None),
+    "raw_call",  # in the Markdown table with the note
+    "batch",
+    "layers",
+    "heads",
+    "hidden",
     ("op_layer_ms", "op ms/layer", ".4f"),
     ("raw_layer_ms", "raw ms/layer", ".4f"),
     ("op_cost_us_per_layer", "op cost µs/layer", ".1f"),
     ("raw_over_op", "raw / op", ".3f"),
     ("raw_over_op_min", "rounds' range", R.span("raw_over_op_min", "raw_over_op_max", ".3f")),
-    ("raw_over_op_max", None),
-    ("rounds", None),
+    "raw_over_op_max",
+    "rounds",
     ("rel_diff", "rel diff", ".1e"),
     ("status", "status"),
     ("note", "raw call / note", R.text("raw_call", "note")),

@@ -45,8 +45,8 @@ FIELDS = R.Fields(
     ("raw_ms", "raw ms", ".4f"),
     ("raw_over_op_median", "raw / op", ".3f"),
     ("raw_over_op_min", "rounds' range", R.span("raw_over_op_min", "raw_over_op_max", ".3f")),
-    ("raw_over_op_max", None),
-    ("rounds", None),
+    "raw_over_op_max",
+    "rounds",
     ("note", "note"),
 )
 

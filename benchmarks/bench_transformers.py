@@ -37,8 +37,8 @@ from benchlib import report as R
 FIELDS = R.Fields(
     ("heads", "H", "d"),
     ("tokens", "tokens", "d"),
-    ("batch", None),
-    ("layers", None),
+    "batch",
+    "layers",
     ("implementation", "implementation"),
     ("backend", "backend"),
     ("forward_ms", "ms / forward", ".3f"),

@@ -333,10 +333,10 @@ def test_graph_trees_cpu_run(tmp_path, written):
 def test_fields_give_the_csv_order_and_the_markdown_columns():
     fields = R.Fields(
         ("name", "name"),
-        ("raw", None),
-        ("ms", "time ms", ".2f"),
+        "raw",
+        R.Field("ms", "time ms", ".2f"),
         ("low", "range", R.span("low", "high", ".1f")),
-        R.Field("high"),
+        ("high", None),
         ("note", "raw / note", R.text("raw", "note")),
     )
     assert fields.keys == ("name", "raw", "ms", "low", "high", "note")

@@ -393,11 +393,12 @@ class Fields:
     (:attr:`keys`) and the Markdown table's columns (:attr:`columns`: the fields with a header, in the same
     order) are made, so that a field is named once.
 
-    Each argument is a :class:`Field` or a tuple of its arguments: ``("op_ms", "op ms", ".4f")``.
+    Each argument is a :class:`Field`, a tuple of its arguments (``("op_ms", "op ms", ".4f")``), or the bare key
+    of a field in the CSV only (``"rounds"``).
     """
 
-    def __init__(self, *fields: Field | tuple[Any, ...]) -> None:
-        self.fields = tuple(Field(*field) for field in fields)
+    def __init__(self, *fields: Field | tuple[Any, ...] | str) -> None:
+        self.fields = tuple(Field(field) if isinstance(field, str) else Field(*field) for field in fields)
         #: The CSV columns, in order.
         self.keys = tuple(field.key for field in self.fields)
         twice = sorted({key for key in self.keys if self.keys.count(key) > 1})
