@@ -39,24 +39,25 @@ from benchlib import report as R
 if TYPE_CHECKING:
     import torch
 
-CSV_FIELDS = [
-    "path",
-    "backend",
-    "auto_selected",
+#: The columns of dispatch.csv, and of dispatch.md (the per-call figures in µs) for those with a header.
+FIELDS = R.Fields(
+    ("path", "path"),
+    ("backend", "backend"),
+    ("auto_selected", "auto", lambda row: "yes" if row.get("auto_selected") else ""),
     "tokens",
     "heads",
-    "routing_us",
-    "api_us",
-    "op_us",
-    "direct_us",
-    "raw_us",
-    "raw_call",
-    "op_minus_direct_us",
-    "op_minus_raw_us",
-    "graph_op_us",
-    "graph_raw_us",
-    "note",
-]
+    ("routing_us", "routing µs", ".2f"),
+    ("api_us", "mla_ops.* µs", ".2f"),
+    ("op_us", "torch.ops.mla.* µs", ".2f"),
+    ("direct_us", "direct µs", ".2f"),
+    ("raw_us", "raw µs", ".2f"),
+    "raw_call",  # in the Markdown table with the note
+    ("op_minus_direct_us", "op − direct", ".2f"),
+    ("op_minus_raw_us", "op − raw", ".2f"),
+    ("graph_op_us", "graph op µs", ".2f"),
+    ("graph_raw_us", "graph raw µs", ".2f"),
+    ("note", "raw call / note", R.text("raw_call", "note")),
+)
 
 
 def per_call_us(
@@ -237,20 +238,6 @@ def measure_dispatch_floor(args: argparse.Namespace, device: torch.device) -> di
     return row
 
 
-#: The columns of dispatch.md: the per-call figures in µs.
-COLUMNS: list[R.Column] = [
-    ("path", R.text("path")),
-    ("backend", R.text("backend")),
-    ("auto", lambda r: "yes" if r.get("auto_selected") else ""),
-    *((header, R.num(key, ".2f")) for header, key in (
-        ("routing µs", "routing_us"), ("mla_ops.* µs", "api_us"), ("torch.ops.mla.* µs", "op_us"),
-        ("direct µs", "direct_us"), ("raw µs", "raw_us"), ("op − direct", "op_minus_direct_us"),
-        ("op − raw", "op_minus_raw_us"), ("graph op µs", "graph_op_us"), ("graph raw µs", "graph_raw_us"),
-    )),
-    ("raw call / note", R.text("raw_call", "note")),
-]  # fmt: skip
-
-
 def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
     """The results as Markdown: header, the table, and what the columns mean."""
     shape = f"T={rows[0]['tokens']}, H={rows[0]['heads']}, (Dqk, Dv) = ({P.DQK}, {P.DV})" if rows else ""
@@ -264,7 +251,7 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         "alone costs on this host, below which no op with a Python kernel can go. Design goal: op − raw <= 5 µs."
     )
     title = f"MLA op dispatch overhead: {env.get('gpu')}, {env.get('dtype')}, {shape}"
-    return R.results_markdown(title, env, intro, R.rows_table(rows, COLUMNS))
+    return R.results_markdown(title, env, intro, FIELDS.table(rows))
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -369,7 +356,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     except Exception as exc:
         rows.append({"path": "merge_attn_states", "backend": "—", "note": f"failed: {R.short_error(exc)}"})
     R.end_run(env, not_measured, started)
-    R.write_run(args.out or R.default_out_dir(device), "dispatch", CSV_FIELDS, rows, env, render_markdown(rows, env))
+    R.write_run(args.out or R.default_out_dir(device), "dispatch", FIELDS.keys, rows, env, render_markdown(rows, env))
     return 0
 
 

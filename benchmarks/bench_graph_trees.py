@@ -49,29 +49,30 @@ from benchlib import report as R
 if TYPE_CHECKING:
     import torch
 
-CSV_FIELDS = [
-    "size",
+#: The columns of graph_trees.csv, and of graph_trees.md for those with a header.
+FIELDS = R.Fields(
+    ("size", "batch"),
     "new_tokens",
     "num_seqs",
     "context_tokens",
     "layers",
     "heads",
     "hidden",
-    "backend",
-    "mode",
-    "in_graph",
+    ("backend", "backend"),
+    ("mode", "mode"),
+    ("in_graph", "in the graphs"),
     "steps",
-    "step_ms",
-    "step_ms_min",
+    ("step_ms", "step ms", ".3f"),
+    ("step_ms_min", "range", R.span("step_ms_min", "step_ms_max", ".3f")),
     "step_ms_max",
-    "layer_ms",
-    "eager_over_mode",
-    "rel_diff_vs_eager",
-    "graphs_recorded_while_timed",
-    "cudagraph_skips",
-    "status",
-    "note",
-]
+    ("layer_ms", "ms/layer", ".3f"),
+    ("eager_over_mode", "eager / mode", ".2f"),
+    ("rel_diff_vs_eager", "rel diff vs eager", ".1e"),
+    ("graphs_recorded_while_timed", "graphs recorded while timed", "d"),
+    ("cudagraph_skips", "cudagraph skips", "d"),
+    ("status", "status"),
+    ("note", "note"),
+)
 #: Largest ``||compiled - eager|| / ||eager||`` accepted: the same bf16 layers, fused differently by
 #: Inductor, differ by rounding only.
 REL_DIFF_TOL = 2e-2
@@ -240,24 +241,6 @@ def measure_backend(
     return rows
 
 
-#: The columns of graph_trees.md.
-COLUMNS: list[R.Column] = [
-    ("batch", R.text("size")),
-    ("backend", R.text("backend")),
-    ("mode", R.text("mode")),
-    ("in the graphs", R.text("in_graph")),
-    ("step ms", R.num("step_ms", ".3f")),
-    ("range", R.span("step_ms_min", "step_ms_max", ".3f")),
-    ("ms/layer", R.num("layer_ms", ".3f")),
-    ("eager / mode", R.num("eager_over_mode", ".2f")),
-    ("rel diff vs eager", R.num("rel_diff_vs_eager", ".1e")),
-    ("graphs recorded while timed", R.num("graphs_recorded_while_timed", "d")),
-    ("cudagraph skips", R.num("cudagraph_skips", "d")),
-    ("status", R.text("status")),
-    ("note", R.text("note")),
-]
-
-
 def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argparse.Namespace) -> str:
     """The rows as a Markdown page with the environment record."""
     intro = (
@@ -270,7 +253,7 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argpa
         "the graphs are faster). *rel diff vs eager*: ||compiled - eager|| / ||eager|| on the first timed batch."
     )
     title = f"MLA layers under CUDA-graph trees: {env.get('gpu')}, {env.get('dtype')}"
-    return R.results_markdown(title, env, intro, R.rows_table(rows, COLUMNS))
+    return R.results_markdown(title, env, intro, FIELDS.table(rows))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -324,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             torch.cuda.empty_cache()
     R.end_run(env, not_measured, started)
     R.write_run(
-        args.out or R.default_out_dir(device), "graph_trees", CSV_FIELDS, rows, env, render_markdown(rows, env, args)
+        args.out or R.default_out_dir(device), "graph_trees", FIELDS.keys, rows, env, render_markdown(rows, env, args)
     )
     return 0
 

@@ -28,16 +28,15 @@ from benchlib import report as R
 if TYPE_CHECKING:
     import torch
 
-CSV_FIELDS = ["backend", "eager_ms", "graph_ms", "speedup", "max_abs_diff", "note"]
-#: The columns of the Markdown file written beside the CSV.
-COLUMNS: list[R.Column] = [
-    ("backend", R.text("backend")),
-    ("eager ms", R.num("eager_ms", ".3f")),
-    ("graph ms", R.num("graph_ms", ".3f")),
-    ("speed-up", R.num("speedup", ".2f")),
-    ("max abs diff", R.num("max_abs_diff", ".1e")),
-    ("note", R.text("note")),
-]
+#: The CSV's columns and those of the Markdown file written beside it.
+FIELDS = R.Fields(
+    ("backend", "backend"),
+    ("eager_ms", "eager ms", ".3f"),
+    ("graph_ms", "graph ms", ".3f"),
+    ("speedup", "speed-up", ".2f"),
+    ("max_abs_diff", "max abs diff", ".1e"),
+    ("note", "note"),
+)
 
 
 def measure(name: str, stack: Any, batch: Any, iters: int, device: torch.device) -> dict[str, Any]:
@@ -128,8 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{args.lengths}: milliseconds per forward, eager and replayed from one CUDA graph (median over five "
             f"samples of {args.iters} back-to-back forwards)."
         )
-        md = R.results_markdown(f"CUDA-graph replay: {env['gpu']}", env, intro, R.rows_table(rows, COLUMNS))
-        paths = R.write_results_beside(args.out, CSV_FIELDS, rows, env, md)
+        md = R.results_markdown(f"CUDA-graph replay: {env['gpu']}", env, intro, FIELDS.table(rows))
+        paths = R.write_results_beside(args.out, FIELDS.keys, rows, env, md)
         print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 

@@ -43,24 +43,25 @@ from benchlib import report as R
 if TYPE_CHECKING:
     import torch
 
-CSV_FIELDS = [
-    "backend",
-    "raw_call",
+#: The columns of layers.csv, and of layers.md for those with a header.
+FIELDS = R.Fields(
+    ("backend", "backend"),
+    "raw_call",  # in the Markdown table with the note
     "batch",
     "layers",
     "heads",
     "hidden",
-    "op_layer_ms",
-    "raw_layer_ms",
-    "op_cost_us_per_layer",
-    "raw_over_op",
-    "raw_over_op_min",
+    ("op_layer_ms", "op ms/layer", ".4f"),
+    ("raw_layer_ms", "raw ms/layer", ".4f"),
+    ("op_cost_us_per_layer", "op cost µs/layer", ".1f"),
+    ("raw_over_op", "raw / op", ".3f"),
+    ("raw_over_op_min", "rounds' range", R.span("raw_over_op_min", "raw_over_op_max", ".3f")),
     "raw_over_op_max",
     "rounds",
-    "rel_diff",
-    "status",
-    "note",
-]
+    ("rel_diff", "rel diff", ".1e"),
+    ("status", "status"),
+    ("note", "raw call / note", R.text("raw_call", "note")),
+)
 #: Largest ``||op - raw|| / ||raw||`` of the stacks' outputs accepted: both compute the same layers in
 #: bf16 (same kernels; FLASHINFER's raw form merges with flashinfer.merge_state), so they differ by
 #: rounding only, far below this.
@@ -142,20 +143,6 @@ def measure_backend(
     return out
 
 
-#: The columns of layers.md.
-COLUMNS: list[R.Column] = [
-    ("backend", R.text("backend")),
-    ("op ms/layer", R.num("op_layer_ms", ".4f")),
-    ("raw ms/layer", R.num("raw_layer_ms", ".4f")),
-    ("op cost µs/layer", R.num("op_cost_us_per_layer", ".1f")),
-    ("raw / op", R.num("raw_over_op", ".3f")),
-    ("rounds' range", R.span("raw_over_op_min", "raw_over_op_max", ".3f")),
-    ("rel diff", R.num("rel_diff", ".1e")),
-    ("status", R.text("status")),
-    ("raw call / note", R.text("raw_call", "note")),
-]
-
-
 def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argparse.Namespace) -> str:
     """The rows as a Markdown page with the environment record."""
     intro = (
@@ -165,7 +152,7 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argpa
         "from an idle device; *op cost* is their difference. *rel diff*: ||op - raw|| / ||raw|| of the outputs."
     )
     title = f"MLA layers, ops against raw library calls: {env.get('gpu')}, {env.get('dtype')}"
-    return R.results_markdown(title, env, intro, R.rows_table(rows, COLUMNS))
+    return R.results_markdown(title, env, intro, FIELDS.table(rows))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -214,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     R.end_run(env, not_measured, started)
     R.write_run(
-        args.out or R.default_out_dir(device), "layers", CSV_FIELDS, rows, env, render_markdown(rows, env, args)
+        args.out or R.default_out_dir(device), "layers", FIELDS.keys, rows, env, render_markdown(rows, env, args)
     )
     return 0
 

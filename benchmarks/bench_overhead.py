@@ -35,19 +35,20 @@ from benchlib import report as R
 if TYPE_CHECKING:
     import torch
 
-CSV_FIELDS = [
-    "backend",
-    "shape",
-    "heads",
-    "op_ms",
-    "raw_call",
-    "raw_ms",
-    "raw_over_op_median",
-    "raw_over_op_min",
+#: The columns of overhead.csv, and of overhead.md for those with a header.
+FIELDS = R.Fields(
+    ("backend", "backend"),
+    ("shape", "shape"),
+    ("heads", "heads"),
+    ("op_ms", "op ms", ".4f"),
+    ("raw_call", "raw call"),
+    ("raw_ms", "raw ms", ".4f"),
+    ("raw_over_op_median", "raw / op", ".3f"),
+    ("raw_over_op_min", "rounds' range", R.span("raw_over_op_min", "raw_over_op_max", ".3f")),
     "raw_over_op_max",
     "rounds",
-    "note",
-]
+    ("note", "note"),
+)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -117,20 +118,6 @@ def measure_pair(op: M.OpMethod, raw: M.Method, problem: P.Problem, reference: A
     return row
 
 
-#: The columns of overhead.md.
-COLUMNS: list[R.Column] = [
-    ("backend", R.text("backend")),
-    ("shape", R.text("shape")),
-    ("heads", R.text("heads")),
-    ("op ms", R.num("op_ms", ".4f")),
-    ("raw call", R.text("raw_call")),
-    ("raw ms", R.num("raw_ms", ".4f")),
-    ("raw / op", R.num("raw_over_op_median", ".3f")),
-    ("rounds' range", R.span("raw_over_op_min", "raw_over_op_max", ".3f")),
-    ("note", R.text("note")),
-]
-
-
 def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
     """The rows as a Markdown page with the environment record."""
     intro = (
@@ -138,7 +125,7 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         "(above 1: the op is faster; target >= 0.97). Times are the medians over rounds."
     )
     title = f"MLA op overhead: {env.get('gpu')}, {env.get('dtype')}"
-    return R.results_markdown(title, env, intro, R.rows_table(rows, COLUMNS))
+    return R.results_markdown(title, env, intro, FIELDS.table(rows))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -182,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cuda:
             torch.cuda.empty_cache()
     if args.out:
-        paths = R.write_results_beside(args.out, CSV_FIELDS, rows, env, render_markdown(rows, env))
+        paths = R.write_results_beside(args.out, FIELDS.keys, rows, env, render_markdown(rows, env))
         print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 

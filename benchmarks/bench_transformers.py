@@ -33,18 +33,19 @@ from benchlib import methods as M
 from benchlib import problems as P
 from benchlib import report as R
 
-CSV_FIELDS = [
-    "heads",
-    "tokens",
+#: The columns of transformers.csv, and of transformers.md for those with a header.
+FIELDS = R.Fields(
+    ("heads", "H", "d"),
+    ("tokens", "tokens", "d"),
     "batch",
     "layers",
-    "implementation",
-    "backend",
-    "forward_ms",
-    "speedup",
-    "rel_diff",
-    "note",
-]
+    ("implementation", "implementation"),
+    ("backend", "backend"),
+    ("forward_ms", "ms / forward", ".3f"),
+    ("speedup", "speed-up vs first", ".2f"),
+    ("rel_diff", "rel diff", ".1e"),
+    ("note", "note"),
+)
 #: transformers' own attention implementations compared against, in order; the first that loads is
 #: the reference of ``rel diff`` and ``speedup``.
 HF_IMPLEMENTATIONS = ["sdpa", "flash_attention_4", "flash_attention_2"]
@@ -174,16 +175,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             torch.cuda.empty_cache()
     for name, why in not_measured.items():
         rows.append({"implementation": "mla_ops", "backend": name, "note": f"not measured: {why}"})
-    columns: list[R.Column] = [
-        ("H", R.num("heads", "d")),
-        ("tokens", R.num("tokens", "d")),
-        ("implementation", R.text("implementation")),
-        ("backend", R.text("backend")),
-        ("ms / forward", R.num("forward_ms", ".3f")),
-        ("speed-up vs first", R.num("speedup", ".2f")),
-        ("rel diff", R.num("rel_diff", ".1e")),
-        ("note", R.text("note")),
-    ]
     intro = (
         f"`DeepseekV3ForCausalLM` with DeepSeek-V3's attention, {args.layers} layers, dense MLPs of width "
         f"{args.intermediate}, random weights; one prefill forward of {args.batch} sequences, no cache, median "
@@ -194,10 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_dir = args.out or R.default_out_dir(device)
     paths = R.write_results_beside(
         out_dir / "transformers.csv",
-        CSV_FIELDS,
+        FIELDS.keys,
         rows,
         env,
-        R.results_markdown(title, env, intro, R.rows_table(rows, columns)),
+        R.results_markdown(title, env, intro, FIELDS.table(rows)),
     )
     print(f"wrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - started:.0f} s")
     return 0

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The shared modules live next to this script, which is not part of a package.
+from benchlib import cli
 
 #: The compute capability compiled for: Hopper, whose architecture-specific target is sm_90a.
 CAPABILITY = 90
@@ -146,11 +148,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument(
-        "--configs",
-        default="",
-        help="';'-separated configs 'BLOCK_M,BLOCK_N,num_warps,num_stages[,tma][,qo][,ws][,lazy]'\n"
-        "(default: the SM90 table's (192, 128) entries and tune_triton.py's candidates)",
+    cli.add_attention_configs(
+        parser, "--configs", "the SM90 table's (192, 128) entries and tune_triton.py's candidates"
     )
     parser.add_argument("--dims", default="192,128", help="Dqk,Dv (default 192,128)")
     parser.add_argument("--path", choices=("both", "causal", "chunk"), default="both", help="which path to compile")

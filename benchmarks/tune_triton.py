@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The shared modules live next to this script, which is not part of a package.
+from benchlib import cli, timing
 from benchlib import methods as M
 from benchlib import problems as P
 from benchlib import report as R
-from benchlib import timing
 
 if TYPE_CHECKING:
     import torch
@@ -253,12 +253,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--out", type=Path, required=True, help="CSV file to write (one row per candidate and shape)")
-    parser.add_argument(
-        "--candidates",
-        default="",
-        help="';'-separated attention configs 'BLOCK_M,BLOCK_N,num_warps,num_stages[,tma][,qo][,ws][,lazy]'\n"
-        "(default: a built-in list)",
-    )
+    cli.add_attention_configs(parser, "--candidates", "a built-in list")
     parser.add_argument("--quick", action="store_true", help="three candidates only (a smoke run)")
     parser.add_argument("--no-flashinfer", action="store_true", help="skip timing FlashInfer fa3")
     parser.add_argument("--no-merge", action="store_true", help="skip the merge kernel sweep")

@@ -42,6 +42,15 @@ SCRIPTS = [
     "bench_transformers.py",
     "tune_triton.py",
 ]
+#: The scripts whose result rows one ``FIELDS`` list (``benchlib.report.Fields``) describes.
+FIELD_SCRIPTS = [
+    "bench_dispatch",
+    "bench_overhead",
+    "bench_graphs",
+    "bench_graph_trees",
+    "bench_layers",
+    "bench_transformers",
+]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 CPU = torch.device("cpu")
 FAST = ["--rep-ms", "1", "--warmup-ms", "0.5"]
@@ -76,6 +85,30 @@ def test_gpu_only_scripts_exit_cleanly_without_cuda(script, args, tmp_path):
     assert "needs a CUDA device" in proc.stderr and "nothing was measured" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (BENCH_DIR.parent / "unused.csv").exists()
+
+
+@pytest.fixture
+def written(monkeypatch):
+    """What the code under test hands ``benchlib.report.write_csv``: ``(fieldnames, rows)`` per file, in order."""
+    calls = []
+    real = R.write_csv
+
+    def record(path, fieldnames, rows):
+        rows = list(rows)
+        calls.append((tuple(fieldnames), rows))
+        real(path, fieldnames, rows)
+
+    monkeypatch.setattr(R, "write_csv", record)
+    return calls
+
+
+def _assert_fields_written(written, module, csv_path: Path) -> None:
+    """The script wrote its CSV with its field list's columns in their order, and no row carried a value the
+    list does not declare (the CSV would have dropped it)."""
+    ((fieldnames, rows),) = written
+    assert fieldnames == module.FIELDS.keys
+    assert csv_path.read_text().splitlines()[0] == ",".join(module.FIELDS.keys)
+    assert rows and module.FIELDS.undeclared(rows) == set()
 
 
 def _main(module, argv: list[str]) -> str:
@@ -214,8 +247,9 @@ def test_bad_arguments_give_clear_errors():
 # --- the other scripts on CPU ---------------------------------------------------------------------------
 
 
-def test_dispatch_cpu_run(tmp_path):
+def test_dispatch_cpu_run(tmp_path, written):
     _main(BD, ["--device", "cpu", "--out", str(tmp_path), "--iters", "5", "--rounds", "3"])
+    _assert_fields_written(written, BD, tmp_path / "dispatch.csv")
     rows = {(r["path"], r["backend"]): r for r in _read_rows(tmp_path / "dispatch.csv")}
     for path in ("prefill", "prefill_context_chunk"):
         r = rows[(path, "REFERENCE")]
@@ -233,9 +267,10 @@ def test_dispatch_cpu_run(tmp_path):
     assert json.loads((tmp_path / "dispatch.env.json").read_text())["iters"] == 5
 
 
-def test_overhead_cpu_run(tmp_path):
+def test_overhead_cpu_run(tmp_path, written):
     out = tmp_path / "overhead.csv"
     printed = _main(BO, ["--device", "cpu", "--rounds", "2", "--out", str(out), *FAST])
+    _assert_fields_written(written, BO, out)
     rows = _read_rows(out)
     assert [(r["backend"], r["shape"], r["heads"]) for r in rows] == [
         ("REFERENCE", s.short_label, str(s.heads)) for s in P.reference_shapes(CPU)
@@ -249,27 +284,27 @@ def test_overhead_cpu_run(tmp_path):
     assert json.loads((tmp_path / "overhead.env.json").read_text())["rounds"] == 2
 
 
-def test_layers_cpu_run(tmp_path):
+def test_layers_cpu_run(tmp_path, written):
     _main(BL, ["--device", "cpu", "--out", str(tmp_path), "--rounds", "2", *FAST])
+    _assert_fields_written(written, BL, tmp_path / "layers.csv")
     (row,) = _read_rows(tmp_path / "layers.csv")
     assert row["backend"] == "REFERENCE" and row["status"] == "ok"
     # The raw layers compute what the ops compute, with the same functions: the outputs agree exactly.
     assert float(row["rel_diff"]) == 0.0
-    assert float(row["op_layer_ms"]) > 0 and float(row["raw_layer_ms"]) > 0
-    assert math.isclose(
-        float(row["op_cost_us_per_layer"]),
-        (float(row["op_layer_ms"]) - float(row["raw_layer_ms"])) * 1e3,
-        rel_tol=1e-4,
-        abs_tol=1e-3,
-    )
+    op_ms, raw_ms, cost_us = (float(row[key]) for key in ("op_layer_ms", "raw_layer_ms", "op_cost_us_per_layer"))
+    assert op_ms > 0 and raw_ms > 0
+    # The CSV keeps 6 significant digits of each figure: on a slow host (hundreds of ms per layer) that rounds
+    # the two times by up to a microsecond.
+    assert math.isclose(cost_us, (op_ms - raw_ms) * 1e3, abs_tol=1e-5 * (1e3 * (op_ms + raw_ms) + abs(cost_us)))
     assert "| REFERENCE |" in (tmp_path / "layers.md").read_text()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
-def test_transformers_cpu_run(tmp_path):
+def test_transformers_cpu_run(tmp_path, written):
     import bench_transformers as BT
 
     _main(BT, ["--device", "cpu", "--out", str(tmp_path), *FAST])
+    _assert_fields_written(written, BT, tmp_path / "transformers.csv")
     rows = {(r["implementation"], r["backend"]): r for r in _read_rows(tmp_path / "transformers.csv")}
     sdpa, ours = rows[("sdpa", "")], rows[("mla_ops", "REFERENCE")]
     assert float(sdpa["speedup"]) == 1.0 and float(sdpa["rel_diff"]) == 0.0
@@ -279,14 +314,71 @@ def test_transformers_cpu_run(tmp_path):
     assert "| mla_ops | REFERENCE |" in (tmp_path / "transformers.md").read_text()
 
 
-def test_graph_trees_cpu_run(tmp_path):
+def test_graph_trees_cpu_run(tmp_path, written):
     _main(BGT, ["--device", "cpu", "--out", str(tmp_path), "--steps", "2", "--warmup-steps", "1"])
+    _assert_fields_written(written, BGT, tmp_path / "graph_trees.csv")
     rows = _read_rows(tmp_path / "graph_trees.csv")
     sizes = [P.ServingSize.parse(text) for text in BGT.CPU_DEFAULTS["sizes"].split(",")]
     assert [(r["size"], r["backend"], r["mode"]) for r in rows] == [(s.label, "REFERENCE", "eager") for s in sizes]
     assert all(r["status"] == "ok" and float(r["step_ms"]) > 0 and r["steps"] == "2" for r in rows)
     env = json.loads((tmp_path / "graph_trees.env.json").read_text())
     assert "needs a CUDA device" in env["not_measured"]["CUDA-graph trees"]
+
+
+# --- field lists: the CSV columns and the Markdown columns from one list -----------------------------------
+
+
+def test_fields_give_the_csv_order_and_the_markdown_columns():
+    fields = R.Fields(
+        ("name", "name"),
+        "raw",
+        R.Field("ms", "time ms", ".2f"),
+        ("low", "range", R.span("low", "high", ".1f")),
+        ("high", None),
+        ("note", "raw / note", R.text("raw", "note")),
+    )
+    assert fields.keys == ("name", "raw", "ms", "low", "high", "note")
+    assert [header for header, _ in fields.columns] == ["name", "time ms", "range", "raw / note"]
+    rows = [{"name": "a|b", "raw": "r", "ms": 1.234, "low": 1, "high": 2.0, "note": ""}, {"name": 3}]
+    assert fields.table(rows).splitlines() == [
+        "| name | time ms | range | raw / note |",
+        "| --- | --- | --- | --- |",
+        "| a\\|b | 1.23 | 1.0..2.0 | r |",
+        "| 3 | — | —..— |  |",
+    ]
+    assert fields.undeclared([*rows, {"name": "x", "extra": 1}]) == {"extra"}
+    with pytest.raises(ValueError, match="declared more than once: ms"):
+        R.Fields(("ms", "time ms", ".2f"), ("ms", None))
+    with pytest.raises(ValueError, match="high is in the CSV only"):
+        R.Field("high").column()
+
+
+class _RowReadLog(dict):
+    """A row with every key set to 1 that remembers which keys were read."""
+
+    def __init__(self, keys):
+        super().__init__((key, 1) for key in keys)
+        self.read = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+
+@pytest.mark.parametrize("script", FIELD_SCRIPTS)
+def test_markdown_columns_read_only_declared_fields(script):
+    """Every Markdown cell reads fields of its script's list (a misspelt key would print ``—`` forever), and
+    every field with a header is read by its column; GPU-only scripts are checked here too."""
+    fields = importlib.import_module(script).FIELDS
+    row = _RowReadLog(fields.keys)
+    body = fields.table([row]).splitlines()[2]
+    assert row.read <= set(fields.keys)
+    assert {field.key for field in fields.fields if field.header is not None} <= row.read
+    assert "—" not in body
 
 
 # --- the timer ------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from utils import GraphBuffers, assert_attention_close, cu_seqlens_of, make_batch, make_qkv
+from utils import GraphBuffers, assert_attention_close, cu_seqlens_of, make_batch, make_qkv, record_results
 
 import mla_ops
 from mla_ops.backends.reference import merge_attn_states_reference
@@ -325,14 +325,7 @@ def test_table_tma_config_uses_pointers_for_small_eager_chunks_and_tma_otherwise
     table = attention.attention_config(torch.device(DEVICE), 192, 128, False, torch.bfloat16)
     if not (table.use_tma or table.qo_tma):
         pytest.skip(f"this GPU's table entry for the context-chunk path ({table}) loads through pointers")
-    plans = []
-    real_plan = attention.launch_plan
-
-    def spy(*args, **kwargs):
-        plans.append(real_plan(*args, **kwargs))
-        return plans[-1]
-
-    monkeypatch.setattr(attention, "launch_plan", spy)
+    plans = record_results(monkeypatch, attention, "launch_plan")
     monkeypatch.setattr(attention._launcher, "layouts", {})
     heads, scale = 16, _scale(192)
     batch = make_batch([40, 24], heads, 192, 128, torch.bfloat16, device=DEVICE, strided_v=True, seed=8)

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton", reason="the Triton kernels need triton installed (pip install 'mla_ops[triton]')")
 
-from utils import assert_attention_close, cu_seqlens_of, make_batch, make_qkv
+from utils import assert_attention_close, cu_seqlens_of, make_batch, make_qkv, record_results
 
 from mla_ops.backends.reference import merge_attn_states_reference
 from mla_ops.backends.triton import TritonBackend
@@ -655,14 +655,7 @@ def test_small_chunks_of_a_tma_table_config_load_through_pointers(monkeypatch):
     from mla_ops.kernels import attention
 
     tma = AttentionConfig(16, 16, 4, 1, use_tma=True)
-    plans = []
-    real_plan = attention.launch_plan
-
-    def spy(*args, **kwargs):
-        plans.append(real_plan(*args, **kwargs))
-        return plans[-1]
-
-    monkeypatch.setattr(attention, "launch_plan", spy)
+    plans = record_results(monkeypatch, attention, "launch_plan")
     monkeypatch.setattr(attention, "_table_configs", {})
     monkeypatch.setattr(attention, "attention_config", lambda *a: tma)
     monkeypatch.setattr(attention, "TMA_MIN_KEY_ROWS", 40 * HEADS)

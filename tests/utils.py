@@ -1,4 +1,4 @@
-"""Helpers shared by the tests: ragged batches, independent attention math, and tolerances.
+"""Helpers shared by the tests: ragged batches, independent attention math, tolerances, and a call recorder.
 
 Tolerances follow flash-attention's tests: a kernel's error against an fp32 computation may be at
 most a small multiple of the error that the same computation done in the input dtype with PyTorch
@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import pytest
 import torch
 
 DEEPSEEK_DIMS = (192, 128)  # (Dqk, Dv) of DeepSeek-V3: 128 + 64 and 128
@@ -129,6 +131,20 @@ def dense_attention(
         p = torch.nan_to_num(p, nan=0.0)
         out[q0:q1] = (p @ vv).transpose(0, 1)
     return out, lse
+
+
+def record_results(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[Any]:
+    """Wrap ``owner.name`` for the rest of the test so that it still runs and each call's result is also
+    appended to the returned list (the last call's result is its last item)."""
+    results: list[Any] = []
+    real = getattr(owner, name)
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        results.append(real(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(owner, name, recording)
+    return results
 
 
 def reset_compile() -> None:

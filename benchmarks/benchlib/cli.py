@@ -64,6 +64,18 @@ def add_stack(parser: argparse.ArgumentParser, gpu_defaults: Mapping[str, Any]) 
     parser.add_argument("--hidden", type=int, help=f"hidden size (default {gpu_defaults['hidden']})")
 
 
+def add_attention_configs(parser: argparse.ArgumentParser, flag: str, default: str) -> None:
+    """``flag``: ';'-separated Triton attention configurations in the form ``AttentionConfig.parse`` reads
+    (:mod:`mla_ops.kernels.configs`); ``default`` says what is used without it. The help breaks its line only
+    under ``argparse.RawTextHelpFormatter``."""
+    parser.add_argument(
+        flag,
+        default="",
+        help="';'-separated attention configs 'BLOCK_M,BLOCK_N,num_warps,num_stages[,tma][,qo][,ws][,lazy]'\n"
+        f"(default: {default})",
+    )
+
+
 def add_device(parser: argparse.ArgumentParser) -> None:
     """``--device``, ``--dtype`` and ``--seed``: what :func:`benchlib.problems.setup_device` reads, and the
     seed of the inputs."""

@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import timing
 
@@ -362,6 +362,58 @@ def text(*keys: str) -> Callable[[dict[str, Any]], str]:
 def rows_table(rows: Iterable[dict[str, Any]], columns: Sequence[Column]) -> str:
     """A Markdown table of ``rows`` with ``columns``."""
     return markdown_table([header for header, _ in columns], [[cell(row) for _, cell in columns] for row in rows])
+
+
+class Field(NamedTuple):
+    """A value of a script's result rows: its CSV column ``key`` and, unless ``header`` is ``None``, a column of
+    the Markdown table.
+
+    ``cell`` makes that column's text from a row: a format spec (``".3f"``) formats the number ``row[key]``
+    (:func:`num`); a function of the row builds a cell from several values (:func:`span`, :func:`text`); ``None``
+    gives the value as text.
+    """
+
+    key: str
+    header: str | None = None
+    cell: str | Callable[[dict[str, Any]], str] | None = None
+
+    def column(self) -> Column:
+        """The Markdown column (only for a field with a header)."""
+        if self.header is None:
+            raise ValueError(f"{self.key} is in the CSV only: it has no Markdown column")
+        if self.cell is None:
+            return self.header, text(self.key)
+        if isinstance(self.cell, str):
+            return self.header, num(self.key, self.cell)
+        return self.header, self.cell
+
+
+class Fields:
+    """Every value a script's result rows carry, in CSV order: the one list from which both the CSV columns
+    (:attr:`keys`) and the Markdown table's columns (:attr:`columns`: the fields with a header, in the same
+    order) are made, so that a field is named once.
+
+    Each argument is a :class:`Field`, a tuple of its arguments (``("op_ms", "op ms", ".4f")``), or the bare key
+    of a field in the CSV only (``"rounds"``).
+    """
+
+    def __init__(self, *fields: Field | tuple[Any, ...] | str) -> None:
+        self.fields = tuple(Field(field) if isinstance(field, str) else Field(*field) for field in fields)
+        #: The CSV columns, in order.
+        self.keys = tuple(field.key for field in self.fields)
+        twice = sorted({key for key in self.keys if self.keys.count(key) > 1})
+        if twice:
+            raise ValueError(f"fields declared more than once: {', '.join(twice)}")
+        #: The Markdown table's columns.
+        self.columns: list[Column] = [field.column() for field in self.fields if field.header is not None]
+
+    def table(self, rows: Iterable[dict[str, Any]]) -> str:
+        """A Markdown table of ``rows`` (:func:`rows_table` with :attr:`columns`)."""
+        return rows_table(rows, self.columns)
+
+    def undeclared(self, rows: Iterable[dict[str, Any]]) -> set[str]:
+        """The keys that some of ``rows`` carries and no field declares: values :func:`write_csv` would drop."""
+        return {key for row in rows for key in row} - set(self.keys)
 
 
 def fmt(value: object, spec: str = ".1f", missing: str = "—") -> str:
