@@ -78,6 +78,19 @@ def _scale(op: str, q: torch.Tensor, softmax_scale: object) -> float:
     return float(softmax_scale)
 
 
+def _plain_eager_call(tensors: tuple, lengths: tuple) -> bool:
+    """Whether an eager call can go straight to the op: its kernel validates everything then. The
+    API's own checks add what the dispatcher would reject with messages that name no argument (other
+    types, ints beyond the schema's int64), and what torch.compile needs; ``is_compiling()`` comes
+    first, so that Dynamo, for which it is a constant, looks no further."""
+    if torch.compiler.is_compiling():
+        return False
+    for n in lengths:
+        if type(n) is not int or n > MAX_SEQLEN_LIMIT:
+            return False
+    return all(isinstance(t, _Tensor) for t in tensors)
+
+
 def _plain_scale(q: torch.Tensor, softmax_scale: object) -> float | None:
     """The scale for the eager fast path: a float as given, the default for a 3-D ``q``, else ``None``
     (the full checks then say what is wrong)."""
@@ -123,18 +136,7 @@ def prefill(
     Inside torch.compile's CUDA-graph trees (``mode="reduce-overhead"``), the call runs the best backend
     that reads the offsets on the device (:mod:`mla_ops.graph_trees`).
     """
-    # Eagerly, with arguments of the plain types, straight to the op: its kernel validates everything.
-    # The checks below add what the dispatcher would reject with messages that name no argument (other
-    # types), and what torch.compile needs (is_compiling() comes first, so Dynamo looks no further).
-    if (
-        not torch.compiler.is_compiling()
-        and type(max_seqlen) is int
-        and max_seqlen <= MAX_SEQLEN_LIMIT  # larger ints do not fit the schema's int64
-        and isinstance(q, _Tensor)
-        and isinstance(k, _Tensor)
-        and isinstance(v, _Tensor)
-        and isinstance(cu_seqlens, _Tensor)
-    ):
+    if _plain_eager_call((q, k, v, cu_seqlens), (max_seqlen,)):
         scale = _plain_scale(q, softmax_scale)
         if scale is not None:
             return _PREFILL(q, k, v, cu_seqlens, max_seqlen, scale)
@@ -175,18 +177,7 @@ def prefill_context_chunk(
 
     Inside torch.compile's CUDA-graph trees, routed as :func:`prefill` is.
     """
-    if (  # eagerly, with plain arguments, straight to the op (see prefill)
-        not torch.compiler.is_compiling()
-        and type(max_seqlen_q) is int
-        and type(max_seqlen_k) is int
-        and max_seqlen_q <= MAX_SEQLEN_LIMIT
-        and max_seqlen_k <= MAX_SEQLEN_LIMIT
-        and isinstance(q, _Tensor)
-        and isinstance(k, _Tensor)
-        and isinstance(v, _Tensor)
-        and isinstance(cu_seqlens_q, _Tensor)
-        and isinstance(cu_seqlens_k, _Tensor)
-    ):
+    if _plain_eager_call((q, k, v, cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k)):
         scale = _plain_scale(q, softmax_scale)
         if scale is not None:
             return _PREFILL_CONTEXT_CHUNK(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
@@ -224,13 +215,7 @@ def merge_attn_states(
         ``(out, lse)`` as if attention had run over both key sets at once. A row empty on both sides
         gives ``out = 0`` and ``lse = -inf``; a NaN LSE on either side gives NaN in ``out`` and ``lse``.
     """
-    if (  # eagerly, with tensors, straight to the op (see prefill)
-        not torch.compiler.is_compiling()
-        and isinstance(prefix_out, _Tensor)
-        and isinstance(prefix_lse, _Tensor)
-        and isinstance(suffix_out, _Tensor)
-        and isinstance(suffix_lse, _Tensor)
-    ):
+    if _plain_eager_call((prefix_out, prefix_lse, suffix_out, suffix_lse), ()):
         return _MERGE_ATTN_STATES(prefix_out, prefix_lse, suffix_out, suffix_lse)
     op = "mla.merge_attn_states"
     check_argument_types(
