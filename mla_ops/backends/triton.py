@@ -94,8 +94,8 @@ class TritonBackend(PrefillBackend):
         cu_k = torch.tensor([0, 4, 4, 4], dtype=torch.int32, device=device)  # one empty chunk slice
         q, k = rand(20, num_heads, dqk), rand(20, num_heads, dqk)  # 12 padding rows
         kv = rand(20, num_heads, dqk + dv)
-        # Table configurations that load through TMA descriptors do so only for large eager batches and
-        # inside CUDA-graph capture (see TMA_MIN_KEY_ROWS): compile those variants too, passing the table
+        # Table configurations that load through TMA descriptors do so only for large batches (see
+        # TMA_MIN_KEY_ROWS), which these tiny ones are not: compile those variants too, passing the table
         # configuration explicitly, for token counts that are and are not multiples of 16 (Triton
         # specialises a descriptor's row count on that).
         tma_configs = {

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ..capture import is_capturing, on_device
+from ..capture import on_device
 from .configs import CONFIG_ENV_VAR, AttentionConfig, attention_config, env_attention_config, shrink
 from .launch import CachedLaunch, pointer_alignment
 
@@ -614,8 +614,10 @@ _table_configs: dict[tuple, AttentionConfig] = {}
 #: (device µs, pointers / TMA: 34.6 / 31.8 for 256 queries over 1024 keys at H=16, 60.0 / 53.2 for 512
 #: over 2048, 111.8 / 96.6 for 1024 over 4096, 71.0 / 64.0 for 256 over 1024 at H=128; 2026-12-01).
 #: So below about 4096 keys at H=16 (512 at H=128) the host is the bottleneck and pointers finish
-#: first. Inside CUDA-graph capture the host cost is paid once, so there TMA is always used; an
-#: explicit configuration (argument or ``MLA_OPS_TRITON_CONFIG``) is launched as given.
+#: first. The rule depends on shapes only, so an eager warm-up run and a later CUDA-graph capture of the
+#: same shapes launch the same variant (a variant first met inside capture would compile there); inside
+#: a graph small chunks give up that 8-14 % of device time. An explicit configuration (argument or
+#: ``MLA_OPS_TRITON_CONFIG``) is launched as given.
 TMA_MIN_KEY_ROWS = 1 << 16
 
 #: The pointer-load twin of each table configuration that asks for descriptors.
@@ -704,12 +706,7 @@ def attention_triton(
                 config = _table_configs[key] = attention_config(q.device, dqk, dv, causal, q.dtype)
     while True:
         launched = config
-        if (
-            key is not None
-            and (config.use_tma or config.qo_tma)
-            and k.shape[0] * num_heads < TMA_MIN_KEY_ROWS
-            and not is_capturing()
-        ):
+        if key is not None and (config.use_tma or config.qo_tma) and k.shape[0] * num_heads < TMA_MIN_KEY_ROWS:
             launched = _pointer_twin(config)
         # Everything the launch depends on but the addresses (see launch_plan): shapes, strides, the
         # inputs' 16-byte alignment (the outputs are fresh, contiguous and aligned), the scalars, the
