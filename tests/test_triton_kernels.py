@@ -226,29 +226,39 @@ def test_hopper_knobs_match_reference(knobs, causal):
 
 @interpreted
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
-def test_warp_specialised_loop_reads_no_padding_keys(causal):
-    """The ``ws`` loop moves a sequence's last tile back to end at its last key instead of masking V.
+def test_warp_specialised_loop_isolates_sequences(causal):
+    """The ``ws`` loop reads K/V through descriptors over each sequence's own rows (built on the device),
+    so NaN and inf in the keys and values of a sequence's neighbours never reach its output.
 
-    A first sequence shorter than a tile then reads rows before row 0 (zeros), a later one its
-    predecessor's keys (weighed 0), a tile-aligned one nothing twice; keys past ``cu_seqlens_k[-1]``
-    hold NaN and must not reach any output. Causal runs with more keys than queries (bottom-right).
+    Clean sequences shorter than a tile sit at row 0, between two poisoned sequences and at the end,
+    before padding rows (past ``cu_seqlens_k[-1]``) that hold NaN; a tile-aligned one and longer ones
+    are there too. A tile that started before a short sequence or ran past its end would weigh those
+    rows 0 in the PV product, and ``0 * NaN`` and ``0 * inf`` are NaN. Each clean sequence must match
+    the reference computed from its own rows; causal runs with more keys than queries (bottom-right).
     """
     pytest.importorskip("triton.tools.tensor_descriptor", reason="this Triton has no host TMA descriptors")
-    lengths_q = [5, 20, 16, 3, 0, 17, 11]
-    lengths_k = [9, 20, 16, 3, 0, 33, 13] if causal else [7, 20, 32, 3, 0, 40, 13]
+    poisoned = {1, 3, 6}
+    lengths_q = [5, 7, 3, 20, 16, 0, 9, 11]
+    lengths_k = [9, 7, 3, 24, 16, 0, 9, 13] if causal else [9, 7, 3, 24, 32, 0, 9, 13]
     # One more key sequence, cut off below: its rows are the padding past cu_seqlens_k[-1].
     q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, [*lengths_k, 6], 192, 128, torch.float16, seed=11, strided_v=True)
     cu_k = cu_k[:-1].contiguous()
-    end = int(cu_k[-1])
-    k[end:] = math.nan
-    v[end:] = math.nan
+    poison = torch.tensor([math.nan, math.inf, -math.inf], dtype=k.dtype)
+    for b in [*poisoned, len(lengths_k)]:
+        rows = torch.arange(int(cu_k[b]), int(cu_k[b]) + [*lengths_k, 6][b])
+        k[rows] = poison[rows % 3, None, None]
+        v[rows] = poison[(rows + 1) % 3, None, None]
     q = torch.cat([q, torch.full_like(q[:3], math.nan)])
     config = AttentionConfig(16, 16, 4, 1, use_tma=True, qo_tma=True, warp_specialize=True)
-    out, lse = attention_triton(q, k, v, cu_q, cu_k, 20, 40, 0.1, causal=causal, config=config)
-    n = sum(lengths_q)
-    assert not out[:n].isnan().any() and not lse[:, :n].isnan().any()
-    assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.1, causal)
-    assert torch.isneginf(lse[:, n:]).all(), "padding rows must have lse -inf"
+    out, lse = attention_triton(q, k, v, cu_q, cu_k, 20, 32, 0.1, causal=causal, config=config)
+    for b in sorted(set(range(len(lengths_q))) - poisoned):
+        qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        assert out[qs:qe].isfinite().all() and not lse[:, qs:qe].isnan().any(), f"sequence {b} sees its neighbours"
+        one_q, one_k = cu_seqlens_of([qe - qs]), cu_seqlens_of([ke - ks])
+        assert_attention_close(
+            out[qs:qe], lse[:, qs:qe].contiguous(), q[qs:qe], k[ks:ke], v[ks:ke], one_q, one_k, 0.1, causal
+        )
+    assert torch.isneginf(lse[:, sum(lengths_q) :]).all(), "padding rows must have lse -inf"
 
 
 @interpreted

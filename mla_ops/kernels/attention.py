@@ -236,10 +236,6 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-#: Stands for "no key" in the warp-specialised loop's column index: larger than any row's last key.
-_NO_KEY = tl.constexpr(1 << 30)
-
-
 @triton.jit
 def _attend_tiles_ws(
     acc,
@@ -250,49 +246,36 @@ def _attend_tiles_ws(
     K,
     K2,
     V,
-    k_start,
-    h,
-    stride_kh,
-    stride_vh,
     hi,
-    len_k,
     last_key,
     qk_scale,
-    D_A: tl.constexpr,
     D_B: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     """Fold the key tiles ``[0, hi)`` of one sequence into (acc, l_i, m_i) in one warp-specialised loop.
 
+    ``K``, ``K2`` and ``V`` are device-side descriptors over this sequence's and head's rows only
+    (:func:`_sequence_descriptors`): TMA fills the rows of a tile past the sequence's end with zeros,
+    so no tile reads another sequence's keys or values, and a NaN or inf there cannot reach this
+    sequence through ``0 * NaN`` in the PV product (V cannot be masked in registers here: it would stop
+    being a TMA operand).
+
     On Hopper, Triton 3.6 turns this loop into a producer warp group issuing the TMA loads of K and V
     and two consumer warp groups of 64 query rows each (``num_warps=4`` per group). Its pass takes
     only one loop whose dot operands all come through descriptors, and no ``scf.if`` with an else
-    branch anywhere in the kernel, so this loop differs from :func:`_attend_tiles`:
-
-    - one loop for every tile, each masked: row ``i`` sees key ``j`` when ``j <= last_key[i]`` (its
-      causal limit, at most ``len_k - 1``). A mask-free loop followed by a masked one fails in the
-      pass's code partitioning, and a mask applied under a branch is an ``if`` with an else branch.
-    - the tile that crosses the sequence's end is moved back to end at its last key, and its keys
-      before ``start_n`` (already folded in) are masked, so V is never read past the sequence: those
-      rows are padding that may hold NaN, and masking V in registers would make the PV operand a
-      non-TMA one, which the pass cannot feed. A tile moved before row 0 reads zeros (TMA fills
-      rows out of bounds with zeros); one moved into the previous sequence reads its keys, which are
-      finite like every key of the batch, and weighs them 0.
+    branch anywhere in the kernel, so this loop differs from :func:`_attend_tiles`: one loop for
+    every tile, each masked: row ``i`` sees key ``j`` when ``j <= last_key[i]`` (its causal limit,
+    at most ``len_k - 1``). A mask-free loop followed by a masked one fails in the pass's code
+    partitioning, and a mask applied under a branch is an ``if`` with an else branch.
     """
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=True):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        first = tl.minimum(start_n, len_k - BLOCK_N)
-        tok = k_start + first
-        qk = _dot(q_a, tl.trans(K.load([tok, h * stride_kh])), None, UPCAST)
+        qk = _dot(q_a, tl.trans(K.load([start_n, 0])), None, UPCAST)
         if D_B > 0:
-            qk = _dot(q_b, tl.trans(K2.load([tok, h * stride_kh + D_A])), qk, UPCAST)
-        # Column c of the tile is key start_n + c' with c' = first - start_n + c; keys before start_n
-        # become _NO_KEY, and row i sees c' <= last_key[i] - start_n: one compare per score.
-        col = first - start_n + offs_n
-        col = tl.where(col >= 0, col, _NO_KEY)
-        s = tl.where(col[None, :] <= (last_key - start_n)[:, None], qk * qk_scale, float("-inf"))
+            qk = _dot(q_b, tl.trans(K2.load([start_n, 0])), qk, UPCAST)
+        s = tl.where(offs_n[None, :] <= (last_key - start_n)[:, None], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no visible key yet keeps m = -inf; shifting it by 0 keeps NaN out.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -300,9 +283,49 @@ def _attend_tiles_ws(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        acc = _dot(p.to(q_a.dtype), V.load([tok, h * stride_vh]), acc, UPCAST)
+        acc = _dot(p.to(q_a.dtype), V.load([start_n, 0]), acc, UPCAST)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _sequence_descriptors(
+    K,
+    V,
+    k_start,
+    len_k,
+    h,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    D_A: tl.constexpr,
+    D_B: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Device-side TMA descriptors ``(K, K2, V)`` over rows ``[k_start, k_start + len_k)`` of head ``h``.
+
+    ``K`` covers channels ``[0, D_A)``, ``K2`` channels ``[D_A, D_A + D_B)`` (``K`` again when
+    ``D_B == 0``), ``V`` all ``D_V`` channels. Rows outside ``[0, len_k)`` of a descriptor read as
+    zeros. TMA needs 16-byte aligned bases and row strides: the launcher takes this path only for
+    tensors whose host-side descriptors would be valid, and then every row and head start is aligned
+    too. Triton writes each descriptor into a global scratch buffer that its launcher allocates per
+    launch (``mla_ops.kernels.launch.CachedLaunch`` supplies the allocator). A program without keys
+    gets one-row descriptors (a TMA dimension cannot be 0) that it never loads from.
+    """
+    rows = tl.maximum(len_k, 1)
+    k_base = K + k_start.to(tl.int64) * stride_kt + h * stride_kh
+    k_desc = tl.make_tensor_descriptor(k_base, shape=[rows, D_A], strides=[stride_kt, 1], block_shape=[BLOCK_N, D_A])
+    if D_B > 0:
+        k2_desc = tl.make_tensor_descriptor(
+            k_base + D_A, shape=[rows, D_B], strides=[stride_kt, 1], block_shape=[BLOCK_N, D_B]
+        )
+    else:
+        k2_desc = k_desc
+    v_base = V + k_start.to(tl.int64) * stride_vt + h * stride_vh
+    v_desc = tl.make_tensor_descriptor(v_base, shape=[rows, D_V], strides=[stride_vt, 1], block_shape=[BLOCK_N, D_V])
+    return k_desc, k2_desc, v_desc
 
 
 @triton.jit
@@ -512,10 +535,12 @@ def _attn_fwd_kernel(
             last_key = tl.minimum(q_pos, len_k - 1)
         else:
             last_key = tl.full([BLOCK_M], 0, tl.int32) + (len_k - 1)
+        k_desc, k2_desc, v_desc = _sequence_descriptors(
+            K, V, k_start, len_k, h, stride_kt, stride_kh, stride_vt, stride_vh, D_A, D_B, D_V, BLOCK_N
+        )
         acc, l_i, m_i = _attend_tiles_ws(
-            acc, l_i, m_i, q_a, q_b, K, K2, V, k_start, h, stride_kh, stride_vh, hi, len_k, last_key, qk_scale,
-            D_A, D_B, BLOCK_N, UPCAST,
-        )  # fmt: skip
+            acc, l_i, m_i, q_a, q_b, k_desc, k2_desc, v_desc, hi, last_key, qk_scale, D_B, BLOCK_N, UPCAST
+        )
     else:
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q_a, q_b, K, K2, V, k_tok0, h, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -816,15 +841,21 @@ def launch_plan(
 
     kv_descs = _split_descriptors(k, v, d_a, d_b, block_n, descriptors_anywhere) if config.use_tma else None
     qo_descs = _split_descriptors(q, out, d_a, d_b, block_m, descriptors_anywhere) if config.qo_tma else None
-    k_arg, k2_arg, v_arg = kv_descs or (k, k, v)
-    q_arg, q2_arg, o_arg = qo_descs or (q, q, out)
     # Warp specialisation needs every dot operand to come through TMA; without descriptors (an
     # input TMA cannot describe) the loop runs as the plain pipelined one.
+    warp_spec = config.warp_specialize and kv_descs is not None and qo_descs is not None
+    use_tma = kv_descs is not None
+    if warp_spec:
+        # The warp-specialised loop builds its K/V descriptors on the device, one per sequence and
+        # head (_sequence_descriptors), so it takes K and V as pointers; the host descriptors only
+        # proved that TMA can serve these tensors.
+        kv_descs = None
+    k_arg, k2_arg, v_arg = kv_descs or (k, k, v)
+    q_arg, q2_arg, o_arg = qo_descs or (q, q, out)
     constexprs = dict(
         DQK=dqk, DV=dv, D_A=d_a, D_B=d_b, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=bool(causal), SCALE_NONNEG=softmax_scale >= 0, USE_TMA=kv_descs is not None,
-        QO_TMA=qo_descs is not None,
-        WARP_SPEC=config.warp_specialize and kv_descs is not None and qo_descs is not None,
+        CAUSAL=bool(causal), SCALE_NONNEG=softmax_scale >= 0, USE_TMA=use_tma, QO_TMA=qo_descs is not None,
+        WARP_SPEC=warp_spec,
         LAZY_RESCALE=config.lazy_rescale, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
         PAD_FILL=_PAD_FILL_BLOCK, SEQ_CHUNK=_SEQ_CHUNK,
     )  # fmt: skip

@@ -23,6 +23,14 @@ Python cost per launch.
 Triton's launch hooks (profilers such as Proton add them) are honoured: the hook chains are read on
 every launch, and launch metadata is built only when a hook is installed.
 
+Kernels that build TMA descriptors on the device (``tl.make_tensor_descriptor``) write them into a
+global scratch buffer that Triton's launcher allocates for every launch, through the allocator of
+``triton.set_allocator``. Every launch here, direct or through the JIT function, supplies its own for
+the duration of the launch (:class:`TorchScratch`): a ``torch.empty`` on the current device and stream, so the
+buffer comes from PyTorch's caching allocator, or from the graph's private pool during CUDA-graph
+capture, and is released in stream order after the launch, and the caller's allocator, if any, is back in
+place afterwards.
+
 Used only on CUDA tensors whose device is the current device (the launcher, like Triton's own, loads
 the kernel into the current context), with a Triton that has the ``knobs`` runtime of 3.4 and newer;
 anywhere else every launch goes through the JIT function, as before.
@@ -30,6 +38,7 @@ anywhere else every launch goes through the JIT function, as before.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Hashable
 from typing import Any
@@ -40,6 +49,11 @@ try:  # Triton >= 3.4: runtime hooks live in triton.knobs
     from triton import knobs as _knobs
 except ImportError:  # pragma: no cover - older Triton: JIT launches only
     _knobs = None
+
+try:  # Triton >= 3.3: the allocator of kernels that need global scratch memory
+    from triton.runtime import _allocation
+except ImportError:  # pragma: no cover - older Triton: no kernel asks for scratch
+    _allocation = None
 
 try:
     from torch._C import _cuda_getCurrentRawStream as _current_stream
@@ -67,15 +81,56 @@ def _hooks() -> tuple[Any, Any]:
     return None, None
 
 
+#: Alignment of the blocks of PyTorch's CUDA caching allocator.
+_TORCH_BLOCK_ALIGNMENT = 512
+
+
+def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Triton's allocator protocol: ``size`` bytes aligned to ``alignment`` on the current device,
+    allocated on its current stream (the launch's: ``stream`` is that stream's handle)."""
+    if alignment <= _TORCH_BLOCK_ALIGNMENT:
+        return torch.empty(size, dtype=torch.uint8, device="cuda")
+    buffer = torch.empty(size + alignment, dtype=torch.uint8, device="cuda")
+    offset = -buffer.data_ptr() % alignment
+    return buffer[offset : offset + size]
+
+
+class TorchScratch:
+    """Within the block, Triton's launcher allocates kernels' global scratch with :func:`_torch_scratch`.
+
+    Triton keeps its allocator in a context variable (per thread); the previous one is restored on exit.
+    A class rather than a ``contextlib.contextmanager`` generator: it runs around launches, where microseconds count.
+    """
+
+    __slots__ = ("token",)
+
+    def __enter__(self) -> None:
+        self.token = None if _allocation is None else _allocation._allocator.set(_torch_scratch)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.token is not None:
+            _allocation._allocator.reset(self.token)
+
+
+#: What a launch of a kernel without scratch runs in instead of :class:`TorchScratch`.
+_NO_SCRATCH = contextlib.nullcontext()
+
+
+def _needs_scratch(compiled: Any) -> bool:
+    """Whether a compiled kernel asks its launcher for global scratch memory (device-side descriptors)."""
+    return getattr(getattr(compiled, "metadata", None), "global_scratch_size", 0) > 0
+
+
 class _Fixed:
     """A compiled variant with its grid and every argument after the leading ones fixed."""
 
-    __slots__ = ("compiled", "grid", "tail")
+    __slots__ = ("compiled", "grid", "needs_scratch", "tail")
 
     def __init__(self, compiled: Any, grid: tuple[int, ...], tail: tuple) -> None:
         self.compiled = compiled
         self.grid = (*grid, 1, 1)[:3]
         self.tail = tail
+        self.needs_scratch = _needs_scratch(compiled)
 
 
 class CachedLaunch:
@@ -120,7 +175,8 @@ class CachedLaunch:
         direct = self.enabled and device.type == "cuda" and device.index == torch.cuda.current_device()
         compiled = self.compiled.get(key) if direct else None
         if compiled is None:
-            launched = self.kernel[grid](*args, **constexprs, **options)
+            with TorchScratch():  # the variant is not known yet, nor whether it needs scratch
+                launched = self.kernel[grid](*args, **constexprs, **options)
             if direct and launched is not None:
                 self.compiled[key] = launched
             return
@@ -151,10 +207,11 @@ class CachedLaunch:
         else:
             metadata = compiled.launch_metadata(fixed.grid, stream, *leading, *fixed.tail)
         grid_0, grid_1, grid_2 = fixed.grid
-        compiled.run(
-            grid_0, grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave,
-            *leading, *fixed.tail,
-        )  # fmt: skip
+        with TorchScratch() if fixed.needs_scratch else _NO_SCRATCH:
+            compiled.run(
+                grid_0, grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave,
+                *leading, *fixed.tail,
+            )  # fmt: skip
 
 
 def pointer_alignment(*tensors: torch.Tensor | None) -> tuple[bool, ...]:
