@@ -5,10 +5,12 @@ No GPU is needed: Triton's NVIDIA backend ships ``ptxas``, and each variant is b
 arguments, constexprs and options that ``attention_triton`` would launch it with
 (:func:`mla_ops.kernels.attention.launch_plan`, over CPU stand-ins with the GPU tensors' shapes,
 strides and alignment). For each configuration and path it prints whether it compiled, the registers
-per thread and spilled bytes (from ``ptxas -v``), the shared memory per program, the warps per program
-(warp specialisation adds a producer warp group), and what the TTGIR holds: ``ttg.warp_specialize``
-regions and TMA (``async_tma_copy``) operations. A configuration that does not compile, spills, or
-asks for warp specialisation the compiler did not apply is reported as a failure (exit status 1).
+per thread and spilled bytes (from ``ptxas -v``), the shared memory per program, the global scratch
+bytes per program (where the kernel builds TMA descriptors on the device, ``(device)`` in the last
+column), the warps per program (warp specialisation adds a producer warp group), and what the TTGIR
+holds: ``ttg.warp_specialize`` regions and TMA (``async_tma_copy``) operations. A configuration that
+does not compile, spills, or asks for warp specialisation the compiler did not apply is reported as a
+failure (exit status 1).
 
 Usage::
 
@@ -48,6 +50,7 @@ class Variant:
     registers: int | None = None
     spill_bytes: int | None = None
     shared_bytes: int | None = None
+    scratch_bytes: int | None = None
     warps: int | None = None
     warp_specialized: bool = False
     tma_ops: int = 0
@@ -112,7 +115,7 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool) -> Variant:
         plan = launch_plan(
             q, k, v, out, lse, cu_q, cu_k, TOKENS, TOKENS, dqk**-0.5, causal, config, descriptors_anywhere=True
         )
-        variant.descriptors = plan.descriptors
+        variant.descriptors = (*plan.descriptors, *(f"{name}(device)" for name in plan.device_descriptors))
         target = GPUTarget("cuda", CAPABILITY, 32)
         backend = make_backend(target)
         binder = create_function_from_signature(kernel.signature, kernel.params, backend)
@@ -126,6 +129,7 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool) -> Variant:
         ttgir = compiled.asm["ttgir"]
         variant.registers, variant.spill_bytes = _ptxas_usage(compiled.asm["ptx"])
         variant.shared_bytes = compiled.metadata.shared
+        variant.scratch_bytes = compiled.metadata.global_scratch_size
         variant.warps = compiled.metadata.num_warps
         variant.warp_specialized = "ttg.warp_specialize" in ttgir
         variant.tma_ops = len(re.findall(r"async_tma_copy|async_tma_store|tma_store|descriptor_(?:load|store)", ttgir))
@@ -173,8 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     configs = [AttentionConfig.parse(t, "--configs") for t in texts]
     paths = {"both": (True, False), "causal": (True,), "chunk": (False,)}[args.path]
     print(f"triton {triton.__version__}, sm_{CAPABILITY}a, (Dqk, Dv) = ({dqk}, {dv}), bf16")
-    header = ("config", "path", "regs", "spill", "smem KiB", "warps", "ws", "tma")
-    print("{:<28} {:<6} {:>4} {:>5} {:>8} {:>5} {:>3} {:>3}  descriptors".format(*header))
+    header = ("config", "path", "regs", "spill", "smem KiB", "scratch", "warps", "ws", "tma")
+    print("{:<28} {:<6} {:>4} {:>5} {:>8} {:>7} {:>5} {:>3} {:>3}  descriptors".format(*header))
     failed = 0
     for config in configs:
         for causal in paths:
@@ -184,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if v.error is None:
                 print(
                     f"{v.config:<28} {path:<6} {v.registers:>4} {v.spill_bytes:>5} {v.shared_bytes / 1024:>8.1f} "
-                    f"{v.warps:>5} {'yes' if v.warp_specialized else 'no':>3} {v.tma_ops:>3}  "
+                    f"{v.scratch_bytes:>7} {v.warps:>5} {'yes' if v.warp_specialized else 'no':>3} {v.tma_ops:>3}  "
                     f"{','.join(v.descriptors) or '-'}{'  FAIL: ' + '; '.join(problems) if problems else ''}"
                 )
             else:

@@ -147,6 +147,103 @@ def test_hopper_variants(text, causal):
         _check_padding(lse, sum(lengths_q))
 
 
+#: The warp-specialised variants: they read K/V through descriptors that each program builds on the
+#: device over its own sequence's rows, in global scratch that Triton's launcher allocates per launch.
+WS_VARIANTS = [text for text in HOPPER_VARIANTS if text.endswith(",ws")]
+
+
+def _poison(k: torch.Tensor, v: torch.Tensor, cu_k: torch.Tensor, sequences) -> None:
+    """Fill the keys and values of ``sequences`` with NaN, +inf and -inf; sequence ``len(cu_k) - 1``
+    stands for the rows past ``cu_k[-1]`` (a token budget's padding)."""
+    poison = torch.tensor([math.nan, math.inf, -math.inf], dtype=k.dtype, device=k.device)
+    for b in sequences:
+        end = int(cu_k[b + 1]) if b + 1 < len(cu_k) else k.shape[0]
+        rows = torch.arange(int(cu_k[b]), end, device=k.device)
+        k[rows] = poison[rows % 3, None, None]
+        v[rows] = poison[(rows + 1) % 3, None, None]
+
+
+def _check_sequences(out, lse, q, k, v, cu_q, cu_k, scale, causal, sequences) -> None:
+    """Each of ``sequences`` is finite and matches the reference computed from its own rows only."""
+    for b in sequences:
+        qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        assert out[qs:qe].isfinite().all() and not lse[:, qs:qe].isnan().any(), f"sequence {b} sees its neighbours"
+        one_q, one_k = cu_seqlens_of([qe - qs], DEVICE), cu_seqlens_of([ke - ks], DEVICE)
+        assert_attention_close(
+            out[qs:qe], lse[:, qs:qe].contiguous(), q[qs:qe], k[ks:ke], v[ks:ke], one_q, one_k, scale, causal
+        )
+
+
+def _ws_config(text: str):
+    from mla_ops.kernels.attention import tma_supported
+    from mla_ops.kernels.configs import AttentionConfig
+
+    if not tma_supported() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA descriptors need Triton >= 3.3 (triton.tools.tensor_descriptor) and an SM90+ GPU")
+    return AttentionConfig.parse(text, "variant")
+
+
+@pytest.mark.parametrize("text", WS_VARIANTS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
+def test_warp_specialised_variants_isolate_sequences(text, causal):
+    """NaN and inf in the keys and values of a sequence's neighbours, and in the rows past
+    ``cu_seqlens_k[-1]``, never reach its output: sequences shorter than a tile at row 0, between two
+    poisoned ones and at the end, a tile-aligned one, longer ones. A tile that started before a short
+    sequence or ran past its end would weigh those rows 0 in the PV product: ``0 * NaN`` is NaN."""
+    from mla_ops.kernels.attention import attention_triton
+
+    config = _ws_config(text)
+    poisoned = {1, 3, 6}
+    lengths_q = [5, 300, 3, 1000, 64, 0, 129, 11]
+    lengths_k = lengths_q if causal else [9, 300, 3, 1200, 128, 0, 129, 70]
+    q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, [*lengths_k, 40], 16, 192, 128, torch.bfloat16, strided_v=True)
+    cu_k = cu_q if causal else cu_k[:-1].contiguous()
+    _poison(k, v, cu_k, [*poisoned, len(lengths_k)])
+    q = torch.cat([q, torch.full_like(q[:7], math.nan)])  # padding rows of a token budget
+    out, lse = attention_triton(q, k, v, cu_q, cu_k, 1000, max(lengths_k), _scale(192), causal, config=config)
+    clean = sorted(set(range(len(lengths_q))) - poisoned)
+    _check_sequences(out, lse, q, k, v, cu_q, cu_k, _scale(192), causal, clean)
+    _check_padding(lse, sum(lengths_q))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
+def test_warp_specialised_variant_in_a_cuda_graph(causal):
+    """The ``ws`` variant captured in a CUDA graph (its descriptors' scratch then comes from the graph's
+    pool) and replayed with other batches in the same buffers, a poisoned sequence among them: the
+    replays equal eager calls and the clean sequences match the reference."""
+    from mla_ops.kernels.attention import attention_triton
+
+    config = _ws_config(WS_VARIANTS[0])
+    heads, scale = 16, _scale(192)
+    bufs = GraphBuffers(heads, 192, 128, torch.bfloat16, budget=1024, budget_k=1536, max_batch=4, seed=5)
+    k, v, cu_k = (bufs.k, bufs.v, bufs.cu) if causal else (bufs.kc, bufs.vc, bufs.cu_k)
+
+    def step():
+        return attention_triton(bufs.q, k, v, bufs.cu, cu_k, bufs.budget, k.shape[0], scale, causal, config=config)
+
+    batches = [([1000, 3, 0, 21], [1400, 3, 0, 61]), ([5, 300, 7, 600], [9, 1000, 2, 500]), ([0] * 4, [0] * 4)]
+
+    def load(lengths, ctx_lengths):
+        bufs.load(lengths, ctx_lengths)
+        _poison(k, v, cu_k, [1, bufs.max_batch])  # sequence 1 and the rows past the batch
+
+    load(*batches[0])
+    step()  # eager warm-up outside capture, as the package documents
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out, graph_lse = step()
+    for lengths, ctx_lengths in batches:
+        load(lengths, ctx_lengths)
+        graph.replay()
+        eager_out, eager_lse = step()
+        for b in (0, 2, 3):
+            rows = slice(int(bufs.cu[b]), int(bufs.cu[b + 1]))
+            assert torch.equal(graph_out[rows], eager_out[rows]) and torch.equal(graph_lse[:, rows], eager_lse[:, rows])
+        _check_sequences(graph_out, graph_lse, bufs.q, k, v, bufs.cu, cu_k, scale, causal, (0, 2, 3))
+        _check_padding(graph_lse, sum(lengths))
+
+
 def test_config_env_var_override(monkeypatch):
     """MLA_OPS_TRITON_CONFIG replaces the table for every call, and gives the same numbers."""
     from mla_ops.kernels.configs import CONFIG_ENV_VAR

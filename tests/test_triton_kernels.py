@@ -657,6 +657,70 @@ def test_relaunched_leading_arguments_are_the_plans():
     assert not any(isinstance(a, torch.Tensor) for a in plan.args[attention._LEADING :]), "only scalars follow"
 
 
+def test_cached_launch_supplies_the_scratch_allocator(monkeypatch):
+    """Kernels that build TMA descriptors on the device get their global scratch from the launch's own
+    allocator (torch's caching allocator, or a graph's pool during capture), on the JIT launch and on
+    direct ones; the caller's allocator is back in place afterwards, and kernels without scratch run
+    with it untouched."""
+    import contextvars
+    from types import SimpleNamespace
+
+    from triton.runtime import _allocation
+
+    from mla_ops.kernels import launch
+
+    seen = []
+
+    class Compiled:
+        function, packed_metadata = "function", "metadata"
+
+        def __init__(self, scratch_bytes):
+            self.metadata = SimpleNamespace(global_scratch_size=scratch_bytes)
+
+        def run(self, *args):
+            seen.append(("direct", _allocation._allocator.get()))
+
+    def kernel_fn(x_ptr, BLOCK):
+        pass
+
+    class Jit:
+        fn = staticmethod(kernel_fn)
+        params = (SimpleNamespace(name="x_ptr", is_constexpr=False), SimpleNamespace(name="BLOCK", is_constexpr=True))
+
+        def __getitem__(self, grid):
+            def launch_(x, BLOCK, scratch_bytes):
+                seen.append(("jit", _allocation._allocator.get()))
+                return Compiled(scratch_bytes)
+
+            return launch_
+
+    monkeypatch.setattr(
+        launch, "_knobs", SimpleNamespace(runtime=SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
+    )
+    monkeypatch.setattr(launch, "_current_stream", lambda index: f"stream{index}")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    cuda0 = torch.device("cuda", 0)
+
+    def callers_allocator(size, alignment, stream):
+        raise AssertionError("the package's launches use their own allocator")
+
+    def scenario():
+        _allocation._allocator.set(callers_allocator)
+        launcher = launch.CachedLaunch(Jit())
+        for variant, scratch_bytes in (("ws", 384), ("plain", 0)):
+            for _ in range(2):  # the JIT launch compiles the variant, the second one is direct
+                launcher((variant,), cuda0, (3,), ("x",), {"BLOCK": 16}, scratch_bytes=scratch_bytes)
+        assert _allocation._allocator.get() is callers_allocator
+
+    contextvars.copy_context().run(scenario)  # the caller's allocator stays inside this test
+    assert seen == [
+        ("jit", launch._torch_scratch),
+        ("direct", launch._torch_scratch),
+        ("jit", launch._torch_scratch),  # not known yet to need none
+        ("direct", callers_allocator),
+    ]
+
+
 @interpreted
 def test_small_chunks_of_a_tma_table_config_load_through_pointers(monkeypatch):
     """A table configuration that asks for TMA is launched through pointers below TMA_MIN_KEY_ROWS key

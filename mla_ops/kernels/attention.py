@@ -792,7 +792,9 @@ class LaunchPlan(NamedTuple):
     """Everything one launch of the attention kernel needs: ``kernel[grid](*args, **constexprs, **options)``.
 
     ``key`` names the compiled variant for :class:`~mla_ops.kernels.launch.CachedLaunch`;
-    ``descriptors`` says which loads and stores go through TMA descriptors (``"kv"``, ``"qo"``).
+    ``descriptors`` says which loads and stores go through TMA descriptors built on the host and passed
+    in ``args`` (``"kv"``, ``"qo"``): they hold the tensors' addresses. ``device_descriptors`` says which
+    go through descriptors the kernel builds itself (``"kv"`` in the warp-specialised loop).
     """
 
     key: tuple
@@ -801,6 +803,7 @@ class LaunchPlan(NamedTuple):
     constexprs: dict
     options: dict
     descriptors: tuple[str, ...]
+    device_descriptors: tuple[str, ...] = ()
 
 
 def launch_plan(
@@ -882,7 +885,7 @@ def launch_plan(
         _descriptor_key(qo_descs),
     )  # fmt: skip
     used = tuple(name for name, descs in (("kv", kv_descs), ("qo", qo_descs)) if descs is not None)
-    return LaunchPlan(key, grid, args, constexprs, options, used)
+    return LaunchPlan(key, grid, args, constexprs, options, used, ("kv",) if warp_spec else ())
 
 
 _launcher = CachedLaunch(_attn_fwd_kernel)
