@@ -174,6 +174,18 @@ def _check_sequences(out, lse, q, k, v, cu_q, cu_k, scale, causal, sequences) ->
         )
 
 
+def _capture_after_warmup(step, load, batch):
+    """``load(*batch)``, one eager ``step()`` (the warm-up outside capture that the package documents),
+    then ``step`` captured: ``(graph, what step returned during capture)``."""
+    load(*batch)
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
+
+
 def _ws_config(text: str):
     from mla_ops.kernels.attention import tma_supported
     from mla_ops.kernels.configs import AttentionConfig
@@ -227,12 +239,7 @@ def test_warp_specialised_variant_in_a_cuda_graph(causal):
         bufs.load(lengths, ctx_lengths)
         _poison(k, v, cu_k, [1, bufs.max_batch])  # sequence 1 and the rows past the batch
 
-    load(*batches[0])
-    step()  # eager warm-up outside capture, as the package documents
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_out, graph_lse = step()
+    graph, (graph_out, graph_lse) = _capture_after_warmup(step, load, batches[0])
     for lengths, ctx_lengths in batches:
         load(lengths, ctx_lengths)
         graph.replay()
@@ -324,12 +331,7 @@ def test_cuda_graph_replay_of_prefill_with_context():
         ([0, 0, 0, 0], [0, 0, 0, 0]),
         ([300, 300, 300, 300], [5, 0, 700, 64]),
     ]
-    bufs.load(*batches[0])
-    step()  # eager warm-up outside capture, as the package documents
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_out, graph_lse = step()
+    graph, (graph_out, graph_lse) = _capture_after_warmup(step, bufs.load, batches[0])
     for lengths, ctx_lengths in batches:
         bufs.load(lengths, ctx_lengths)
         graph.replay()
