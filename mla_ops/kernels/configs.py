@@ -62,7 +62,10 @@ class AttentionConfig:
             query block, so it needs ``use_tma`` and ``qo_tma`` (it fails when a dot operand comes
             from pointer loads) and ``num_warps=4`` (it ignores the request at any other count): 12
             warps run per program. Every tile is masked (one compare per score) and the output is
-            stored through pointers; the kernel's docstring of ``_attend_tiles_ws`` says why.
+            stored through pointers; the kernel's docstring of ``_attend_tiles_ws`` says why. K and V
+            come through descriptors each program builds over its own sequence's and head's rows, so
+            rows outside the sequence read as zeros; Triton's launcher allocates them 128 bytes of global
+            scratch each per program and launch.
             Without descriptors (an input TMA cannot describe) the usual loops run instead.
         lazy_rescale: in the mask-free key loop, rescale the accumulator only when some row's
             running max grew by more than 2^8 (FlashAttention-4's conditional rescale); exact, it
