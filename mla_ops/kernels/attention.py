@@ -98,6 +98,18 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _masked_softmax_step(s, m_i):
+    """One online-softmax step over a tile of base-2 scores ``s`` (``-inf`` where masked): the tile's
+    probabilities ``p``, the factor ``alpha`` that rescales the running sum and accumulator, and the
+    new running max."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no visible key yet keeps m = -inf; shifting it by 0 instead keeps
+    # exp2(-inf - -inf) = NaN out of p and alpha.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return tl.math.exp2(s - m_use[:, None]), tl.math.exp2(m_i - m_use), m_new
+
+
+@triton.jit
 def _attend_tiles(
     acc,
     l_i,
@@ -175,12 +187,7 @@ def _attend_tiles(
             if CAUSAL:
                 visible = visible & ((start_n + offs_n)[None, :] <= q_pos[:, None])
             s = tl.where(visible, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A row that has seen no visible key yet keeps m = -inf; shifting it by 0 instead keeps
-            # exp2(-inf - -inf) = NaN out of p and alpha.
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
+            p, alpha, m_new = _masked_softmax_step(s, m_i)
         elif LAZY_RESCALE:
             # Every score here is finite (no mask), so m_new is too. The block keeps its running max
             # m_i while no row's max grew by more than the threshold: p <= 2^threshold then, which
@@ -276,11 +283,7 @@ def _attend_tiles_ws(
         if D_B > 0:
             qk = _dot(q_b, tl.trans(K2.load([start_n, 0])), qk, UPCAST)
         s = tl.where(offs_n[None, :] <= (last_key - start_n)[:, None], qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no visible key yet keeps m = -inf; shifting it by 0 keeps NaN out.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
+        p, alpha, m_new = _masked_softmax_step(s, m_i)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         acc = _dot(p.to(q_a.dtype), V.load([start_n, 0]), acc, UPCAST)
@@ -632,7 +635,7 @@ def _descriptor_key(descs) -> tuple | None:
 #: compiler running out of shared memory or registers: one dict lookup per call.
 _table_configs: dict[tuple, AttentionConfig] = {}
 
-#: Below this many key rows times heads, an eager launch of a table configuration that asks for TMA
+#: Below this many key rows times heads, a launch of a table configuration that asks for TMA
 #: descriptors loads through pointers instead. Descriptors hold the tensors' addresses, so they are
 #: built for every launch, and that costs about 55 µs of host time (H200 host, Triton 3.6: 82 µs per
 #: eager context-chunk call with descriptors, 27 µs without), while TMA saves 8-14 % of device time
