@@ -223,18 +223,24 @@ def measure_dispatch_floor(args: argparse.Namespace, device: torch.device) -> di
     def kernel(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
         return outputs
 
+    # Registered for this measurement only, and removed afterwards, so that another run in the same
+    # process (the tests call main() more than once) can register it again.
     lib = torch.library.Library("mla_bench", "FRAGMENT")
-    if not hasattr(torch.ops.mla_bench, "noop_prefill"):
+    try:
         lib.define("noop_" + SCHEMAS["prefill"])
-    lib.impl("noop_prefill", kernel, "CPU")
-    lib.impl("noop_prefill", kernel, "CUDA")
-    op = torch.ops.mla_bench.noop_prefill
-    fns = {"op_us": lambda: op(q, k, v, cu_q, max_q, scale), "direct_us": lambda: kernel(q, k, v, cu_q, max_q, scale)}
-    row: dict[str, Any] = {"path": "dispatch floor", "backend": "no-op", "tokens": args.tokens, "heads": args.heads}
-    row.update(per_call_us(fns, dict.fromkeys(fns, args.iters), device, args.rounds))
+        lib.impl("noop_prefill", kernel, "CPU")
+        lib.impl("noop_prefill", kernel, "CUDA")
+        op = torch.ops.mla_bench.noop_prefill
+        fns = {
+            "op_us": lambda: op(q, k, v, cu_q, max_q, scale),
+            "direct_us": lambda: kernel(q, k, v, cu_q, max_q, scale),
+        }
+        row: dict[str, Any] = {"path": "dispatch floor", "backend": "no-op", "tokens": args.tokens, "heads": args.heads}
+        row.update(per_call_us(fns, dict.fromkeys(fns, args.iters), device, args.rounds))
+    finally:
+        lib._destroy()
     row["op_minus_direct_us"] = row["op_us"] - row["direct_us"]
     row["note"] = "a Python kernel that returns preallocated outputs, registered with mla.prefill's schema"
-    lib._destroy()
     return row
 
 
