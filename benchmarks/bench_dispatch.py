@@ -256,8 +256,7 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         "with mla.prefill's schema whose Python kernel only returns preallocated outputs: what the dispatcher "
         "alone costs on this host, below which no op with a Python kernel can go. Design goal: op − raw <= 5 µs."
     )
-    title = f"MLA op dispatch overhead: {env.get('gpu')}, {env.get('dtype')}, {shape}"
-    return R.results_markdown(title, env, intro, FIELDS.table(rows))
+    return R.results_page("MLA op dispatch overhead", env, intro, FIELDS.table(rows), extra=[shape])
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

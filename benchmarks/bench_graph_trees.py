@@ -252,8 +252,7 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argpa
         "calls were routed to there. *eager / mode*: the backend's eager step time over this mode's (above 1: "
         "the graphs are faster). *rel diff vs eager*: ||compiled - eager|| / ||eager|| on the first timed batch."
     )
-    title = f"MLA layers under CUDA-graph trees: {env.get('gpu')}, {env.get('dtype')}"
-    return R.results_markdown(title, env, intro, FIELDS.table(rows))
+    return R.results_page("MLA layers under CUDA-graph trees", env, intro, FIELDS.table(rows))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -151,8 +151,7 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argpa
         f"backend's raw library calls, medians over {args.rounds} alternating rounds, each sample one forward "
         "from an idle device; *op cost* is their difference. *rel diff*: ||op - raw|| / ||raw|| of the outputs."
     )
-    title = f"MLA layers, ops against raw library calls: {env.get('gpu')}, {env.get('dtype')}"
-    return R.results_markdown(title, env, intro, FIELDS.table(rows))
+    return R.results_page("MLA layers, ops against raw library calls", env, intro, FIELDS.table(rows))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -124,8 +124,7 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         f"Raw call time / op time, the median over {env.get('rounds')} alternating rounds on the same tensors "
         "(above 1: the op is faster; target >= 0.97). Times are the medians over rounds."
     )
-    title = f"MLA op overhead: {env.get('gpu')}, {env.get('dtype')}"
-    return R.results_markdown(title, env, intro, FIELDS.table(rows))
+    return R.results_page("MLA op overhead", env, intro, FIELDS.table(rows))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -181,14 +181,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "of the timer's samples. *speed-up vs first* and *rel diff* (of the logits) are against the first "
         "implementation measured for that shape (transformers' `sdpa`)."
     )
-    title = f"transformers DeepSeek-V3 prefill, attn_implementation: {env.get('gpu')}, {env.get('dtype')}"
     out_dir = args.out or R.default_out_dir(device)
     paths = R.write_results_beside(
         out_dir / "transformers.csv",
         FIELDS.keys,
         rows,
         env,
-        R.results_markdown(title, env, intro, FIELDS.table(rows)),
+        R.results_page("transformers DeepSeek-V3 prefill, attn_implementation", env, intro, FIELDS.table(rows)),
     )
     print(f"wrote {', '.join(str(p) for p in paths)} in {time.perf_counter() - started:.0f} s")
     return 0

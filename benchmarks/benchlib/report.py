@@ -531,6 +531,12 @@ def results_markdown(title: str, env: dict[str, Any], intro: str, table: str, no
     return "\n".join(parts)
 
 
+def results_page(subject: str, env: dict[str, Any], intro: str, table: str, *, extra: Sequence[str] = ()) -> str:
+    """``results_markdown`` titled ``subject: GPU, dtype[, extra...]`` from the environment record."""
+    title = ", ".join([f"{subject}: {env.get('gpu')}", str(env.get("dtype")), *extra])
+    return results_markdown(title, env, intro, table)
+
+
 def short_error(exc: BaseException, limit: int = 160) -> str:
     """``Type: first line of the message``, cut to ``limit`` characters."""
     text = str(exc).strip().splitlines()
