@@ -139,13 +139,13 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool) -> Variant:
 
 
 def default_configs() -> list[str]:
-    """The SM90 table's (192, 128) entries and the tuning script's default candidates."""
-    from tune_triton import DEFAULT_CANDIDATES
+    """The SM90 table's (192, 128) entries and the tuning script's default and warp-specialised candidates."""
+    from tune_triton import DEFAULT_CANDIDATES, WS_CANDIDATES
 
     from mla_ops.kernels.configs import SM90_ATTENTION
 
     table = [str(c) for key, c in SM90_ATTENTION.items() if key[:2] == (192, 128)]
-    return list(dict.fromkeys([*table, *DEFAULT_CANDIDATES]))
+    return list(dict.fromkeys([*table, *DEFAULT_CANDIDATES, *WS_CANDIDATES]))
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

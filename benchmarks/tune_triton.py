@@ -52,9 +52,7 @@ CHECK_SHAPES = (
 
 #: Candidates for SM90 (227 KiB shared memory). Flags (see mla_ops.kernels.configs): "tma" loads K/V
 #: through TMA descriptors, "qo" Q and the output too, "lazy" rescales the accumulator only when a
-#: row max grew by more than 2^8, "ws" runs one warp-specialised key loop (a TMA producer warp group
-#: and two consumer groups of 4 warps: 12 warps). Each compiles for sm_90a without spills, the "ws"
-#: ones specialised (benchmarks/compile_sm90.py).
+#: row max grew by more than 2^8. Each compiles for sm_90a without spills (benchmarks/compile_sm90.py).
 DEFAULT_CANDIDATES = [
     "128,64,8,2",
     "128,64,8,3",
@@ -73,10 +71,12 @@ DEFAULT_CANDIDATES = [
     "128,64,8,3,tma,qo",
     "128,64,8,3,tma,qo,lazy",
     "128,64,8,4,tma,qo,lazy",
-    "128,64,4,2,tma,qo,ws",
-    "128,64,4,3,tma,qo,ws",
-    "128,128,4,2,tma,qo,ws",
 ]
+#: The experimental warp-specialised loop ("ws": a TMA producer warp group and two consumer groups of
+#: 4 warps): compiled and checked by compile_sm90.py, but not swept by default, since its launches
+#: deadlocked on the H200 with Triton 3.6.0. Pass them with --candidates and
+#: MLA_OPS_TRITON_EXPERIMENTAL_WS=1 to time them.
+WS_CANDIDATES = ["128,64,4,2,tma,qo,ws", "128,64,4,3,tma,qo,ws", "128,128,4,2,tma,qo,ws"]
 QUICK_CANDIDATES = ["128,64,8,3", "128,128,8,2", "128,64,8,3,tma"]
 
 MERGE_CANDIDATES = [(bt, w) for bt in (4, 8, 16, 32, 64) for w in (2, 4, 8)]

@@ -417,6 +417,25 @@ def test_config_env_var(monkeypatch):
     assert AttentionConfig.parse("128,64,8,3,tma,0") == AttentionConfig(128, 64, 8, 3)
 
 
+def test_ws_launch_on_cuda_needs_the_experimental_opt_in(monkeypatch):
+    """A 'ws' config is refused for CUDA launches unless the variable is "1"; the interpreter's CPU
+    launches and configs without the flag pass."""
+    ws = AttentionConfig(128, 64, 4, 2, use_tma=True, qo_tma=True, warp_specialize=True)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for value in (None, "0", "yes"):
+        if value is None:
+            monkeypatch.delenv(configs.EXPERIMENTAL_WS_ENV_VAR, raising=False)
+        else:
+            monkeypatch.setenv(configs.EXPERIMENTAL_WS_ENV_VAR, value)
+        with pytest.raises(RuntimeError, match=r"128,64,4,2,tma,qo,ws asks for the experimental 'ws'") as info:
+            configs.refuse_unproven_warp_specialization(ws, cuda)
+        assert "MLA_OPS_TRITON_EXPERIMENTAL_WS=1" in str(info.value) and "drop the 'ws' flag" in str(info.value)
+        configs.refuse_unproven_warp_specialization(ws, cpu)
+        configs.refuse_unproven_warp_specialization(AttentionConfig(128, 64, 4, 2, use_tma=True, qo_tma=True), cuda)
+    monkeypatch.setenv(configs.EXPERIMENTAL_WS_ENV_VAR, "1")
+    configs.refuse_unproven_warp_specialization(ws, cuda)
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

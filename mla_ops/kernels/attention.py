@@ -40,7 +40,14 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..capture import on_device
-from .configs import CONFIG_ENV_VAR, AttentionConfig, attention_config, env_attention_config, shrink
+from .configs import (
+    CONFIG_ENV_VAR,
+    AttentionConfig,
+    attention_config,
+    env_attention_config,
+    refuse_unproven_warp_specialization,
+    shrink,
+)
 from .launch import CachedLaunch, pointer_alignment
 
 try:  # Triton >= 3.3
@@ -852,6 +859,8 @@ def launch_plan(
     warp_spec = config.warp_specialize and kv_descs is not None and qo_descs is not None
     use_tma = kv_descs is not None
     if warp_spec:
+        if not _interpreting():
+            refuse_unproven_warp_specialization(config, q.device)
         # The warp-specialised loop builds its K/V descriptors on the device, one per sequence and
         # head (_sequence_descriptors), so it takes K and V as pointers; the host descriptors only
         # proved that TMA can serve these tensors.

@@ -10,7 +10,9 @@ the attention table for every call. The flags, in any order (see :class:`Attenti
 
 - ``tma`` (or ``1``): load K/V through TMA tensor descriptors; ``ptr`` (or ``0``): pointer loads (default);
 - ``qo``: also load Q and store the output through TMA descriptors;
-- ``ws``: warp-specialise the key loop (needs ``tma``, ``qo`` and, on Hopper, 4 warps; not with ``lazy``);
+- ``ws``: warp-specialise the key loop (needs ``tma``, ``qo`` and, on Hopper, 4 warps; not with ``lazy``).
+  Experimental: a GPU launch of it is refused unless ``MLA_OPS_TRITON_EXPERIMENTAL_WS=1`` (see
+  :func:`refuse_unproven_warp_specialization`);
 - ``lazy``: rescale the accumulator only when a row's max grew by more than 2^8.
 
 e.g. ``128,64,4,2,tma,qo,ws`` or ``128,64,8,3,tma,qo,lazy``.
@@ -28,6 +30,8 @@ import torch
 
 #: Environment variable that overrides the attention launch configuration.
 CONFIG_ENV_VAR = "MLA_OPS_TRITON_CONFIG"
+#: Environment variable that lets the experimental ``ws`` variant launch on a GPU ("1").
+EXPERIMENTAL_WS_ENV_VAR = "MLA_OPS_TRITON_EXPERIMENTAL_WS"
 
 _FORMAT = "BLOCK_M,BLOCK_N,num_warps,num_stages[,tma][,qo][,ws][,lazy]"
 
@@ -67,6 +71,8 @@ class AttentionConfig:
             rows outside the sequence read as zeros; Triton's launcher allocates them 128 bytes of global
             scratch each per program and launch.
             Without descriptors (an input TMA cannot describe) the usual loops run instead.
+            Experimental: it compiles for sm_90a, but its launches deadlocked on an H200 with Triton
+            3.6.0, so a GPU launch is refused by default (:func:`refuse_unproven_warp_specialization`).
         lazy_rescale: in the mask-free key loop, rescale the accumulator only when some row's
             running max grew by more than 2^8 (FlashAttention-4's conditional rescale); exact, it
             only changes how often the rescale runs. Not with ``warp_specialize``: its branch is an
@@ -301,3 +307,21 @@ def merge_config(device: torch.device) -> MergeConfig:
         if major == 9:
             return SM90_MERGE
     return GENERIC_MERGE
+
+
+def refuse_unproven_warp_specialization(config: AttentionConfig, device: torch.device) -> None:
+    """Raise ``RuntimeError`` when ``config`` asks for the ``ws`` loop on a CUDA device and
+    ``MLA_OPS_TRITON_EXPERIMENTAL_WS=1`` is not set.
+
+    The variant compiles for sm_90a (``benchmarks/compile_sm90.py``: specialised, no spills) and
+    passes the interpreter's tests, but on an NVIDIA H200 with Triton 3.6.0 every launch tried
+    deadlocked (2026-12-01): single sequences of 1, 128 and 8192 keys, causal and not, each still
+    running after 45 s. A call that never returns is worse than an error, so the variant launches
+    only on request, for work on that deadlock.
+    """
+    if config.warp_specialize and device.type == "cuda" and os.environ.get(EXPERIMENTAL_WS_ENV_VAR) != "1":
+        raise RuntimeError(
+            f"the Triton attention config {config} asks for the experimental 'ws' (warp-specialised) "
+            f"loop, whose launches deadlocked on an NVIDIA H200 with Triton 3.6.0; drop the 'ws' flag (e.g. from "
+            f"{CONFIG_ENV_VAR}), or set {EXPERIMENTAL_WS_ENV_VAR}=1 to launch it anyway (the call may never return)"
+        )
