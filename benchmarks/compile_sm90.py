@@ -153,7 +153,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
     cli.add_attention_configs(
-        parser, "--configs", "the SM90 table's (192, 128) entries and tune_triton.py's candidates"
+        parser, "--configs", "the SM90 table's (192, 128) entries, tune_triton.py's candidates and its ws ones"
     )
     parser.add_argument("--dims", default="192,128", help="Dqk,Dv (default 192,128)")
     parser.add_argument("--path", choices=("both", "causal", "chunk"), default="both", help="which path to compile")
