@@ -94,14 +94,31 @@ def test_many_short_sequences():
     _check_padding(lse, sum(lengths_q))
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
-def test_tma_variant(causal):
-    """The TMA-descriptor K/V loads (a tuning option) against the reference, whatever the table picks."""
-    from mla_ops.kernels.attention import attention_triton, tma_supported
-    from mla_ops.kernels.configs import AttentionConfig
+def _require_tma() -> None:
+    """Skip unless this Triton and GPU have TMA tensor descriptors."""
+    from mla_ops.kernels.attention import tma_supported
 
     if not tma_supported() or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("TMA descriptors need Triton >= 3.3 (triton.tools.tensor_descriptor) and an SM90+ GPU")
+
+
+def _variant_config(text: str):
+    """The attention configuration ``text``; skips when it asks for TMA and this machine has none."""
+    from mla_ops.kernels.configs import AttentionConfig
+
+    config = AttentionConfig.parse(text, "variant")
+    if config.use_tma or config.qo_tma:
+        _require_tma()
+    return config
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
+def test_tma_variant(causal):
+    """The TMA-descriptor K/V loads (a tuning option) against the reference, whatever the table picks."""
+    from mla_ops.kernels.attention import attention_triton
+    from mla_ops.kernels.configs import AttentionConfig
+
+    _require_tma()
     lengths_q = [17, 0, 1000, 127]
     lengths_k = lengths_q if causal else [4097, 5, 0, 300]
     q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, 16, 192, 128, torch.bfloat16, strided_v=True)
@@ -139,12 +156,9 @@ def test_hopper_variants(text, causal):
     """Each Hopper variant against the reference: ragged and empty sequences, a last block that ends
     mid-block (masked output store) next to full blocks (descriptor store), padding rows holding NaN,
     strided v, H = 16 and 128."""
-    from mla_ops.kernels.attention import attention_triton, tma_supported
-    from mla_ops.kernels.configs import AttentionConfig
+    from mla_ops.kernels.attention import attention_triton
 
-    config = AttentionConfig.parse(text, "variant")
-    if (config.use_tma or config.qo_tma) and (not tma_supported() or torch.cuda.get_device_capability() < (9, 0)):
-        pytest.skip("TMA descriptors need Triton >= 3.3 (triton.tools.tensor_descriptor) and an SM90+ GPU")
+    config = _variant_config(text)
     lengths_q = [1000, 0, 17, 256, 127]
     lengths_k = lengths_q if causal else [4097, 5, 0, 300, 1]
     for heads in (16, 128):
@@ -191,15 +205,6 @@ def _capture_after_warmup(step, load, batch):
     return graph, outputs
 
 
-def _ws_config(text: str):
-    from mla_ops.kernels.attention import tma_supported
-    from mla_ops.kernels.configs import AttentionConfig
-
-    if not tma_supported() or torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("TMA descriptors need Triton >= 3.3 (triton.tools.tensor_descriptor) and an SM90+ GPU")
-    return AttentionConfig.parse(text, "variant")
-
-
 @_WS_OPT_IN
 @pytest.mark.parametrize("text", WS_VARIANTS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
@@ -210,7 +215,7 @@ def test_warp_specialised_variants_isolate_sequences(text, causal):
     sequence or ran past its end would weigh those rows 0 in the PV product: ``0 * NaN`` is NaN."""
     from mla_ops.kernels.attention import attention_triton
 
-    config = _ws_config(text)
+    config = _variant_config(text)
     poisoned = {1, 3, 6}
     lengths_q = [5, 300, 3, 1000, 64, 0, 129, 11]
     lengths_k = lengths_q if causal else [9, 300, 3, 1200, 128, 0, 129, 70]
@@ -232,7 +237,7 @@ def test_warp_specialised_variant_in_a_cuda_graph(causal):
     replays equal eager calls and the clean sequences match the reference."""
     from mla_ops.kernels.attention import attention_triton
 
-    config = _ws_config(WS_VARIANTS[0])
+    config = _variant_config(WS_VARIANTS[0])
     heads, scale = 16, _scale(192)
     bufs = GraphBuffers(heads, 192, 128, torch.bfloat16, budget=1024, budget_k=1536, max_batch=4, seed=5)
     k, v, cu_k = (bufs.k, bufs.v, bufs.cu) if causal else (bufs.kc, bufs.vc, bufs.cu_k)
@@ -262,7 +267,7 @@ def test_warp_specialised_variant_is_refused_without_the_opt_in(monkeypatch):
     """Without the opt-in a 'ws' launch raises before anything runs, naming the flag and the variable."""
     from mla_ops.kernels.attention import attention_triton
 
-    config = _ws_config(WS_VARIANTS[0])
+    config = _variant_config(WS_VARIANTS[0])
     monkeypatch.delenv(EXPERIMENTAL_WS_ENV_VAR, raising=False)
     q, k, v, cu_q, cu_k = _chunk_inputs([300], [300], 16, 192, 128, torch.bfloat16)
     with pytest.raises(RuntimeError, match=f"experimental 'ws'.*{EXPERIMENTAL_WS_ENV_VAR}=1"):
