@@ -14,7 +14,16 @@ import os
 
 import pytest
 import torch
-from utils import GraphBuffers, assert_attention_close, cu_seqlens_of, make_batch, make_qkv, record_results
+from utils import (
+    GraphBuffers,
+    assert_attention_close,
+    assert_sequences_close,
+    cu_seqlens_of,
+    make_batch,
+    make_qkv,
+    poison_sequences,
+    record_results,
+)
 
 import mla_ops
 from mla_ops.backends.reference import merge_attn_states_reference
@@ -171,28 +180,6 @@ def test_hopper_variants(text, causal):
         _check_padding(lse, sum(lengths_q))
 
 
-def _poison(k: torch.Tensor, v: torch.Tensor, cu_k: torch.Tensor, sequences) -> None:
-    """Fill the keys and values of ``sequences`` with NaN, +inf and -inf; sequence ``len(cu_k) - 1``
-    stands for the rows past ``cu_k[-1]`` (a token budget's padding)."""
-    poison = torch.tensor([math.nan, math.inf, -math.inf], dtype=k.dtype, device=k.device)
-    for b in sequences:
-        end = int(cu_k[b + 1]) if b + 1 < len(cu_k) else k.shape[0]
-        rows = torch.arange(int(cu_k[b]), end, device=k.device)
-        k[rows] = poison[rows % 3, None, None]
-        v[rows] = poison[(rows + 1) % 3, None, None]
-
-
-def _check_sequences(out, lse, q, k, v, cu_q, cu_k, scale, causal, sequences) -> None:
-    """Each of ``sequences`` is finite and matches the reference computed from its own rows only."""
-    for b in sequences:
-        qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
-        assert out[qs:qe].isfinite().all() and not lse[:, qs:qe].isnan().any(), f"sequence {b} sees its neighbours"
-        one_q, one_k = cu_seqlens_of([qe - qs], DEVICE), cu_seqlens_of([ke - ks], DEVICE)
-        assert_attention_close(
-            out[qs:qe], lse[:, qs:qe].contiguous(), q[qs:qe], k[ks:ke], v[ks:ke], one_q, one_k, scale, causal
-        )
-
-
 def _capture_after_warmup(step, load, batch):
     """``load(*batch)``, one eager ``step()`` (the warm-up outside capture that the package documents),
     then ``step`` captured: ``(graph, what step returned during capture)``."""
@@ -221,11 +208,11 @@ def test_warp_specialised_variants_isolate_sequences(text, causal):
     lengths_k = lengths_q if causal else [9, 300, 3, 1200, 128, 0, 129, 70]
     q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, [*lengths_k, 40], 16, 192, 128, torch.bfloat16, strided_v=True)
     cu_k = cu_q if causal else cu_k[:-1].contiguous()
-    _poison(k, v, cu_k, [*poisoned, len(lengths_k)])
+    poison_sequences(k, v, cu_k, [*poisoned, len(lengths_k)])
     q = torch.cat([q, torch.full_like(q[:7], math.nan)])  # padding rows of a token budget
     out, lse = attention_triton(q, k, v, cu_q, cu_k, 1000, max(lengths_k), _scale(192), causal, config=config)
     clean = sorted(set(range(len(lengths_q))) - poisoned)
-    _check_sequences(out, lse, q, k, v, cu_q, cu_k, _scale(192), causal, clean)
+    assert_sequences_close(out, lse, q, k, v, cu_q, cu_k, _scale(192), causal, clean)
     _check_padding(lse, sum(lengths_q))
 
 
@@ -249,7 +236,7 @@ def test_warp_specialised_variant_in_a_cuda_graph(causal):
 
     def load(lengths, ctx_lengths):
         bufs.load(lengths, ctx_lengths)
-        _poison(k, v, cu_k, [1, bufs.max_batch])  # sequence 1 and the rows past the batch
+        poison_sequences(k, v, cu_k, [1, bufs.max_batch])  # sequence 1 and the rows past the batch
 
     graph, (graph_out, graph_lse) = _capture_after_warmup(step, load, batches[0])
     for lengths, ctx_lengths in batches:
@@ -259,7 +246,7 @@ def test_warp_specialised_variant_in_a_cuda_graph(causal):
         for b in (0, 2, 3):
             rows = slice(int(bufs.cu[b]), int(bufs.cu[b + 1]))
             assert torch.equal(graph_out[rows], eager_out[rows]) and torch.equal(graph_lse[:, rows], eager_lse[:, rows])
-        _check_sequences(graph_out, graph_lse, bufs.q, k, v, bufs.cu, cu_k, scale, causal, (0, 2, 3))
+        assert_sequences_close(graph_out, graph_lse, bufs.q, k, v, bufs.cu, cu_k, scale, causal, (0, 2, 3))
         _check_padding(graph_lse, sum(lengths))
 
 

@@ -24,7 +24,15 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton", reason="the Triton kernels need triton installed (pip install 'mla_ops[triton]')")
 
-from utils import assert_attention_close, cu_seqlens_of, make_batch, make_qkv, record_results
+from utils import (
+    assert_attention_close,
+    assert_sequences_close,
+    cu_seqlens_of,
+    make_batch,
+    make_qkv,
+    poison_sequences,
+    record_results,
+)
 
 from mla_ops.backends.reference import merge_attn_states_reference
 from mla_ops.backends.triton import TritonBackend
@@ -243,21 +251,12 @@ def test_warp_specialised_loop_isolates_sequences(causal):
     # One more key sequence, cut off below: its rows are the padding past cu_seqlens_k[-1].
     q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, [*lengths_k, 6], 192, 128, torch.float16, seed=11, strided_v=True)
     cu_k = cu_k[:-1].contiguous()
-    poison = torch.tensor([math.nan, math.inf, -math.inf], dtype=k.dtype)
-    for b in [*poisoned, len(lengths_k)]:
-        rows = torch.arange(int(cu_k[b]), int(cu_k[b]) + [*lengths_k, 6][b])
-        k[rows] = poison[rows % 3, None, None]
-        v[rows] = poison[(rows + 1) % 3, None, None]
+    poison_sequences(k, v, cu_k, [*poisoned, len(lengths_k)])
     q = torch.cat([q, torch.full_like(q[:3], math.nan)])
     config = AttentionConfig(16, 16, 4, 1, use_tma=True, qo_tma=True, warp_specialize=True)
     out, lse = attention_triton(q, k, v, cu_q, cu_k, 20, 32, 0.1, causal=causal, config=config)
-    for b in sorted(set(range(len(lengths_q))) - poisoned):
-        qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
-        assert out[qs:qe].isfinite().all() and not lse[:, qs:qe].isnan().any(), f"sequence {b} sees its neighbours"
-        one_q, one_k = cu_seqlens_of([qe - qs]), cu_seqlens_of([ke - ks])
-        assert_attention_close(
-            out[qs:qe], lse[:, qs:qe].contiguous(), q[qs:qe], k[ks:ke], v[ks:ke], one_q, one_k, 0.1, causal
-        )
+    clean = sorted(set(range(len(lengths_q))) - poisoned)
+    assert_sequences_close(out, lse, q, k, v, cu_q, cu_k, 0.1, causal, clean)
     assert torch.isneginf(lse[:, sum(lengths_q) :]).all(), "padding rows must have lse -inf"
 
 
