@@ -14,16 +14,8 @@ import os
 
 import pytest
 import torch
-from utils import (
-    GraphBuffers,
-    assert_attention_close,
-    assert_sequences_close,
-    cu_seqlens_of,
-    make_batch,
-    make_qkv,
-    poison_sequences,
-    record_results,
-)
+from sequence_isolation import assert_sequences_close, poison_sequences
+from utils import GraphBuffers, assert_attention_close, cu_seqlens_of, make_batch, make_qkv, record_results
 
 import mla_ops
 from mla_ops.backends.reference import merge_attn_states_reference

@@ -24,15 +24,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton", reason="the Triton kernels need triton installed (pip install 'mla_ops[triton]')")
 
-from utils import (
-    assert_attention_close,
-    assert_sequences_close,
-    cu_seqlens_of,
-    make_batch,
-    make_qkv,
-    poison_sequences,
-    record_results,
-)
+from sequence_isolation import assert_sequences_close, poison_sequences
+from utils import assert_attention_close, cu_seqlens_of, make_batch, make_qkv, record_results
 
 from mla_ops.backends.reference import merge_attn_states_reference
 from mla_ops.backends.triton import TritonBackend
