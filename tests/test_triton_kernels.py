@@ -650,8 +650,8 @@ def test_cached_launch_skips_the_jit_after_the_first_launch(monkeypatch):
 
 
 def test_relaunched_leading_arguments_are_the_plans():
-    """A remembered layout is relaunched with _pointer_args in place of the plan's leading arguments;
-    for a plan without descriptors the two must be the very same tensors, in the same order."""
+    """A remembered layout is relaunched with _pointer_addresses in place of the plan's leading arguments;
+    for a plan without descriptors they must be the addresses of the plan's tensors, in the same order."""
     from mla_ops.kernels import attention
 
     batch = make_batch([5, 0, 17], HEADS, 192, 128, torch.bfloat16, strided_v=True, padding=2, seed=3)
@@ -662,9 +662,11 @@ def test_relaunched_leading_arguments_are_the_plans():
         batch.q, batch.k, batch.v, out, lse, cu, cu, 17, 17, 0.1, True, AttentionConfig(64, 32, 4, 2)
     )
     assert plan.descriptors == ()
-    expected = attention._pointer_args(batch.q, batch.k, batch.v, out, lse, cu, cu)
+    tensors = (batch.q, batch.k, batch.v, out, lse, cu, cu)
+    expected = attention._pointer_addresses(*(t.data_ptr() for t in tensors))
     assert len(expected) == attention._LEADING
-    assert all(a is b for a, b in zip(plan.args[: attention._LEADING], expected, strict=True))
+    assert len({t.data_ptr() for t in tensors}) == 6, "distinct addresses, so that a mix-up shows"
+    assert [a.data_ptr() for a in plan.args[: attention._LEADING]] == list(expected)
     assert not any(isinstance(a, torch.Tensor) for a in plan.args[attention._LEADING :]), "only scalars follow"
 
 

@@ -726,8 +726,9 @@ def attention_triton(
             if t.numel() and t.stride(-1) != 1:
                 raise ValueError(f"attention_triton: {name} must have stride 1 in its last dimension, got {t.stride()}")
 
-    out = torch.empty((num_tokens, num_heads, dv), dtype=q.dtype, device=q.device)
-    lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=q.device)
+    device = q.device
+    out = torch.empty((num_tokens, num_heads, dv), dtype=q.dtype, device=device)
+    lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=device)
     if num_tokens == 0 or num_heads == 0:
         return out, lse
 
@@ -735,27 +736,35 @@ def attention_triton(
     if config is None:
         config = env_attention_config()
         if config is None:
-            key = (q.device, dqk, dv, causal, q.dtype)
+            key = (device, dqk, dv, causal, q.dtype)
             config = _table_configs.get(key)
             if config is None:
-                config = _table_configs[key] = attention_config(q.device, dqk, dv, causal, q.dtype)
+                config = _table_configs[key] = attention_config(device, dqk, dv, causal, q.dtype)
+    # The inputs' addresses: a relaunch passes them as integers (see CachedLaunch.relaunch), and the
+    # layout records what Triton specialises on or checks in them, their 16-byte alignment and devices.
+    p_q, p_k, p_v = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    p_cu_q, p_cu_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+    inputs = (
+        p_q % 16 == 0, p_k % 16 == 0, p_v % 16 == 0, p_cu_q % 16 == 0, p_cu_k % 16 == 0,
+        k.get_device(), v.get_device(), cu_seqlens_q.get_device(), cu_seqlens_k.get_device(),
+    )  # fmt: skip
     while True:
         launched = config
         if key is not None and (config.use_tma or config.qo_tma) and k.shape[0] * num_heads < TMA_MIN_KEY_ROWS:
             launched = _pointer_twin(config)
         # Everything the launch depends on but the addresses (see launch_plan): shapes, strides, the
-        # inputs' 16-byte alignment (the outputs are fresh, contiguous and aligned), the scalars, the
-        # configuration. A layout seen before is relaunched with only the tensors replaced.
+        # inputs' alignment and devices (the outputs are fresh, contiguous and aligned, on q's device),
+        # the scalars, the configuration. A layout seen before is relaunched with only the addresses
+        # replaced.
         layout = (
             q.shape, q.stride(), k.shape[0], k.stride(), dv, v.stride(), cu_seqlens_q.shape[0], max_seqlen_q > 0,
-            max_seqlen_k, softmax_scale, causal, q.dtype, q.device, launched,
-            pointer_alignment(q, k, v, cu_seqlens_q, cu_seqlens_k),
+            max_seqlen_k, softmax_scale, causal, q.dtype, device, launched, inputs,
         )  # fmt: skip
         try:
             # Triton launches on the current device and its current stream, not on q's device.
-            with on_device(q.device):
+            with on_device(device):
                 if not _launcher.relaunch(
-                    layout, q.device, _pointer_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+                    layout, device, _pointer_addresses(p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k)
                 ):
                     _launch(
                         (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
@@ -788,9 +797,10 @@ def _launch(plan_args: tuple, layout: tuple) -> None:
     )  # fmt: skip
 
 
-def _pointer_args(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k) -> tuple:
-    """The kernel's first arguments when nothing goes through a TMA descriptor: each descriptor slot
-    (``Q``, ``Q2``, ``K``, ``K2``, ``V``, ``OutDesc``) takes the tensor itself."""
+def _pointer_addresses(q: int, k: int, v: int, out: int, lse: int, cu_seqlens_q: int, cu_seqlens_k: int) -> tuple:
+    """The kernel's first arguments, as device addresses, for a plan in which nothing goes through a TMA
+    descriptor: each descriptor slot (``Q``, ``Q2``, ``K``, ``K2``, ``V``, ``OutDesc``) takes its tensor's
+    address, as :func:`launch_plan` gives it the tensor itself."""
     return (q, q, q, k, k, v, out, out, lse, cu_seqlens_q, cu_seqlens_k)
 
 

@@ -18,7 +18,8 @@ only the tensors' addresses differ) can go one step further: it passes ``layout=
 every argument but the leading, per-call ones, and fixes the grid) when it launches, and later
 :meth:`CachedLaunch.relaunch` with only the leading arguments. That skips rebuilding the scalar
 arguments, the constexpr dictionary and the specialisation key, which is most of what is left of the
-Python cost per launch.
+Python cost per launch. Passing the leading tensors as device addresses skips, per pointer, the
+launcher's call of ``data_ptr()`` and its driver query (``cuPointerGetAttribute``).
 
 Triton's launch hooks (profilers such as Proton add them) are honoured: the hook chains are read on
 every launch, and launch metadata is built only when a hook is installed.
@@ -190,7 +191,14 @@ class CachedLaunch:
 
     def relaunch(self, layout: Hashable, device: torch.device, leading: tuple) -> bool:
         """Launch the variant remembered under ``layout`` with new leading arguments; ``False`` (and
-        nothing launched) when ``layout`` is not remembered or ``device`` is not the current device."""
+        nothing launched) when ``layout`` is not remembered or ``device`` is not the current device.
+
+        A pointer argument in ``leading`` may be the tensor's device address (``t.data_ptr()``) instead
+        of the tensor: Triton's launcher takes an integer as it is, where for a tensor it calls
+        ``data_ptr()`` and asks the driver whether the address is a device pointer. Whoever passes
+        addresses makes the layout fix each tensor's device (``t.get_device()``), so that every tensor
+        under a layout sits where the tensors of the layout's first, checked, launch did.
+        """
         fixed = self.layouts.get(layout)
         if fixed is None or device.index != torch.cuda.current_device():
             return False

@@ -127,14 +127,17 @@ def merge_attn_states_triton(
         return out, lse
     # Everything the launch depends on but the addresses: the shapes, the inputs' strides and 16-byte
     # alignment (the outputs are fresh, contiguous and aligned), the dtype, the device and the overrides.
+    # A relaunch passes the addresses as integers (see CachedLaunch.relaunch): the layout records the
+    # inputs' 16-byte alignment and devices.
+    p_po, p_pl, p_so, p_sl = prefix_out.data_ptr(), prefix_lse.data_ptr(), suffix_out.data_ptr(), suffix_lse.data_ptr()
     layout = (
         prefix_out.shape, prefix_out.stride(), suffix_out.stride(), prefix_lse.stride(), suffix_lse.stride(),
-        prefix_out.dtype, device, block_t, num_warps,
-        pointer_alignment(prefix_out, prefix_lse, suffix_out, suffix_lse),
+        prefix_out.dtype, device, block_t, num_warps, p_po % 16 == 0, p_pl % 16 == 0, p_so % 16 == 0, p_sl % 16 == 0,
+        prefix_lse.get_device(), suffix_out.get_device(), suffix_lse.get_device(),
     )  # fmt: skip
     # Triton launches on the current device and its current stream, not on the tensors' device.
     with on_device(device):
-        if not _launcher.relaunch(layout, device, (prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse)):
+        if not _launcher.relaunch(layout, device, (p_po, p_pl, p_so, p_sl, out.data_ptr(), lse.data_ptr())):
             _launch(prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse, block_t, num_warps, layout)
     return out, lse
 
