@@ -125,10 +125,9 @@ def merge_attn_states_triton(
     lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=device)
     if num_tokens == 0 or num_heads == 0 or dv == 0:
         return out, lse
-    # Everything the launch depends on but the addresses: the shapes, the inputs' strides and 16-byte
-    # alignment (the outputs are fresh, contiguous and aligned), the dtype, the device and the overrides.
-    # A relaunch passes the addresses as integers (see CachedLaunch.relaunch): the layout records the
-    # inputs' 16-byte alignment and devices.
+    # Everything the launch depends on but the addresses: the shapes, the inputs' strides, 16-byte
+    # alignment and devices (the outputs are fresh, contiguous and aligned), the dtype, the device and the
+    # overrides. A relaunch passes the addresses as integers (see CachedLaunch.relaunch).
     p_po, p_pl, p_so, p_sl = prefix_out.data_ptr(), prefix_lse.data_ptr(), suffix_out.data_ptr(), suffix_lse.data_ptr()
     layout = (
         prefix_out.shape, prefix_out.stride(), suffix_out.stride(), prefix_lse.stride(), suffix_lse.stride(),
