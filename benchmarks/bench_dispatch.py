@@ -54,6 +54,8 @@ FIELDS = R.Fields(
     "raw_call",  # in the Markdown table with the note
     ("op_minus_direct_us", "op − direct", ".2f"),
     ("op_minus_raw_us", "op − raw", ".2f"),
+    ("raw_outputs_us", "raw, op's outputs µs", ".2f"),
+    ("op_minus_raw_outputs_us", "op − raw, op's outputs", ".2f"),
     ("graph_op_us", "graph op µs", ".2f"),
     ("graph_raw_us", "graph raw µs", ".2f"),
     ("note", "raw call / note", R.text("raw_call", "note")),
@@ -148,10 +150,17 @@ def measure_backend(
                 why = R.short_error(exc)
         if why is not None:
             notes.append(f"raw call unavailable: {why}")
+        if name == "FLASHINFER" and why is None:  # the one raw call whose outputs differ from the op's
+            try:
+                fns["raw_outputs_us"] = M.FlashInferRaw(args.fi_backend, natural_lse=True).prepare(p).fn
+            except Exception as exc:
+                notes.append(f"raw call with the op's outputs unavailable: {R.short_error(exc)}")
         out.update(per_call_us(fns, {n: iters.get(n, args.iters) for n in fns}, device, args.rounds))
         out["op_minus_direct_us"] = out["op_us"] - out["direct_us"]
         if "raw_us" in out:
             out["op_minus_raw_us"] = out["op_us"] - out["raw_us"]
+        if "raw_outputs_us" in out:
+            out["op_minus_raw_outputs_us"] = out["op_us"] - out["raw_outputs_us"]
         if device.type == "cuda" and not args.no_graph and name == "REFERENCE":
             notes.append("not capturable: REFERENCE reads the offsets on the host")
         elif device.type == "cuda" and not args.no_graph:
@@ -252,6 +261,9 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         "timeit does; on CUDA the larger of host issue "
         "cost and device time). *op − direct* is the cost of the op layer (dispatcher, input checks, "
         "routing); *op − raw* adds the backend's own wrapping (output allocation, LSE conversion, padding). "
+        "*raw, op's outputs*: for FLASHINFER, whose raw call returns a base-2 [T, H] LSE, the library's own "
+        'call that returns the op\'s natural-log [H, T] one (run(..., lse_base="ln", lse_layout="HN")); the '
+        "other raw calls return the op's outputs already. "
         "*graph* columns: device time per call inside a replayed CUDA graph. The *dispatch floor* row is an op "
         "with mla.prefill's schema whose Python kernel only returns preallocated outputs: what the dispatcher "
         "alone costs on this host, below which no op with a Python kernel can go. Design goal: op − raw <= 5 µs."

@@ -284,7 +284,7 @@ def flashinfer_module(version: str = "0.7.2.post1", wrapper: type | None = None)
 # --- FlashAttention-4 (flash_attn.cute) -----------------------------------------------------------------
 
 
-def fa4_module() -> types.ModuleType:
+def fa4_module(internal: bool = True) -> types.ModuleType:
     """``flash_attn.cute`` (flash-attn-4 4.0.0b36) as the FLASH_ATTN backend reads it.
 
     ``flash_attn_varlen_func`` has the real signature and returns ``(out, lse)``, ``lse`` float32
@@ -294,7 +294,10 @@ def fa4_module() -> types.ModuleType:
     installed there takes effect. Variants are keyed on ``(dtype, Dqk, Dv, causal, max_seqlen_q <= 128,
     more than 256 sequences)``, the parts of the real compile key that a varlen call can change (the last
     is ``BIN_BATCH_SEARCH_THRESH``).
-    ``module.compiled`` lists the variants compiled; ``module.calls`` what each call received.
+    ``module.compiled`` lists the variants compiled; ``module.calls`` what each call received, with
+    ``entry`` naming the function called. With ``internal``, ``module.interface._flash_attn_fwd`` is the
+    forward beneath it, with the real signature's leading parameters, returning ``(out, lse, None, None,
+    None)`` as 4.0.0b36's does.
     """
     module = types.ModuleType("flash_attn.cute")
     module.__version__ = "4.0.0b36"
@@ -309,15 +312,9 @@ def fa4_module() -> types.ModuleType:
     module.interface = types.ModuleType("flash_attn.cute.interface")
     module.interface.cute = types.SimpleNamespace(compile=cute_compile)
 
-    def flash_attn_varlen_func(
-        q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-        min_seqlen_k=None, seqused_q=None, seqused_k=None, gather_kv_indices=None, page_table=None,
-        softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1,
-        pack_gqa=None, deterministic=False, score_mod=None, score_mod_bwd=None, mask_mod=None,
-        block_sparse_tensors=None, aux_tensors=None, aux_scalars=None, return_lse=False, scheduler_metadata=None,
-        seqlen_k_per_split=None, disable_scheduler_metadata=False, gather_bwd_recompute_p=False,
-        gather_bwd_token_chunk=None,
-    ):  # fmt: skip
+    def forward(entry, q, k, v, qv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, min_seqlen_k, seqused_q,
+                seqused_k, gather_kv_indices, page_table, softmax_scale, causal, window_size, learnable_sink, softcap,
+                num_splits, score_mod, mask_mod, block_sparse_tensors, return_lse):  # fmt: skip
         unsupported = dict(
             qv=qv, min_seqlen_k=min_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k,
             gather_kv_indices=gather_kv_indices, page_table=page_table, learnable_sink=learnable_sink,
@@ -329,7 +326,7 @@ def fa4_module() -> types.ModuleType:
         if cu_seqlens_q is None or cu_seqlens_k is None:
             raise NotImplementedError("the FlashAttention-4 stand-in computes varlen attention only")
         module.calls.append(dict(
-            q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            entry=entry, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, return_lse=return_lse,
             capturing=_is_capturing(),
         ))  # fmt: skip
@@ -341,6 +338,41 @@ def fa4_module() -> types.ModuleType:
         out, lse = kernel_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, -math.inf)
         return out, (lse if return_lse else None)
 
+    def flash_attn_varlen_func(
+        q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+        min_seqlen_k=None, seqused_q=None, seqused_k=None, gather_kv_indices=None, page_table=None,
+        softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1,
+        pack_gqa=None, deterministic=False, score_mod=None, score_mod_bwd=None, mask_mod=None,
+        block_sparse_tensors=None, aux_tensors=None, aux_scalars=None, return_lse=False, scheduler_metadata=None,
+        seqlen_k_per_split=None, disable_scheduler_metadata=False, gather_bwd_recompute_p=False,
+        gather_bwd_token_chunk=None,
+    ):  # fmt: skip
+        return forward(
+            "flash_attn_varlen_func", q, k, v, qv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            min_seqlen_k, seqused_q, seqused_k, gather_kv_indices, page_table, softmax_scale, causal, window_size,
+            learnable_sink, softcap, num_splits, score_mod, mask_mod, block_sparse_tensors, return_lse,
+        )  # fmt: skip
+
+    def _flash_attn_fwd(
+        q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=None,
+        max_seqlen_k=None, min_seqlen_k=None, page_table=None, softmax_scale=None, causal=False, softcap=None,
+        window_size_left=None, window_size_right=None, learnable_sink=None, tile_mn=None, mma_pv_is_rs=None,
+        intra_wg_overlap=None, num_threads=384, num_splits=1, pack_gqa=None, _arch=None, score_mod=None,
+        mask_mod=None, block_sparse_tensors=None, return_lse=False, out=None, lse=None, aux_tensors=None,
+        aux_scalars=None, q_descale=None, k_descale=None, v_descale=None, gather_kv_indices=None,
+        scheduler_metadata=None, seqlen_k_per_split=None, disable_scheduler_metadata=False,
+        gather_bwd_recompute_p=False,
+    ):  # fmt: skip
+        out, lse = forward(
+            "_flash_attn_fwd", q, k, v, qv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, min_seqlen_k,
+            seqused_q, seqused_k, gather_kv_indices, page_table, softmax_scale, causal,
+            (window_size_left, window_size_right), learnable_sink, softcap or 0.0, num_splits, score_mod, mask_mod,
+            block_sparse_tensors, return_lse,
+        )  # fmt: skip
+        return out, lse, None, None, None
+
+    if internal:
+        module.interface._flash_attn_fwd = _flash_attn_fwd
     module.flash_attn_varlen_func = flash_attn_varlen_func
     return module
 

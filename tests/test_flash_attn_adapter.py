@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import sys
+import types
 from dataclasses import dataclass
 
 import pytest
@@ -180,7 +181,8 @@ def test_fa4_is_skipped_where_it_is_not_used_with_the_reason():
     ]
     assert (
         backend.describe(SM90, SelectorConfig(BF16))
-        == "FlashAttention-4 (flash_attn.cute): native Dv != Dqk, no padding"
+        == "FlashAttention-4 (flash_attn.cute): native Dv != Dqk, no padding; calls its forward without the autograd "
+        "wrapper"
     )
 
 
@@ -376,6 +378,29 @@ def test_fa4_takes_v_as_it_is_and_returns_the_lse_in_the_package_convention(path
     assert call["cu_seqlens_q"] is ran.batch.cu_seqlens and call["cu_seqlens_k"] is ran.cu_k
     assert (call["max_seqlen_q"], call["max_seqlen_k"], call["softmax_scale"]) == (ran.max_q, ran.max_k, scale)
     assert call["causal"] is (path == "prefill") and call["return_lse"] is True
+
+
+@pytest.mark.parametrize("internal", [True, False], ids=["its-forward", "public-function-only"])
+def test_fa4_is_called_through_the_forward_beneath_its_autograd_wrapper(internal):
+    chain = Chain(FA4)
+    if not internal:  # a release without a forward the adapter recognises
+        chain.libraries[FA4] = standins.fa4_module(internal=False)
+        chain.backend = FlashAttnBackend(libraries=chain.libraries)
+    ran = run_once(chain, "chunk", 3, strided_v=True, scale=0.1, bounds=(40, 40))
+    assert ran.call["entry"] == ("_flash_attn_fwd" if internal else "flash_attn_varlen_func")
+    assert ran.call["return_lse"] is True and ran.call["v"] is ran.v
+    described = chain.backend.describe(SM90, SelectorConfig(BF16))
+    assert ("calls its forward without the autograd wrapper" in described) is internal
+
+
+def test_fa4_forward_needs_every_argument_the_adapter_passes():
+    assert fa.fa4_forward(standins.fa4_module().interface) is not None
+    assert fa.fa4_forward(standins.fa4_module(internal=False).interface) is None
+    older = types.SimpleNamespace(_flash_attn_fwd=lambda q, k, v, cu_seqlens_q=None, cu_seqlens_k=None: None)
+    assert fa.fa4_forward(older) is None, "no max_seqlen, softmax_scale, causal or return_lse keywords"
+    reordered = types.SimpleNamespace(_flash_attn_fwd=lambda qkv, **kwargs: None)
+    assert fa.fa4_forward(reordered) is None
+    assert fa.fa4_forward(None) is None
 
 
 class _AtenOps(TorchDispatchMode):

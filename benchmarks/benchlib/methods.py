@@ -247,13 +247,21 @@ def flashinfer_wrapper(
 
 class FlashInferRaw(Method):
     """FLASHINFER's raw call: a ``BatchPrefillWithRaggedKVCacheWrapper`` planned once outside the timed
-    region; ``run(q, k, v, return_lse=True)`` is timed. Its LSE is base 2, ``[T, H]``."""
+    region; ``run(q, k, v, return_lse=True)`` is timed. Its LSE is base 2, ``[T, H]``.
+
+    ``natural_lse=True`` times ``run(q, k, v, return_lse=True, lse_base="ln", lse_layout="HN")`` instead
+    (FlashInfer 0.7.2 and newer): the library's own call for the outputs the op returns, a natural-log
+    ``[H, T]`` LSE, which costs FlashInfer one more allocation and the transpose-and-scale launch.
+    """
 
     name = "flashinfer_raw"
 
-    def __init__(self, kernel: str) -> None:
+    def __init__(self, kernel: str, natural_lse: bool = False) -> None:
         self.kernel = kernel
-        self.implementation = f"flashinfer.BatchPrefillWithRaggedKVCacheWrapper(backend={kernel!r}).run"
+        self.natural_lse = natural_lse
+        self.implementation = f"flashinfer.BatchPrefillWithRaggedKVCacheWrapper(backend={kernel!r}).run" + (
+            '(..., lse_base="ln", lse_layout="HN")' if natural_lse else ""
+        )
 
     def unavailable(self, device: torch.device) -> str | None:
         return _needs_cuda(device, "FlashInfer") or _import_problem("flashinfer")
@@ -264,7 +272,11 @@ class FlashInferRaw(Method):
 
     def prepare(self, p: Problem) -> Prepared:
         w, q, k, v = self.plan(p), p.q, p.k, p.v
-        return Prepared(lambda: w.run(q, k, v, return_lse=True), _out_only)
+        if not self.natural_lse:
+            return Prepared(lambda: w.run(q, k, v, return_lse=True), _out_only)
+        if "lse_base" not in _parameters(w.run):
+            raise RuntimeError("this FlashInfer's run() has no lse_base/lse_layout (added in 0.7.2)")
+        return Prepared(lambda: w.run(q, k, v, return_lse=True, lse_base="ln", lse_layout="HN"), _out_only)
 
     def warm(self, device: torch.device, dtype: torch.dtype) -> None:
         """JIT-compile (or load) the kernels, both paths, on a tiny batch."""

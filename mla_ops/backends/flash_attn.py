@@ -350,41 +350,88 @@ class _Adapter:
         raise NotImplementedError
 
 
+#: The keyword arguments the FlashAttention-4 adapter passes after ``q, k, v``.
+_FA4_KEYWORDS = (
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "max_seqlen_q",
+    "max_seqlen_k",
+    "softmax_scale",
+    "causal",
+    "return_lse",
+)
+
+
+def fa4_forward(interface: Any) -> Callable[..., Any] | None:
+    """``interface._flash_attn_fwd`` (``flash_attn.cute.interface``) when it takes ``q, k, v`` first and
+    every keyword in :data:`_FA4_KEYWORDS`, else ``None``.
+
+    ``flash_attn_varlen_func`` is this function wrapped in a ``torch.autograd.Function`` that saves
+    tensors for a backward the ops never run; calling the forward itself costs less host time per
+    call. It returns ``(out, lse, ...)`` in flash-attn-4 4.0.0b36, and the adapter reads only the
+    first two; a release whose function differs in the checked ways is called through
+    ``flash_attn_varlen_func`` instead.
+    """
+    function = getattr(interface, "_flash_attn_fwd", None)
+    if not callable(function):
+        return None
+    try:
+        params = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return None
+    if list(params)[:3] != ["q", "k", "v"] or any(name not in params for name in _FA4_KEYWORDS):
+        return None
+    return function
+
+
 class _FA4Adapter(_Adapter):
-    """``flash_attn.cute.flash_attn_varlen_func`` (FlashAttention-4, pip ``flash-attn-4``).
+    """``flash_attn.cute`` (FlashAttention-4, pip ``flash-attn-4``).
 
     flash-attn-4 4.0.0b36 (flash_attn/cute/interface.py): ``flash_attn_varlen_func(q, k, v, qv=None,
     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, ..., softmax_scale=None,
     causal=False, ..., return_lse=False, ...)``. With ``return_lse=True`` it returns ``(out, lse)``:
     ``out`` ``[total_q, H, Dv]`` and ``lse`` float32 ``[H, total_q]``, natural log, which are the
-    package's conventions already. A kernel variant is compiled by ``cutlass.cute.compile`` when its
-    just-in-time cache misses; ``jit`` is that ``cutlass.cute`` module, so that a compile under CUDA-graph
-    capture can be refused before it starts.
+    package's conventions already. The adapter calls the forward beneath it, ``forward`` (see
+    :func:`fa4_forward`), where the installed release has one it recognises, with the same arguments.
+    A kernel variant is compiled by ``cutlass.cute.compile`` when its just-in-time cache misses;
+    ``jit`` is that ``cutlass.cute`` module, so that a compile under CUDA-graph capture can be refused
+    before it starts.
     """
 
     kind = _FA4
 
-    def __init__(self, function: Callable[..., Any], version: str | None, jit: Any = None) -> None:
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        version: str | None,
+        jit: Any = None,
+        forward: Callable[..., Any] | None = None,
+    ) -> None:
         super().__init__(function, version)
         self.jit = jit
+        self.entry = forward if forward is not None else function
+
+    def describe(self) -> str:
+        text = super().describe()
+        return text if self.entry is self.function else f"{text}; calls its forward without the autograd wrapper"
 
     def _call(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
         def run():
-            return self.function(
+            return self.entry(
                 q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                 max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, return_lse=True,
             )  # fmt: skip
 
         if self.jit is None or not is_capturing():
-            out, lse = run()
+            result = run()
         else:
             variant = (
                 f"{str(q.dtype).removeprefix('torch.')}, Dqk={q.shape[-1]}, Dv={v.shape[-1]}, causal={causal}, "
                 f"{cu_seqlens_q.shape[0] - 1} sequences, max_seqlen_q={max_seqlen_q}"
             )
             with _compile_refused(self.jit, variant):
-                out, lse = run()
-        return out, lse
+                result = run()
+        return result[0], result[1]
 
 
 @contextlib.contextmanager
@@ -531,7 +578,9 @@ def _adapter(kind: _Kind, library: Any) -> _Adapter:
             version = importlib.metadata.version("flash-attn-4")
         except importlib.metadata.PackageNotFoundError:
             version = None
-        return _FA4Adapter(library.flash_attn_varlen_func, version, getattr(interface, "cute", None))
+        return _FA4Adapter(
+            library.flash_attn_varlen_func, version, getattr(interface, "cute", None), fa4_forward(interface)
+        )
     adapter_class = _FA3Adapter if kind is _FA3 else _FA2Adapter
     return adapter_class(library.flash_attn_varlen_func, getattr(library, "__version__", None))
 

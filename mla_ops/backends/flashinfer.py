@@ -217,6 +217,16 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+def _all_aligned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`_aligned` would return all three of one dtype as they are, in one expression (it
+    runs on every call): 16 is a power of two, so it divides each of several numbers exactly when it
+    divides their bitwise OR."""
+    (qt, qh, _), (kt, kh, _), (vt, vh, _) = q.stride(), k.stride(), v.stride()
+    return (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0 and (
+        (qt | qh | kt | kh | vt | vh) * q.element_size()
+    ) % 16 == 0
+
+
 def _empty_outputs(q: torch.Tensor, head_dim_vo: int) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, num_heads, _ = q.shape
     out = torch.empty((num_tokens, num_heads, head_dim_vo), dtype=q.dtype, device=q.device)
@@ -228,6 +238,16 @@ def _offsets_key(t: torch.Tensor) -> tuple[torch.device, int, int | None, int]:
     return (t.device, t.data_ptr(), version_of(t), t.numel())
 
 
+def _hot_key(cu_q: torch.Tensor, cu_k: torch.Tensor | None, cfg: tuple) -> tuple:
+    """The flat key of the hot-plan table: both offsets tensors' address, version and length, and the
+    layer configuration. Device pointers are unique within a process (unified addressing), so the
+    device itself need not be part of it; a tensor without a version counter gives ``None`` there,
+    a key that is never stored."""
+    if cu_k is None:
+        return (cu_q.data_ptr(), version_of(cu_q), cu_q.numel(), cfg)
+    return (cu_q.data_ptr(), version_of(cu_q), cu_q.numel(), cu_k.data_ptr(), version_of(cu_k), cu_k.numel(), cfg)
+
+
 def _run(wrapper: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse_out: torch.Tensor):
     """Run a planned wrapper; ``q`` must hold exactly the planned ``qo_indptr[-1]`` rows.
 
@@ -237,8 +257,10 @@ def _run(wrapper: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     # fused transpose-and-scale. FlashInfer >= 0.7.2's run(lse_base="ln", lse_layout="HN") does the
     # same two steps internally and rejects the strided [H, n] view that a padded batch needs.
     lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
-    wrapper.run(_aligned(q), _aligned(k), _aligned(v), out=out, lse=lse, return_lse=True)
-    lse_base2_to_natural(lse, out=lse_out)
+    if not _all_aligned(q, k, v):
+        q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
+    torch.mul(lse.t(), LN2, out=lse_out)  # lse_base2_to_natural, without its call
 
 
 class _LayerConfig(NamedTuple):
@@ -371,6 +393,9 @@ class FlashInferBackend(PrefillBackend):
         self._capabilities: dict[torch.device, DeviceCapability | None] = {}
         self._built_modules: set[tuple[str, torch.dtype, int, int]] = set()
         self._batches: OrderedDict[tuple, _BatchPlans] = OrderedDict()
+        # The plans of versioned offsets by one flat key (see attention()); a subset of _batches' plans,
+        # emptied whenever one of those is dropped, with the key of the batch each belongs to.
+        self._hot: dict[tuple, tuple[_EagerPlan, tuple]] = {}
         self._pool: dict[tuple[torch.device, str], list[Any]] = {}
         self._buffers: dict[int, _GraphBuffer] = {}
         self._generation = 0
@@ -555,6 +580,7 @@ class FlashInferBackend(PrefillBackend):
             if torch.equal(host, plan.host_offsets):
                 return plan
             del group.plans[plan_key]  # before its wrapper can be handed out again
+            self._hot.clear()
             self._recycle(plan)
         if unversioned and not self._warned_unversioned:
             self._warned_unversioned = True
@@ -568,9 +594,12 @@ class FlashInferBackend(PrefillBackend):
             group = self._batches[batch_key] = _BatchPlans(cu_q)
             while len(self._batches) > MAX_CACHED_BATCHES:
                 _, evicted = self._batches.popitem(last=False)
+                self._hot.clear()
                 for old in evicted.plans.values():
                     self._recycle(old)
         group.plans[plan_key] = plan
+        if not unversioned:
+            self._hot[_hot_key(cu_q, cu_k, cfg)] = (plan, batch_key)
         return plan
 
     def _run_eager(self, call: _Call) -> tuple[torch.Tensor, torch.Tensor]:
@@ -696,10 +725,23 @@ class FlashInferBackend(PrefillBackend):
 
     def attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
         num_tokens, num_heads, head_dim_qk = q.shape
+        cu_k = None if causal else cu_seqlens_k  # causal: the new tokens over themselves, one offsets tensor
+        if not self._buffers and not is_capturing():
+            # The common eager call: a batch planned before (for an earlier layer) with offsets that
+            # were not written since. One flat lookup, no record built; anything else (a miss, a
+            # padded batch, an empty one) takes the general path below.
+            cfg = (num_heads, head_dim_qk, v.shape[2], q.dtype, float(softmax_scale), causal)
+            hot = self._hot.get(_hot_key(cu_seqlens_q, cu_k, cfg))
+            if hot is not None:
+                plan, batch_key = hot
+                if plan.num_rows == num_tokens and plan.wrapper is not None:
+                    self._batches.move_to_end(batch_key)
+                    out, lse = _empty_outputs(q, cfg[2])
+                    _run(plan.wrapper, q, k, v, out, lse)
+                    return out, lse
         cfg = _LayerConfig(num_heads, head_dim_qk, v.shape[-1], q.dtype, float(softmax_scale), causal)
         if num_tokens == 0:
             return _empty_outputs(q, cfg.head_dim_vo)
-        cu_k = None if causal else cu_seqlens_k  # causal: the new tokens over themselves, one offsets tensor
         call = _Call(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q, max_seqlen_k, cfg)
         capturing = is_capturing()
         entry_q = self._registered(cu_seqlens_q)
