@@ -242,7 +242,8 @@ def _hot_key(cu_q: torch.Tensor, cu_k: torch.Tensor | None, cfg: tuple) -> tuple
     """The flat key of the hot-plan table: both offsets tensors' address, version and length, and the
     layer configuration. Device pointers are unique within a process (unified addressing), so the
     device itself need not be part of it; a tensor without a version counter gives ``None`` there,
-    a key that is never stored."""
+    a key that is never stored. ``cfg`` is a :class:`_LayerConfig` where a plan is stored and the plain
+    tuple of its fields where one is looked up (cheaper to build): the two hash and compare equal."""
     if cu_k is None:
         return (cu_q.data_ptr(), version_of(cu_q), cu_q.numel(), cfg)
     return (cu_q.data_ptr(), version_of(cu_q), cu_q.numel(), cu_k.data_ptr(), version_of(cu_k), cu_k.numel(), cfg)
@@ -260,7 +261,7 @@ def _run(wrapper: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     if not _all_aligned(q, k, v):
         q, k, v = _aligned(q), _aligned(k), _aligned(v)
     wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
-    torch.mul(lse.t(), LN2, out=lse_out)  # lse_base2_to_natural, without its call
+    torch.mul(lse.t(), LN2, out=lse_out)  # what lse_base2_to_natural does, inlined on this per-call path
 
 
 class _LayerConfig(NamedTuple):
