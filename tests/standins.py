@@ -248,34 +248,100 @@ class FakeRaggedWrapper:
             raise ValueError(f"q.shape[0] ({q.size(0)}) does not match qo_indptr[-1] ({plan['rows']}).")
         assert (q.shape[1], k.shape[1]) == plan["heads"] and (q.shape[2], v.shape[2]) == plan["dims"]
         assert q.dtype == k.dtype == v.dtype == plan["dtypes"][0]
-        with inside_kernel():
-            o, lse_ln = dense_attention(
-                q, k, v, self.qo_indptr_buf, self.kv_indptr_buf, plan["sm_scale"], plan["causal"], torch.float32
-            )
         out_shape = (q.shape[0], q.shape[1], v.shape[2])
         if out is None:
             out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
         assert out.shape == out_shape and out.dtype == q.dtype and out.is_contiguous()
-        out.copy_(o)
-        if return_lse:
-            if lse is None:
-                lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
-            # The kernels index the LSE as a dense [T, H] array.
-            assert lse.shape == (q.shape[0], q.shape[1]) and lse.dtype == torch.float32 and lse.is_contiguous()
-            lse.copy_((lse_ln / math.log(2.0)).t())
+        if lse is None:
+            lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
+        # The kernels index the LSE as a dense [T, H] array.
+        assert lse.shape == (q.shape[0], q.shape[1]) and lse.dtype == torch.float32 and lse.is_contiguous()
+        self._compute(q, k, v, out, lse)
         self.run_log.append(dict(rows=q.shape[0], capturing=_is_capturing(), v=v))
         return (out, lse) if return_lse else out
 
+    def _compute(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """The kernel: attention into ``out`` and FlashInfer's base-2 ``[T, H]`` LSE into ``lse``."""
+        plan = self.planned
+        ragged_kernel(self.qo_indptr_buf, self.kv_indptr_buf, plan["sm_scale"], plan["causal"], q, k, v, out, lse)
 
-def flashinfer_module(version: str = "0.7.2.post1", wrapper: type | None = None) -> types.ModuleType:
+
+def ragged_kernel(qo_indptr, kv_indptr, sm_scale, causal, q, k, v, out, lse) -> None:
+    """What FlashInfer's ragged prefill kernel writes: ``out`` and the base-2 LSE ``[T, H]``."""
+    with inside_kernel():
+        o, lse_ln = dense_attention(q, k, v, qo_indptr, kv_indptr, sm_scale, causal, torch.float32)
+    out.copy_(o)
+    lse.copy_((lse_ln / math.log(2.0)).t())
+
+
+class FakeKernelModule:
+    """Stand-in for the compiled module a real wrapper keeps as ``_cached_module`` after ``plan()``.
+
+    ``ragged_run`` is the kernel call, counted in ``calls``. ``out_factor`` scales what it writes to
+    ``out``, for a wrapper whose ``run()`` finishes the output after the call (see
+    :class:`ModuleRaggedWrapper`).
+    """
+
+    def __init__(self, out_factor: float = 1.0) -> None:
+        self.calls = 0
+        self.out_factor = out_factor
+
+    def ragged_run(self, workspace, qo_indptr, kv_indptr, q, k, v, out, lse, sm_scale, causal, mask_mode=0) -> None:
+        self.calls += 1
+        ragged_kernel(qo_indptr, kv_indptr, sm_scale, causal, q, k, v, out, lse)
+        if self.out_factor != 1.0:
+            out.mul_(self.out_factor)
+
+
+class ModuleRaggedWrapper(FakeRaggedWrapper):
+    """A :class:`FakeRaggedWrapper` whose ``run()`` is built like FlashInfer 0.7.2's: after its checks it
+    makes ``calls_per_run`` calls of its module's ``ragged_run`` (one in the library), with the plan's
+    buffers and scalars around the call's tensors, then divides ``out`` by the module's ``out_factor``
+    (a finishing step after the call, where the library has one). The module is the class's
+    ``_cached_module``, shared by its wrappers as the library shares one module per kernel variant."""
+
+    _cached_module: ClassVar[FakeKernelModule]
+    calls_per_run: ClassVar[int] = 1
+
+    def _compute(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+        plan = self.planned
+        for _ in range(self.calls_per_run):
+            self._cached_module.ragged_run(
+                self.workspace,
+                self.qo_indptr_buf,
+                self.kv_indptr_buf,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                plan["sm_scale"],
+                plan["causal"],
+            )
+        if self._cached_module.out_factor != 1.0:
+            out.div_(self._cached_module.out_factor)
+
+
+def flashinfer_module(
+    version: str = "0.7.2.post1",
+    wrapper: type | None = None,
+    *,
+    kernel_module: FakeKernelModule | None = None,
+    calls_per_run: int = 1,
+) -> types.ModuleType:
     """A ``flashinfer`` stand-in whose wrapper class records the wrappers it creates in ``module.created``.
 
-    ``wrapper``: another wrapper class to expose instead (an old API, say).
+    ``wrapper``: another wrapper class to expose instead (an old API, say). ``kernel_module``: build the
+    wrapper class as a :class:`ModuleRaggedWrapper` around this module, making ``calls_per_run`` module
+    calls per ``run()``.
     """
     module = types.ModuleType("flashinfer")
     module.__version__ = version
     module.created = []
-    if wrapper is None:
+    if wrapper is None and kernel_module is not None:
+        attrs = {"registry": module.created, "_cached_module": kernel_module, "calls_per_run": calls_per_run}
+        wrapper = type("BatchPrefillWithRaggedKVCacheWrapper", (ModuleRaggedWrapper,), attrs)
+    elif wrapper is None:
         wrapper = type("BatchPrefillWithRaggedKVCacheWrapper", (FakeRaggedWrapper,), {"registry": module.created})
     module.BatchPrefillWithRaggedKVCacheWrapper = wrapper
     return module

@@ -362,6 +362,95 @@ def test_empty_chunk_and_empty_batch_skip_flashinfer(fi):
     assert fi.plans == 0 and fi.created == []
 
 
+# --- replaying the planned kernel call (flashinfer_replay) -------------------------------------------
+
+
+def _installed_with_module(**module_kwargs) -> tuple[FlashInferBackend, standins.FakeKernelModule, object]:
+    kernel = standins.FakeKernelModule(**module_kwargs.pop("kernel_kwargs", {}))
+    module = standins.flashinfer_module(kernel_module=kernel, **module_kwargs)
+    backend = FlashInferBackend(library=module, capability=SM90, workspace_bytes=1 << 20)
+    return backend, kernel, module
+
+
+def test_later_calls_of_a_plan_replay_its_kernel_call_without_run():
+    backend, kernel, module = _installed_with_module()
+    batch = make_batch([5, 0, 13, 1], H, DQK, DV, BF16, padding=3)
+    chunk = make_batch([4, 2, 0, 6], H, DQK, DV, BF16, seed=3)
+    with backend_installed(backend):
+        for _ in range(10):
+            out, lse = backend.attention(
+                batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 13, 13, SCALE, True
+            )
+            out_c, lse_c = backend.attention(
+                batch.q, chunk.k, chunk.v, batch.cu_seqlens, chunk.cu_seqlens, 13, 6, SCALE, False
+            )
+    runs = [len(w.run_log) for w in module.created]
+    assert runs == [1, 1]  # run() served the first call of each plan, which recorded its kernel call
+    # 10 calls per plan, plus one replay that checked the recording against run() (once per module).
+    assert kernel.calls == 2 * 10 + 1
+    _check_prefill(out, lse, batch)
+    assert bool(torch.isneginf(lse[:, 19:]).all())  # padding rows, cut before the kernel, as with run()
+    assert_attention_close(out_c, lse_c, batch.q, chunk.k, chunk.v, batch.cu_seqlens, chunk.cu_seqlens, SCALE, False)
+
+
+def test_a_replanned_wrapper_records_again():
+    backend, kernel, module = _installed_with_module()
+    with backend_installed(backend):
+        for seed, lengths in enumerate(([3, 4], [6, 1], [2, 2])):
+            batch = make_batch(lengths, H, DQK, DV, BF16, seed=seed)
+            for _ in range(3):
+                out, lse = backend.attention(
+                    batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 6, 6, SCALE, True
+                )
+            _check_prefill(out, lse, batch)
+    assert sum(len(w.run_log) for w in module.created) == 3  # the first call of each batch's plan
+    assert kernel.calls == 3 * 3 + 1
+
+
+def test_a_recorded_call_holds_no_reference_to_the_call_tensors():
+    import gc
+    import weakref
+
+    backend, _, _ = _installed_with_module()
+    batch = make_batch([5, 3], H, DQK, DV, BF16)
+    q = batch.q.clone()
+    with backend_installed(backend):
+        out, lse = backend.attention(q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 5, 5, SCALE, True)
+        refs = [weakref.ref(t) for t in (q, out, lse)]
+        del q, out, lse
+        gc.collect()
+        assert [r() for r in refs] == [None, None, None]
+        out, lse = backend.attention(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 5, 5, SCALE, True)
+    _check_prefill(out, lse, batch)
+
+
+@pytest.mark.parametrize(
+    "module_kwargs",
+    [
+        pytest.param({"kernel_kwargs": {"out_factor": 2.0}}, id="run-finishes-the-output-after-the-kernel"),
+        pytest.param({"calls_per_run": 2}, id="run-calls-the-module-twice"),
+    ],
+)
+def test_a_run_that_a_replay_would_not_reproduce_is_never_replayed(module_kwargs):
+    backend, _, module = _installed_with_module(**module_kwargs)
+    batch = make_batch([5, 0, 7], H, DQK, DV, BF16)
+    with backend_installed(backend):
+        for _ in range(4):
+            out, lse = backend.attention(
+                batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 7, 7, SCALE, True
+            )
+            _check_prefill(out, lse, batch)
+    (wrapper,) = module.created
+    assert len(wrapper.run_log) == 4  # every call went through run()
+
+
+def test_a_wrapper_without_a_kernel_module_runs_through_run(fi):
+    batch = make_batch([5, 2], H, DQK, DV, BF16)
+    for _ in range(3):
+        fi.prefill_batch(batch)
+    assert len(fi.created[0].run_log) == 3
+
+
 def test_bad_offsets_are_rejected_when_planned(fi):
     batch = make_batch([3, 4], H, DQK, DV, BF16)
     with pytest.raises(ValueError, match="max_seqlen for cu_seqlens is 2 but a sequence has 4 tokens"):

@@ -75,6 +75,27 @@ def test_one_plan_per_batch_and_no_sync_on_planned_calls(flashinfer):
     assert_attention_close(out, lse, nb.q, nb.k, nb.v, nb.cu_seqlens, nb.cu_seqlens, SCALE, causal=True)
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
+def test_replayed_kernel_calls_give_run_s_results_bit_for_bit(flashinfer, dtype):
+    # A plan's first eager call goes through the wrapper's run() and records its kernel call; the later
+    # ones replay it (mla_ops.backends.flashinfer_replay). Both must write the same bits, on both paths,
+    # with a strided v and with padding rows past the last sequence.
+    b = make_batch([300, 17, 0, 1000], 16, DQK, DV, dtype, CUDA, strided_v=True, padding=5, seed=21)
+    c = make_batch([64, 0, 9, 700], 16, DQK, DV, dtype, CUDA, seed=22)
+    for call in (
+        lambda: mla_ops.prefill(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen),
+        lambda: mla_ops.prefill_context_chunk(b.q, c.k, c.v, b.cu_seqlens, c.cu_seqlens, b.max_seqlen, c.max_seqlen),
+    ):
+        first = call()
+        later = [call() for _ in range(3)]
+        for out, lse in later:
+            assert torch.equal(out[:1317].view(torch.int16), first[0][:1317].view(torch.int16))
+            assert torch.equal(lse.view(torch.int32), first[1].view(torch.int32))
+    plans = [plan for group in flashinfer._batches.values() for plan in group.plans.values()]
+    assert plans and all(plan.recorded and plan.replay is not None for plan in plans if plan.wrapper is not None)
+    assert_attention_close(*later[-1], b.q, c.k, c.v, b.cu_seqlens, c.cu_seqlens, SCALE, causal=False)
+
+
 def test_captured_graph_never_plans_and_replays_what_eager_calls_compute(flashinfer):
     bufs = GraphBuffers(16, DQK, DV, BF16, budget=2048, budget_k=4200, max_batch=6, seed=14)
     q, k, v, kc, vc, cu, cu_k = bufs.q, bufs.k, bufs.v, bufs.kc, bufs.vc, bufs.cu, bufs.cu_k

@@ -54,6 +54,7 @@ from ..capture import is_capturing, on_device, version_of
 from ..config import DeviceCapability, SelectorConfig
 from ..meta.checks import check_cu_seqlens_values, check_offsets_start_and_order
 from .base import PrefillBackend, dtype_name
+from .flashinfer_replay import RecordedRun, record_run
 
 logger = logging.getLogger("mla_ops")
 
@@ -249,10 +250,20 @@ def _hot_key(cu_q: torch.Tensor, cu_k: torch.Tensor | None, cfg: tuple) -> tuple
     return (cu_q.data_ptr(), version_of(cu_q), cu_q.numel(), cu_k.data_ptr(), version_of(cu_k), cu_k.numel(), cfg)
 
 
-def _run(wrapper: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse_out: torch.Tensor):
+def _run(
+    wrapper: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse_out: torch.Tensor,
+    plan: _EagerPlan | None = None,
+) -> None:
     """Run a planned wrapper; ``q`` must hold exactly the planned ``qo_indptr[-1]`` rows.
 
-    ``out`` is ``[n, H, Dv]`` contiguous and ``lse_out`` a float32 ``[H, n]`` view to fill.
+    ``out`` is ``[n, H, Dv]`` contiguous and ``lse_out`` a float32 ``[H, n]`` view to fill. ``plan``: the
+    eager plan ``wrapper`` carries out, whose first call records the wrapper's kernel call and whose later
+    calls replay it (:mod:`.flashinfer_replay`); without one, ``wrapper.run()`` serves every call.
     """
     # The kernels index the LSE as a contiguous [n, H] array, so it gets its own buffer and one
     # fused transpose-and-scale. FlashInfer >= 0.7.2's run(lse_base="ln", lse_layout="HN") does the
@@ -260,7 +271,14 @@ def _run(wrapper: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
     if not _all_aligned(q, k, v):
         q, k, v = _aligned(q), _aligned(k), _aligned(v)
-    wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
+    if plan is None:
+        wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
+    elif plan.replay is not None:
+        plan.replay(q, k, v, out, lse)
+    elif plan.recorded:  # recorded before, and found not to be replayable
+        wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
+    else:
+        plan.replay, plan.recorded = record_run(wrapper, q, k, v, out, lse), True
     torch.mul(lse.t(), LN2, out=lse_out)  # what lse_base2_to_natural does, inlined on this per-call path
 
 
@@ -299,6 +317,8 @@ class _EagerPlan:
     num_rows: int
     host_offsets: torch.Tensor  # [1 or 2, B+1]: what was planned, compared again for unversioned offsets
     offsets_k: torch.Tensor | None  # strong reference: keeps the address of a keyed chunk tensor taken
+    replay: RecordedRun | None = None  # the wrapper's kernel call for this plan, once recorded and trusted
+    recorded: bool = False  # whether the first call recorded it (None then means: run() serves the plan)
 
 
 @dataclass
@@ -620,9 +640,9 @@ class FlashInferBackend(PrefillBackend):
             q = q[:n]
             if cu_k is None:
                 k, v = k[:n], v[:n]
-            _run(plan.wrapper, q, k, v, out[:n], lse[:, :n])
+            _run(plan.wrapper, q, k, v, out[:n], lse[:, :n], plan)
         else:
-            _run(plan.wrapper, q, k, v, out, lse)
+            _run(plan.wrapper, q, k, v, out, lse, plan)
         return out, lse
 
     # --- CUDA graphs ------------------------------------------------------------------------------
@@ -738,7 +758,7 @@ class FlashInferBackend(PrefillBackend):
                 if plan.num_rows == num_tokens and plan.wrapper is not None:
                     self._batches.move_to_end(batch_key)
                     out, lse = _empty_outputs(q, cfg[2])
-                    _run(plan.wrapper, q, k, v, out, lse)
+                    _run(plan.wrapper, q, k, v, out, lse, plan)
                     return out, lse
         cfg = _LayerConfig(num_heads, head_dim_qk, v.shape[-1], q.dtype, float(softmax_scale), causal)
         if num_tokens == 0:
