@@ -556,7 +556,9 @@ def test_out_of_resources_steps_down_unless_explicit(monkeypatch):
 
     def launch(plan_args, layout):
         config = plan_args[-1]
-        assert config in layout, "the layout names the configuration it launches"
+        # The layout names what chose the configuration: an explicit one (or MLA_OPS_TRITON_CONFIG's text),
+        # else None for the table, whose entry a step-down changes before any layout of it is remembered.
+        assert layout[-2] in (None, config), "the layout names what chose the configuration"
         tried.append(config)
         if config.block_n > 16:
             raise OutOfResources(config.block_n * 1024, 16 * 1024, "shared memory")
@@ -647,6 +649,50 @@ def test_cached_launch_skips_the_jit_after_the_first_launch(monkeypatch):
     assert chain() == (None, None)
     hooks.launch_enter_hook.calls.append(print)
     assert chain() == (hooks.launch_enter_hook, hooks.launch_exit_hook)
+
+
+def test_a_known_launcher_is_called_through_its_c_launch_and_any_other_through_call(monkeypatch):
+    """CachedLaunch calls a compiled kernel's C ``launch`` itself only for a launcher whose ``__call__``
+    source it knows (Triton 3.6's forwarding), with what that ``__call__`` would pass; else ``__call__``."""
+    import hashlib
+    import inspect
+    import textwrap
+    from types import SimpleNamespace
+
+    from mla_ops.kernels import launch
+
+    calls = []
+
+    class CudaLauncher:  # forwards as Triton 3.6's does
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = False, True
+
+        def __init__(self):
+            self.launch = lambda *args: calls.append(("c", args))
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            calls.append(("call", (gridX, gridY, gridZ, stream, function, *args)))
+
+    compiled = SimpleNamespace(run=CudaLauncher(), function="fn", packed_metadata="meta", metadata=None)
+    monkeypatch.setattr(launch, "_current_stream", lambda index: "stream")
+    monkeypatch.setattr(launch, "_hooks", lambda: (None, None))
+    launch._forwarding_known.cache_clear()
+    fixed = launch._Fixed(compiled, (3,), ("tail",))
+    assert fixed.native is None  # an unknown __call__
+    launch.CachedLaunch._run(fixed, 0, ("lead",))
+    assert calls.pop() == ("call", (3, 1, 1, "stream", "fn", "meta", None, None, None, "lead", "tail"))
+    source = textwrap.dedent(inspect.getsource(CudaLauncher.__call__))
+    monkeypatch.setattr(launch, "KNOWN_LAUNCHER_CALLS", {hashlib.sha256(source.encode()).hexdigest()})
+    launch._forwarding_known.cache_clear()
+    fixed = launch._Fixed(compiled, (3,), ("tail",))
+    launch.CachedLaunch._run(fixed, 0, ("lead",))
+    assert calls.pop() == (
+        "c",
+        (3, 1, 1, "stream", "fn", False, True, None, None, "meta", None, None, None, "lead", "tail"),
+    )
+    compiled.run.global_scratch_size = 128  # a kernel that needs scratch goes through __call__, which allocates it
+    assert launch._Fixed(compiled, (3,), ("tail",)).native is None
+    launch._forwarding_known.cache_clear()
 
 
 def test_relaunched_leading_arguments_are_the_plans():

@@ -710,13 +710,15 @@ def attention_triton(
     """
     num_tokens, num_heads, dqk = q.shape
     dv = v.shape[-1]
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+    dtype = q.dtype
+    if dtype not in (torch.bfloat16, torch.float16) or k.dtype != dtype or v.dtype != dtype:
         raise TypeError(
             f"attention_triton: q, k, v must all be bfloat16 or float16, got {q.dtype}, {k.dtype}, {v.dtype}"
         )
+    q_stride, k_stride, v_stride = q.stride(), k.stride(), v.stride()
     usual = (
         dqk % 16 == 0 and 16 <= dqk <= 256 and dv % 16 == 0 and 16 <= dv <= 256
-        and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+        and q_stride[-1] == 1 and k_stride[-1] == 1 and v_stride[-1] == 1
     )  # fmt: skip
     if not usual:  # find what is wrong (an empty tensor may have any strides)
         for name, d in (("Dqk", dqk), ("Dv", dv)):
@@ -727,19 +729,11 @@ def attention_triton(
                 raise ValueError(f"attention_triton: {name} must have stride 1 in its last dimension, got {t.stride()}")
 
     device = q.device
-    out = torch.empty((num_tokens, num_heads, dv), dtype=q.dtype, device=device)
+    out = torch.empty((num_tokens, num_heads, dv), dtype=dtype, device=device)
     lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=device)
     if num_tokens == 0 or num_heads == 0:
         return out, lse
 
-    key = None
-    if config is None:
-        config = env_attention_config()
-        if config is None:
-            key = (device, dqk, dv, causal, q.dtype)
-            config = _table_configs.get(key)
-            if config is None:
-                config = _table_configs[key] = attention_config(device, dqk, dv, causal, q.dtype)
     # The inputs' addresses: a relaunch passes them as integers (see CachedLaunch.relaunch), and the
     # layout records what Triton specialises on or checks in them, their 16-byte alignment and devices.
     p_q, p_k, p_v = q.data_ptr(), k.data_ptr(), v.data_ptr()
@@ -748,24 +742,37 @@ def attention_triton(
         p_q % 16 == 0, p_k % 16 == 0, p_v % 16 == 0, p_cu_q % 16 == 0, p_cu_k % 16 == 0,
         k.get_device(), v.get_device(), cu_seqlens_q.get_device(), cu_seqlens_k.get_device(),
     )  # fmt: skip
+    # Everything the launch depends on but the addresses (see launch_plan): shapes, strides, the inputs'
+    # alignment and devices (the outputs are fresh, contiguous and aligned, on q's device), the scalars,
+    # and what chooses the configuration: an explicit one, else MLA_OPS_TRITON_CONFIG's text, else the
+    # table for these shapes (whose entry changes only when a launch fails, before any layout is
+    # remembered). A layout seen before is relaunched with only the addresses replaced, and without
+    # resolving the configuration again.
+    chooser = os.environ.get(CONFIG_ENV_VAR) if config is None else config
+    layout = (
+        q.shape, q_stride, k.shape[0], k_stride, dv, v_stride, cu_seqlens_q.shape[0], max_seqlen_q > 0,
+        max_seqlen_k, softmax_scale, causal, dtype, device, chooser, inputs,
+    )  # fmt: skip
+    addresses = _pointer_addresses(p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k)
+    if _launcher.relaunch(layout, device, addresses):  # only when q's device is the current one
+        return out, lse
+
+    key = None
+    if config is None:
+        config = env_attention_config()
+        if config is None:
+            key = (device, dqk, dv, causal, dtype)
+            config = _table_configs.get(key)
+            if config is None:
+                config = _table_configs[key] = attention_config(device, dqk, dv, causal, dtype)
     while True:
         launched = config
         if key is not None and (config.use_tma or config.qo_tma) and k.shape[0] * num_heads < TMA_MIN_KEY_ROWS:
             launched = _pointer_twin(config)
-        # Everything the launch depends on but the addresses (see launch_plan): shapes, strides, the
-        # inputs' alignment and devices (the outputs are fresh, contiguous and aligned, on q's device),
-        # the scalars, the configuration. A layout seen before is relaunched with only the addresses
-        # replaced.
-        layout = (
-            q.shape, q.stride(), k.shape[0], k.stride(), dv, v.stride(), cu_seqlens_q.shape[0], max_seqlen_q > 0,
-            max_seqlen_k, softmax_scale, causal, q.dtype, device, launched, inputs,
-        )  # fmt: skip
         try:
             # Triton launches on the current device and its current stream, not on q's device.
             with on_device(device):
-                if not _launcher.relaunch(
-                    layout, device, _pointer_addresses(p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k)
-                ):
+                if not _launcher.relaunch(layout, device, addresses):
                     _launch(
                         (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                          causal, launched),

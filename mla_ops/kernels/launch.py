@@ -40,7 +40,10 @@ anywhere else every launch goes through the JIT function, as before.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import inspect
+import textwrap
 from collections.abc import Hashable
 from typing import Any
 
@@ -122,16 +125,51 @@ def _needs_scratch(compiled: Any) -> bool:
     return getattr(getattr(compiled, "metadata", None), "global_scratch_size", 0) > 0
 
 
+#: SHA-256 of the dedented source of each ``CudaLauncher.__call__`` whose forwarding :meth:`CachedLaunch._run`
+#: reproduces (Triton 3.6's). The launcher's C ``launch`` takes its arguments positionally, in an order
+#: that changes between Triton releases, so any other source is called through ``__call__``.
+KNOWN_LAUNCHER_CALLS = frozenset({"ead77febd3d441d474bb8bc0126006c821d25c5ba32235acd60673c9cb83cc78"})
+
+
+@functools.cache
+def _forwarding_known(launcher_cls: type) -> bool:
+    try:
+        source = textwrap.dedent(inspect.getsource(launcher_cls.__call__))
+    except (OSError, TypeError):
+        return False
+    return hashlib.sha256(source.encode()).hexdigest() in KNOWN_LAUNCHER_CALLS
+
+
+def _native_launch(compiled: Any) -> tuple | None:
+    """``(launch, cooperative, pdl)`` of a compiled kernel whose launcher's ``__call__`` is one this module
+    knows (:data:`KNOWN_LAUNCHER_CALLS`) and that needs no scratch memory, else ``None``.
+
+    Triton 3.6's ``CudaLauncher.__call__`` only allocates the scratch buffers (none here) and forwards to
+    its C ``launch`` with two flags from the kernel's metadata; calling ``launch`` with those flags
+    directly skips one Python frame and two closures per launch. Anything else is called as Triton calls it.
+    """
+    run = getattr(compiled, "run", None)
+    if run is None or not _forwarding_known(type(run)):
+        return None
+    try:
+        launch, coop, pdl = run.launch, run.launch_cooperative_grid, run.launch_pdl
+        scratch = run.global_scratch_size, run.profile_scratch_size
+    except AttributeError:
+        return None
+    return (launch, coop, pdl) if callable(launch) and scratch == (0, 0) else None
+
+
 class _Fixed:
     """A compiled variant with its grid and every argument after the leading ones fixed."""
 
-    __slots__ = ("compiled", "grid", "needs_scratch", "tail")
+    __slots__ = ("compiled", "grid", "native", "needs_scratch", "tail")
 
     def __init__(self, compiled: Any, grid: tuple[int, ...], tail: tuple) -> None:
         self.compiled = compiled
         self.grid = (*grid, 1, 1)[:3]
         self.tail = tail
         self.needs_scratch = _needs_scratch(compiled)
+        self.native = _native_launch(compiled)
 
 
 class CachedLaunch:
@@ -210,11 +248,20 @@ class CachedLaunch:
         compiled = fixed.compiled
         stream = _current_stream(device_index)
         enter, leave = _hooks()
+        grid_0, grid_1, grid_2 = fixed.grid
+        native = fixed.native
+        if enter is None and native is not None:
+            # What CudaLauncher.__call__ would pass on: no scratch buffers, no launch metadata, no hooks.
+            launch, coop, pdl = native
+            launch(
+                grid_0, grid_1, grid_2, stream, compiled.function, coop, pdl, None, None, compiled.packed_metadata,
+                None, None, None, *leading, *fixed.tail,
+            )  # fmt: skip
+            return
         if enter is None:
             metadata = None
         else:
             metadata = compiled.launch_metadata(fixed.grid, stream, *leading, *fixed.tail)
-        grid_0, grid_1, grid_2 = fixed.grid
         with TorchScratch() if fixed.needs_scratch else _NO_SCRATCH:
             compiled.run(
                 grid_0, grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave,

@@ -134,9 +134,12 @@ def merge_attn_states_triton(
         prefix_out.dtype, device, block_t, num_warps, p_po % 16 == 0, p_pl % 16 == 0, p_so % 16 == 0, p_sl % 16 == 0,
         prefix_lse.get_device(), suffix_out.get_device(), suffix_lse.get_device(),
     )  # fmt: skip
+    addresses = (p_po, p_pl, p_so, p_sl, out.data_ptr(), lse.data_ptr())
+    if _launcher.relaunch(layout, device, addresses):  # only when the tensors' device is the current one
+        return out, lse
     # Triton launches on the current device and its current stream, not on the tensors' device.
     with on_device(device):
-        if not _launcher.relaunch(layout, device, (p_po, p_pl, p_so, p_sl, out.data_ptr(), lse.data_ptr())):
+        if not _launcher.relaunch(layout, device, addresses):
             _launch(prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse, block_t, num_warps, layout)
     return out, lse
 
