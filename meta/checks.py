@@ -86,9 +86,10 @@ def _check_scale(op: str, softmax_scale: object) -> None:
 _BF16, _FP16, _FP32, _INT32 = torch.bfloat16, torch.float16, torch.float32, torch.int32
 
 
-def _attention_inputs_are_valid(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, self_attention) -> bool:
-    """The common case in one expression: this runs on every eager call, so it avoids helper calls
-    and message formatting; any ``False`` falls through to the checks that explain the problem."""
+def attention_inputs_are_valid(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, self_attention) -> bool:
+    """Whether :func:`check_attention_inputs` would accept these inputs, in one expression: this runs on
+    every eager call, so it avoids helper calls and message formatting (the ops' kernels call it first and
+    :func:`check_attention_inputs` only when it says no, for the error that explains the problem)."""
     qs, ks, vs, dt, dev = q.shape, k.shape, v.shape, q.dtype, q.device
     return (
         len(qs) == 3
@@ -149,7 +150,7 @@ def check_attention_inputs(op: str, inputs: AttentionInputs, self_attention: boo
     stride or value; each message names the argument and says what to pass instead.
     """
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale = inputs
-    if _attention_inputs_are_valid(
+    if attention_inputs_are_valid(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, self_attention
     ):
         return
@@ -202,7 +203,12 @@ def check_attention_inputs(op: str, inputs: AttentionInputs, self_attention: boo
 def _merge_inputs_are_valid(prefix_out, prefix_lse, suffix_out, suffix_lse) -> bool:
     """The common case of :func:`check_merge_inputs` in one expression, as for the attention inputs."""
     tensor = torch.Tensor
-    if not all(isinstance(t, tensor) for t in (prefix_out, prefix_lse, suffix_out, suffix_lse)):
+    if not (
+        isinstance(prefix_out, tensor)
+        and isinstance(prefix_lse, tensor)
+        and isinstance(suffix_out, tensor)
+        and isinstance(suffix_lse, tensor)
+    ):
         return False
     shape, dt, dev = prefix_out.shape, prefix_out.dtype, prefix_out.device
     return (

@@ -8,7 +8,8 @@ against 21 us for ``torch.library.custom_op``). They are forward-only: there is 
   that :func:`mla_ops.selector.backend_for` picks (on CPU that is always REFERENCE), with the inputs'
   device current (:func:`mla_ops.capture.on_device`): the kernel libraries launch on the current
   device and stream, so a call on ``cuda:1`` tensors while ``cuda:0`` is current runs on ``cuda:1``,
-  on its current stream, and leaves ``cuda:0`` current afterwards.
+  on its current stream, and leaves ``cuda:0`` current afterwards. ``merge_attn_states`` runs the merge
+  function of its inputs' device (:func:`mla_ops.merge.merge_kernel`), which launches there by itself.
 - ``Meta``/fake: :mod:`mla_ops.meta` (shapes), plus :func:`mla_ops.graph_trees.check_graph_trees`, which
   refuses a host-planning backend inside CUDA-graph trees at compile time.
 
@@ -25,7 +26,7 @@ from . import meta
 from .capture import on_device
 from .graph_trees import IN_GRAPH_TWINS, check_graph_trees
 from .merge import merge_kernel
-from .meta.checks import check_attention_inputs, check_merge_inputs
+from .meta.checks import attention_inputs_are_valid, check_attention_inputs, check_merge_inputs
 from .selector import backend_for
 
 NAMESPACE = "mla"
@@ -59,15 +60,19 @@ def _attention_kernels(in_graph: bool):
     """The CPU/CUDA kernels of ``prefill`` and ``prefill_context_chunk``, selecting with ``in_graph``."""
 
     def prefill(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
-        check_attention_inputs(
-            "mla.prefill", (q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale), True
-        )
+        if not attention_inputs_are_valid(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True):
+            check_attention_inputs(
+                "mla.prefill", (q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale), True
+            )
         with on_device(q.device):
             backend = backend_for(q, v, in_graph=in_graph)
             return backend.attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
 
     def prefill_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale):
-        check_attention_inputs("mla.prefill_context_chunk", (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale), False)
+        if not attention_inputs_are_valid(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False):
+            check_attention_inputs(
+                "mla.prefill_context_chunk", (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale), False
+            )
         with on_device(q.device):
             backend = backend_for(q, v, in_graph=in_graph)
             return backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
@@ -81,8 +86,8 @@ _prefill_in_graph, _prefill_context_chunk_in_graph = _attention_kernels(in_graph
 
 def _merge(prefix_out, prefix_lse, suffix_out, suffix_lse):
     check_merge_inputs(prefix_out, prefix_lse, suffix_out, suffix_lse)
-    with on_device(prefix_out.device):
-        return merge_kernel(prefix_out.device)(prefix_out, prefix_lse, suffix_out, suffix_lse)
+    # No device switch here: each merge function runs on its tensors' device whichever is current.
+    return merge_kernel(prefix_out.device)(prefix_out, prefix_lse, suffix_out, suffix_lse)
 
 
 # --- fake: shapes from mla_ops.meta, plus the one check only compile time can make -----------------
