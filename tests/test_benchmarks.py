@@ -451,18 +451,56 @@ def test_ratio_of_rounds_is_the_median_of_per_round_ratios():
     assert (r.numerator_ms, r.denominator_ms) == (4.0, 4.0)
 
 
+def test_interleaved_takes_turns_sample_by_sample():
+    order = []
+    series = timing.interleaved(
+        {"a": lambda: order.append("a"), "b": lambda: order.append("b")}, CPU, warmup_ms=0.0, rep_ms=0.0
+    )
+    assert len(series["a"]) == len(series["b"]) == 5  # min_samples: rep_ms buys no more
+    # Per function: one untimed call and the five estimate samples, then one warm-up call each, then
+    # the samples in turns.
+    assert order[:6] == ["a"] * 6 and order[6:12] == ["b"] * 6 and order[12:14] == ["a", "b"]
+    assert order[14:] == ["a", "b"] * 5
+
+
+def test_interleaved_ratio_is_the_median_of_neighbour_ratios_then_of_rounds(monkeypatch):
+    rounds = iter(
+        [
+            {"numerator": [2.0, 9.0, 3.0], "denominator": [1.0, 3.0, 3.0]},  # pair ratios 2, 3, 1: median 2
+            {"numerator": [4.0, 4.0, 4.0], "denominator": [1.0, 1.0, 1.0]},  # 4
+            {"numerator": [1.0, 1.0, 1.0], "denominator": [1.0, 1.0, 1.0]},  # 1
+        ]
+    )
+    seen = []
+
+    def fake_interleaved(fns, device, **kw):
+        seen.append(list(fns))
+        return next(rounds)
+
+    monkeypatch.setattr(timing, "interleaved", fake_interleaved)
+    r = timing.interleaved_ratio(lambda: None, lambda: None, CPU, rounds=3)
+    assert (r.median, r.low, r.high, r.rounds) == (2.0, 1.0, 4.0, 3)
+    assert (r.numerator_ms, r.denominator_ms) == (3.0, 1.0)  # medians over rounds of each side's median
+    assert seen == [["denominator", "numerator"]] * 3
+    with pytest.raises(ValueError, match="at least 1"):
+        timing.interleaved_ratio(lambda: None, lambda: None, CPU, rounds=0)
+
+
 def test_overhead_ratio_is_raw_over_op_with_the_op_backend_selected(monkeypatch):
     import mla_ops
 
     seen = []
     times = {"op": iter([2.0, 2.0, 4.0]), "raw": iter([1.0, 3.0, 2.0])}
 
-    def fake_measure(fn, device, **kw):
-        name = fn()
-        seen.append((name, mla_ops.selector.current_override()))
-        return timing.Timing((next(times[name]),))
+    def fake_interleaved(fns, device, **kw):
+        result = {}
+        for key, fn in fns.items():
+            name = fn()
+            seen.append((name, mla_ops.selector.current_override()))
+            result[key] = [next(times[name])]
+        return result
 
-    monkeypatch.setattr(timing, "measure", fake_measure)
+    monkeypatch.setattr(timing, "interleaved", fake_interleaved)
     op = M.Prepared(lambda: "op", lambda r: r, lambda: mla_ops.prefill_backend("TRITON"))
     raw = M.Prepared(lambda: "raw", lambda r: r)
     ratio = M.overhead_ratio(op, raw, CPU, rounds=3)

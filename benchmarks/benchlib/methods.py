@@ -809,14 +809,14 @@ def clear_launch_error(device: torch.device) -> None:
 def overhead_ratio(
     op: Prepared, raw: Prepared, device: torch.device, rounds: int = timing.DEFAULT_ROUNDS, **timing_kwargs: Any
 ) -> timing.RoundsRatio:
-    """Raw call time / op time, the median over ``rounds`` rounds in which the two take turns.
+    """Raw call time / op time: per round the median ratio of neighbouring samples of the two, taken in
+    turns sample by sample (:func:`benchlib.timing.interleaved_ratio`), and the median over ``rounds``.
 
     Both run on the same tensors (the same problem), with the op's backend selected throughout. Above
     1: the op is faster than its raw call; the op layer's cost shows as the distance below 1.
     """
     with op.context(), raw.context():
-        series = timing.alternating({"op": op.fn, "raw": raw.fn}, device, rounds, **timing_kwargs)
-    return timing.ratio_of_rounds(series["raw"], series["op"])
+        return timing.interleaved_ratio(raw.fn, op.fn, device, rounds, **timing_kwargs)
 
 
 # --- raw calls in an MLA layer ------------------------------------------------------------------------

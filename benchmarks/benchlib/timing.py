@@ -9,7 +9,9 @@ replays), a synchronisation before each sample (a step's latency, host issue tim
 fixed number of samples (a list of distinct batches, one per sample).
 
 :func:`alternating` measures several callables in rounds, taking turns within each round, and
-:func:`ratio_of_rounds` turns two of them into the median of their per-round ratios. A ratio of two
+:func:`ratio_of_rounds` turns two of them into the median of their per-round ratios. :func:`interleaved`
+takes turns sample by sample instead, and :func:`interleaved_ratio` (the op/raw ratio of every script)
+takes the median ratio of neighbouring samples in each round. A ratio of two
 single measurements taken at different moments carries the drift of the GPU's clocks and temperature
 between those moments (several percent on long kernels); within one round both sides see the same
 machine, and the median over rounds discards the rounds that drift hit.
@@ -210,7 +212,8 @@ def alternating(
     **measure_kwargs: Any,
 ) -> dict[str, list[float]]:
     """Each function's median time (ms per call) in each of ``rounds`` rounds; within a round the
-    functions take turns in the order given, so a slow phase of the machine hits all of them alike.
+    functions take turns in the order given, each measured for its whole budget before the next (for
+    ratios of neighbouring samples, see :func:`interleaved`).
 
     ``measure_kwargs`` go to :func:`measure` for every function, ``per_fn[name]`` on top for one.
     """
@@ -249,4 +252,119 @@ def ratio_of_rounds(numerator_ms: Sequence[float], denominator_ms: Sequence[floa
         rounds=len(ratios),
         numerator_ms=statistics.median(numerator_ms),
         denominator_ms=statistics.median(denominator_ms),
+    )
+
+
+def interleaved(
+    fns: Mapping[str, Callable[[], Any]],
+    device: torch.device,
+    *,
+    warmup_ms: float = DEFAULT_WARMUP_MS,
+    rep_ms: float = DEFAULT_REP_MS,
+    calls_per_sample: int = 1,
+    flush_l2: bool = True,
+    sync_each: bool = False,
+    min_samples: int = 5,
+    max_samples: int = 1000,
+) -> dict[str, list[float]]:
+    """Samples of several functions taken in turns sample by sample, in milliseconds per call.
+
+    Sample ``i`` of every function is taken before sample ``i + 1`` of any, in the order of ``fns``, so
+    the ``i``-th samples of two functions lie microseconds to milliseconds apart and see the same GPU
+    clocks and temperature; a ratio of such neighbours does not carry the drift that separates two
+    measurements of 100 ms each (:func:`alternating`). Each sample is timed as :func:`measure` times one
+    (``flush_l2``, ``sync_each``, ``calls_per_sample`` alike); ``rep_ms`` is the budget of one function's
+    samples, from an estimate over five samples of the slowest one, and each function first gets warm-up
+    calls worth ``warmup_ms``.
+    """
+    cuda = device.type == "cuda"
+    flush = _flush_buffer(device) if cuda and flush_l2 else None
+
+    def prepare() -> None:
+        if sync_each:
+            synchronize(device)
+        if flush is not None:
+            flush.zero_()
+
+    runs = {}
+    for name, fn in fns.items():
+
+        def run(fn: Callable[[], Any] = fn) -> None:
+            for _ in range(calls_per_sample):
+                fn()
+
+        runs[name] = run
+    estimates = {}
+    for name, run in runs.items():
+        run()
+        synchronize(device)
+        estimates[name] = _estimate_ms(prepare, run, device) / calls_per_sample
+    slowest = max(estimates.values())
+    n_samples = _clamp(rep_ms / max(slowest * calls_per_sample, 1e-6), min_samples, max_samples)
+    for name, fn in fns.items():
+        for _ in range(_clamp(warmup_ms / max(estimates[name], 1e-6), 1, 1000)):
+            fn()
+    was_enabled = gc.isenabled()  # paused during the samples, as in measure()
+    gc.collect()
+    gc.disable()
+    try:
+        times = _interleaved_samples(prepare, runs, device, n_samples)
+    finally:
+        if was_enabled:
+            gc.enable()
+    return {name: [t / calls_per_sample for t in series] for name, series in times.items()}
+
+
+def _interleaved_samples(
+    prepare: Callable[[], None], runs: Mapping[str, Callable[[], None]], device: torch.device, n: int
+) -> dict[str, list[float]]:
+    import torch
+
+    if device.type != "cuda":
+        out: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(n):
+            for name, run in runs.items():
+                prepare()
+                start = time.perf_counter()
+                run()
+                out[name].append((time.perf_counter() - start) * 1e3)
+        return out
+    events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+              for name in runs}  # fmt: skip
+    for i in range(n):
+        for name, run in runs.items():
+            begin, end = events[name][i]
+            prepare()
+            begin.record()
+            run()
+            end.record()
+    torch.cuda.synchronize(device)
+    return {name: [b.elapsed_time(e) for b, e in pairs] for name, pairs in events.items()}
+
+
+def interleaved_ratio(
+    numerator: Callable[[], Any],
+    denominator: Callable[[], Any],
+    device: torch.device,
+    rounds: int = DEFAULT_ROUNDS,
+    **interleaved_kwargs: Any,
+) -> RoundsRatio:
+    """``numerator`` time / ``denominator`` time: per round, the median of the ratios of neighbouring
+    samples (:func:`interleaved`); over ``rounds`` rounds, the median of those and their range."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    ratios, numerators, denominators = [], [], []
+    for _ in range(rounds):
+        series = interleaved({"denominator": denominator, "numerator": numerator}, device, **interleaved_kwargs)
+        pairs = zip(series["numerator"], series["denominator"])
+        ratios.append(statistics.median(n / d for n, d in pairs))
+        numerators.append(statistics.median(series["numerator"]))
+        denominators.append(statistics.median(series["denominator"]))
+    return RoundsRatio(
+        median=statistics.median(ratios),
+        low=min(ratios),
+        high=max(ratios),
+        rounds=rounds,
+        numerator_ms=statistics.median(numerators),
+        denominator_ms=statistics.median(denominators),
     )
