@@ -50,6 +50,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..alloc import empty
 from ..capture import is_capturing, on_device, version_of
 from ..config import DeviceCapability, SelectorConfig
 from ..meta.checks import check_cu_seqlens_values, check_offsets_start_and_order
@@ -60,6 +61,7 @@ logger = logging.getLogger("mla_ops")
 
 #: ``ln(2)``: FlashInfer's LSE is ``log2(sum(exp(s)))``; times ``ln 2`` it is the natural-log LSE.
 LN2 = math.log(2.0)
+_FP32 = torch.float32
 
 INSTALL_HINT = "pip install 'mla_ops[flashinfer]'"
 
@@ -230,9 +232,8 @@ def _all_aligned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def _empty_outputs(q: torch.Tensor, head_dim_vo: int) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, num_heads, _ = q.shape
-    out = torch.empty((num_tokens, num_heads, head_dim_vo), dtype=q.dtype, device=q.device)
-    lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=q.device)
-    return out, lse
+    device = q.device
+    return empty((num_tokens, num_heads, head_dim_vo), q.dtype, device), empty((num_heads, num_tokens), _FP32, device)
 
 
 def _offsets_key(t: torch.Tensor) -> tuple[torch.device, int, int | None, int]:
@@ -268,7 +269,8 @@ def _run(
     # The kernels index the LSE as a contiguous [n, H] array, so it gets its own buffer and one
     # fused transpose-and-scale. FlashInfer >= 0.7.2's run(lse_base="ln", lse_layout="HN") does the
     # same two steps internally and rejects the strided [H, n] view that a padded batch needs.
-    lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device)
+    num_rows, num_heads, _ = q.shape
+    lse = empty((num_rows, num_heads), _FP32, q.device)
     if not _all_aligned(q, k, v):
         q, k, v = _aligned(q), _aligned(k), _aligned(v)
     if plan is None:

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from ..alloc import empty
 from ..capture import on_device
 from .configs import (
     CONFIG_ENV_VAR,
@@ -729,8 +730,8 @@ def attention_triton(
                 raise ValueError(f"attention_triton: {name} must have stride 1 in its last dimension, got {t.stride()}")
 
     device = q.device
-    out = torch.empty((num_tokens, num_heads, dv), dtype=dtype, device=device)
-    lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=device)
+    out = empty((num_tokens, num_heads, dv), dtype, device)
+    lse = empty((num_heads, num_tokens), torch.float32, device)
     if num_tokens == 0 or num_heads == 0:
         return out, lse
 

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..alloc import empty
 from ..capture import on_device
 from .configs import merge_config
 from .launch import CachedLaunch, pointer_alignment
@@ -121,8 +122,8 @@ def merge_attn_states_triton(
     """
     num_tokens, num_heads, dv = prefix_out.shape
     device = prefix_out.device
-    out = torch.empty((num_tokens, num_heads, dv), dtype=prefix_out.dtype, device=device)
-    lse = torch.empty((num_heads, num_tokens), dtype=torch.float32, device=device)
+    out = empty((num_tokens, num_heads, dv), prefix_out.dtype, device)
+    lse = empty((num_heads, num_tokens), torch.float32, device)
     if num_tokens == 0 or num_heads == 0 or dv == 0:
         return out, lse
     # Everything the launch depends on but the addresses: the shapes, the inputs' strides, 16-byte
