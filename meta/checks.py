@@ -108,9 +108,11 @@ def attention_inputs_are_valid(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale,
         and qs[2] > 0
         and vs[2] > 0
         and vs[0] == ks[0]
-        and (qs[0] == 0 or q.stride()[2] == 1)  # stride() then [2]: cheaper than parsing stride(2)'s argument
-        and (ks[0] == 0 or k.stride()[2] == 1)
-        and (vs[0] == 0 or v.stride()[2] == 1)
+        # A contiguous tensor has unit stride where it matters, and is_contiguous() reads a cached flag where
+        # stride() builds a tuple; stride() then [2] is cheaper than parsing stride(2)'s argument.
+        and (q.is_contiguous() or qs[0] == 0 or q.stride()[2] == 1)
+        and (k.is_contiguous() or ks[0] == 0 or k.stride()[2] == 1)
+        and (vs[0] == 0 or v.stride()[2] == 1)  # v is usually a strided view of kv
         and cu_q.dtype is _INT32
         and cu_q.dim() == 1
         and cu_q.shape[0] >= 1

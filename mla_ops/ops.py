@@ -5,7 +5,7 @@ the cheapest dispatch path PyTorch offers from Python (measured in DESIGN.md: ab
 against 21 us for ``torch.library.custom_op``). They are forward-only: there is no autograd formula.
 
 - ``CPU`` and ``CUDA``: one kernel per op for both keys. It validates the inputs and runs the backend
-  that :func:`mla_ops.selector.backend_for` picks (on CPU that is always REFERENCE), with the inputs'
+  that :func:`mla_ops.selector.route` picks (on CPU that is always REFERENCE), with the inputs'
   device current (:func:`mla_ops.capture.on_device`): the kernel libraries launch on the current
   device and stream, so a call on ``cuda:1`` tensors while ``cuda:0`` is current runs on ``cuda:1``,
   on its current stream, and leaves ``cuda:0`` current afterwards. ``merge_attn_states`` runs the merge
@@ -27,7 +27,7 @@ from .capture import on_device
 from .graph_trees import IN_GRAPH_TWINS, check_graph_trees
 from .merge import merge_kernel
 from .meta.checks import attention_inputs_are_valid, check_attention_inputs, check_merge_inputs
-from .selector import backend_for
+from .selector import route
 
 NAMESPACE = "mla"
 
@@ -64,8 +64,9 @@ def _attention_kernels(in_graph: bool):
             check_attention_inputs(
                 "mla.prefill", (q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale), True
             )
-        with on_device(q.device):
-            backend = backend_for(q, v, in_graph=in_graph)
+        device = q.device
+        backend = route(device, q.dtype, q.shape[2], v.shape[2], in_graph=in_graph)
+        with on_device(device):
             return backend.attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
 
     def prefill_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale):
@@ -73,8 +74,9 @@ def _attention_kernels(in_graph: bool):
             check_attention_inputs(
                 "mla.prefill_context_chunk", (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale), False
             )
-        with on_device(q.device):
-            backend = backend_for(q, v, in_graph=in_graph)
+        device = q.device
+        backend = route(device, q.dtype, q.shape[2], v.shape[2], in_graph=in_graph)
+        with on_device(device):
             return backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
 
     return prefill, prefill_context_chunk
