@@ -13,7 +13,7 @@ in two forms with the same weights:
   FLASH_ATTN runs here (FlashAttention-4, or PyTorch's bundled FlashAttention-2 on ``v`` widened as the
   backend widens it) and the merge kernel; the Triton kernel function and the merge kernel.
 
-The two take turns in alternating rounds; a sample is one forward of the stack, timed from an idle
+The two take turns sample by sample, in rounds; a sample is one forward of the stack, timed from an idle
 device (so it holds the host's issue time). The difference per layer is what the op layer costs an
 eager model. The same batch is used in every step, so FLASHINFER plans once in both forms; a new batch
 per step would add one plan per step to both. Without a GPU it compares REFERENCE with its own
@@ -82,7 +82,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         f"{GPU_DEFAULTS['batch']})",
     )
     cli.add_backends(parser)
-    cli.add_rounds(parser, "alternating rounds of op and raw")
+    cli.add_rounds(parser, "rounds of op and raw samples taken in turns")
     cli.add_timer(parser)
     cli.add_out_dir(parser)
     cli.add_device(parser)
@@ -148,8 +148,9 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argpa
     intro = (
         f"A stack of {args.layers} MLA layers (hidden {args.hidden}, H={args.heads}, (Dqk, Dv) = ({P.DQK}, {P.DV})), "
         f"eager, on one batch of {args.size.label}. Per layer: the forward's time through the ops and with the "
-        f"backend's raw library calls, medians over {args.rounds} alternating rounds, each sample one forward "
-        "from an idle device; *op cost* is their difference. *rel diff*: ||op - raw|| / ||raw|| of the outputs."
+        f"backend's raw library calls, medians over {args.rounds} rounds of samples taken in turns, each sample "
+        "one forward from an idle device; *op cost* is their difference. *rel diff*: ||op - raw|| / ||raw|| of the "
+        "outputs."
     )
     return R.results_page("MLA layers, ops against raw library calls", env, intro, FIELDS.table(rows))
 
@@ -182,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"new lengths {batch.new_lengths}, context lengths {batch.context_lengths}")
     rows = []
     for row in timed:
-        print(f"{row['name']}: ops against raw calls, {args.rounds} alternating rounds...", flush=True)
+        print(f"{row['name']}: ops against raw calls, {args.rounds} rounds of samples taken in turns...", flush=True)
         try:
             result = measure_backend(row, stack, batch, args, device)
         except Exception as exc:

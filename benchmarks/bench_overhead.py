@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Op overhead on the reference shapes: each backend's op against its own raw call, in alternating rounds.
+"""Op overhead on the reference shapes: each backend's op against its own raw call, samples in turns.
 
 Each backend's op (``mla_ops.prefill`` under ``prefill_backend(NAME)``) and the library call its
 backend makes take turns, round after round, on the same tensors; the figure is the median over
@@ -53,7 +53,7 @@ FIELDS = R.Fields(
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = cli.parser(__doc__.split("\n\n")[0])
-    cli.add_rounds(parser, "alternating rounds per pair")
+    cli.add_rounds(parser, "rounds per pair, each of op and raw samples taken in turns")
     cli.add_timer(parser)
     cli.add_out_csv(parser)
     cli.add_backends(parser, help="backends to compare (default: all valid here)")
@@ -121,8 +121,9 @@ def measure_pair(op: M.OpMethod, raw: M.Method, problem: P.Problem, reference: A
 def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
     """The rows as a Markdown page with the environment record."""
     intro = (
-        f"Raw call time / op time, the median over {env.get('rounds')} alternating rounds on the same tensors "
-        "(above 1: the op is faster; target >= 0.97). Times are the medians over rounds."
+        "Raw call time / op time: per round the median ratio of neighbouring op and raw samples (taken in turns "
+        f"on the same tensors), and the median over {env.get('rounds')} rounds (above 1: the op is faster; "
+        "target >= 0.97). Times are the medians over rounds."
     )
     return R.results_page("MLA op overhead", env, intro, FIELDS.table(rows))
 

@@ -7,7 +7,7 @@ is valid on this machine and, in the same run, for raw baselines: FlashInfer cal
 FlashAttention-4 (``flash_attn.cute``) called directly, PyTorch's bundled FlashAttention-2 varlen
 kernel, PyTorch SDPA (memory-efficient kernel) and FlexAttention with a document mask. Each output is
 checked once against the fp32 reference before timing; each op is then measured against its own raw
-call in alternating rounds, which gives its overhead ratio.
+call, samples taken in turns in several rounds, which gives its overhead ratio.
 
 Writes ``results.csv``, ``results.md``, ``results.png`` and ``results.env.json`` into
 ``benchmarks/results/<gpu-slug>/`` (or ``--out``). Without a GPU it times the REFERENCE backend on tiny
@@ -156,7 +156,9 @@ def run_shape(
         op, raw = checked.get(row["method"]), checked.get(row.get("raw_method") or "")
         if row["kind"] != "op" or row.get("raw_method") not in names:
             continue
-        progress.step(f"{shape.id} {row['method']} vs {row['raw_method']}, {args.ratio_rounds} alternating rounds")
+        progress.step(
+            f"{shape.id} {row['method']} vs {row['raw_method']}, {args.ratio_rounds} rounds of samples in turns"
+        )
         if op is None or raw is None or op.status != "ok" or raw.status != "ok":
             progress.write(f"  {shape.id}: no overhead ratio for {row['method']}: it or its raw call is not ok")
             continue
@@ -231,8 +233,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--ratio-rounds",
         type=int,
-        help=f"alternating rounds of each op against its own raw call (default: {timing.DEFAULT_ROUNDS} on GPU, "
-        "3 on CPU; bench_overhead.py uses the same)",
+        help="rounds of each op against its own raw call, samples taken in turns "
+        f"(default: {timing.DEFAULT_ROUNDS} on GPU, 3 on CPU; bench_overhead.py uses the same)",
     )
     cli.add_device(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or counter")
@@ -360,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = R.overhead_summary(rows)
     if summary:
         print(
-            "op overhead (raw call time / op time, median of alternating rounds; target >= 0.97):\n"
+            "op overhead (raw call time / op time, median over rounds of neighbouring-sample ratios; target >= 0.97):\n"
             + summary.replace("**", "")
         )
     wrong = sorted({f"{r['method']} on {r['shape']}" for r in rows if r["status"] == "WRONG"})
