@@ -456,19 +456,20 @@ def test_interleaved_takes_turns_sample_by_sample():
     series = timing.interleaved(
         {"a": lambda: order.append("a"), "b": lambda: order.append("b")}, CPU, warmup_ms=0.0, rep_ms=0.0
     )
-    assert len(series["a"]) == len(series["b"]) == 5  # min_samples: rep_ms buys no more
+    assert len(series["a"]) == len(series["b"]) == 6  # min_samples (rep_ms buys no more), made even
     # Per function: one untimed call and the five estimate samples, then one warm-up call each, then
-    # the samples in turns.
+    # the samples in turns, each function first in every other one.
     assert order[:6] == ["a"] * 6 and order[6:12] == ["b"] * 6 and order[12:14] == ["a", "b"]
-    assert order[14:] == ["a", "b"] * 5
+    assert order[14:] == ["a", "b", "b", "a"] * 3
 
 
 def test_interleaved_ratio_is_the_median_of_neighbour_ratios_then_of_rounds(monkeypatch):
+    # Samples 2j and 2j + 1 (one in each order) make a pair, whose ratio is that of the sums.
     rounds = iter(
         [
-            {"numerator": [2.0, 9.0, 3.0], "denominator": [1.0, 3.0, 3.0]},  # pair ratios 2, 3, 1: median 2
-            {"numerator": [4.0, 4.0, 4.0], "denominator": [1.0, 1.0, 1.0]},  # 4
-            {"numerator": [1.0, 1.0, 1.0], "denominator": [1.0, 1.0, 1.0]},  # 1
+            {"numerator": [1.0, 3.0, 5.0, 4.0, 2.0, 1.0], "denominator": [1.0, 1.0, 3.0, 0.0, 2.0, 1.0]},  # 2, 3, 1
+            {"numerator": [4.0, 4.0, 4.0, 4.0], "denominator": [1.0, 1.0, 1.0, 1.0]},  # 4, 4
+            {"numerator": [1.0, 1.0], "denominator": [1.0, 1.0]},  # 1
         ]
     )
     seen = []
@@ -480,7 +481,7 @@ def test_interleaved_ratio_is_the_median_of_neighbour_ratios_then_of_rounds(monk
     monkeypatch.setattr(timing, "interleaved", fake_interleaved)
     r = timing.interleaved_ratio(lambda: None, lambda: None, CPU, rounds=3)
     assert (r.median, r.low, r.high, r.rounds) == (2.0, 1.0, 4.0, 3)
-    assert (r.numerator_ms, r.denominator_ms) == (3.0, 1.0)  # medians over rounds of each side's median
+    assert (r.numerator_ms, r.denominator_ms) == (2.5, 1.0)  # medians over rounds of each side's median
     assert seen == [["denominator", "numerator"]] * 3
     with pytest.raises(ValueError, match="at least 1"):
         timing.interleaved_ratio(lambda: None, lambda: None, CPU, rounds=0)
@@ -497,7 +498,7 @@ def test_overhead_ratio_is_raw_over_op_with_the_op_backend_selected(monkeypatch)
         for key, fn in fns.items():
             name = fn()
             seen.append((name, mla_ops.selector.current_override()))
-            result[key] = [next(times[name])]
+            result[key] = [next(times[name])] * 2  # one pair of samples
         return result
 
     monkeypatch.setattr(timing, "interleaved", fake_interleaved)

@@ -269,13 +269,15 @@ def interleaved(
 ) -> dict[str, list[float]]:
     """Samples of several functions taken in turns sample by sample, in milliseconds per call.
 
-    Sample ``i`` of every function is taken before sample ``i + 1`` of any, in the order of ``fns``, so
-    the ``i``-th samples of two functions lie microseconds to milliseconds apart and see the same GPU
-    clocks and temperature; a ratio of such neighbours does not carry the drift that separates two
-    measurements of 100 ms each (:func:`alternating`). Each sample is timed as :func:`measure` times one
-    (``flush_l2``, ``sync_each``, ``calls_per_sample`` alike); ``rep_ms`` is the budget of one function's
-    samples, from an estimate over five samples of the slowest one, and each function first gets warm-up
-    calls worth ``warmup_ms``.
+    Sample ``i`` of every function is taken before sample ``i + 1`` of any, in the order of ``fns`` for
+    even ``i`` and in the reverse order for odd ``i``. So the ``i``-th samples of two functions lie
+    microseconds to milliseconds apart and see the same GPU clocks and temperature (a ratio of such
+    neighbours does not carry the drift that separates two measurements of 100 ms each,
+    :func:`alternating`), and each function runs first as often as last (running right after another
+    function, with its caches cold, costs the first one more). The number of samples is even. Each
+    sample is timed as :func:`measure` times one (``flush_l2``, ``sync_each``, ``calls_per_sample``
+    alike); ``rep_ms`` is the budget of one function's samples, from an estimate over five samples of
+    the slowest one, and each function first gets warm-up calls worth ``warmup_ms``.
     """
     cuda = device.type == "cuda"
     flush = _flush_buffer(device) if cuda and flush_l2 else None
@@ -301,6 +303,7 @@ def interleaved(
         estimates[name] = _estimate_ms(prepare, run, device) / calls_per_sample
     slowest = max(estimates.values())
     n_samples = _clamp(rep_ms / max(slowest * calls_per_sample, 1e-6), min_samples, max_samples)
+    n_samples += n_samples % 2  # as many samples in each order
     for name, fn in fns.items():
         for _ in range(_clamp(warmup_ms / max(estimates[name], 1e-6), 1, 1000)):
             fn()
@@ -320,10 +323,11 @@ def _interleaved_samples(
 ) -> dict[str, list[float]]:
     import torch
 
+    forward, backward = list(runs.items()), list(reversed(runs.items()))
     if device.type != "cuda":
         out: dict[str, list[float]] = {name: [] for name in runs}
-        for _ in range(n):
-            for name, run in runs.items():
+        for i in range(n):
+            for name, run in forward if i % 2 == 0 else backward:
                 prepare()
                 start = time.perf_counter()
                 run()
@@ -332,7 +336,7 @@ def _interleaved_samples(
     events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
               for name in runs}  # fmt: skip
     for i in range(n):
-        for name, run in runs.items():
+        for name, run in forward if i % 2 == 0 else backward:
             begin, end = events[name][i]
             prepare()
             begin.record()
@@ -349,15 +353,18 @@ def interleaved_ratio(
     rounds: int = DEFAULT_ROUNDS,
     **interleaved_kwargs: Any,
 ) -> RoundsRatio:
-    """``numerator`` time / ``denominator`` time: per round, the median of the ratios of neighbouring
-    samples (:func:`interleaved`); over ``rounds`` rounds, the median of those and their range."""
+    """``numerator`` time / ``denominator`` time: per round, the median over pairs of neighbouring
+    samples in both orders (:func:`interleaved`: samples ``2j`` and ``2j + 1``) of the ratio of the two
+    functions' sums over the pair, in which each ran once first and once last; over ``rounds`` rounds,
+    the median of those and their range."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     ratios, numerators, denominators = [], [], []
     for _ in range(rounds):
         series = interleaved({"denominator": denominator, "numerator": numerator}, device, **interleaved_kwargs)
-        pairs = zip(series["numerator"], series["denominator"])
-        ratios.append(statistics.median(n / d for n, d in pairs))
+        num, den = series["numerator"], series["denominator"]
+        pairs = range(0, len(num) - 1, 2)
+        ratios.append(statistics.median((num[j] + num[j + 1]) / (den[j] + den[j + 1]) for j in pairs))
         numerators.append(statistics.median(series["numerator"]))
         denominators.append(statistics.median(series["denominator"]))
     return RoundsRatio(
