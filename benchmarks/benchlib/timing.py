@@ -19,10 +19,11 @@ machine, and the median over rounds discards the rounds that drift hit.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -125,19 +126,7 @@ def measure(
             host's time to issue the work (a step's latency) instead of only the device's time.
         min_samples, max_samples: bounds of the sample count derived from ``rep_ms``.
     """
-    cuda = device.type == "cuda"
-    flush = _flush_buffer(device) if cuda and flush_l2 else None
-
-    def prepare() -> None:
-        if sync_each:
-            synchronize(device)
-        if flush is not None:
-            flush.zero_()
-
-    def run() -> None:
-        for _ in range(calls_per_sample):
-            fn()
-
+    prepare, run = _preparer(device, flush_l2, sync_each), _repeated(fn, calls_per_sample)
     if samples is None:
         fn()
         synchronize(device)
@@ -148,18 +137,47 @@ def measure(
         n_warmup, n_samples = warmup_calls or 0, samples
     for _ in range(n_warmup):
         fn()
-    # As timeit does, pause the garbage collector while the samples are taken: a collection that
-    # earlier allocations trigger would otherwise land in whichever function's sample runs next, which
-    # on microsecond host-bound calls is larger than the cost being measured.
+    with _gc_paused():
+        times = _samples(prepare, run, device, n_samples)
+    return Timing(tuple(t / calls_per_sample for t in times))
+
+
+def _preparer(device: torch.device, flush_l2: bool, sync_each: bool) -> Callable[[], None]:
+    """What precedes each sample: a synchronisation (``sync_each``) and, on CUDA, an L2 flush (``flush_l2``)."""
+    flush = _flush_buffer(device) if device.type == "cuda" and flush_l2 else None
+
+    def prepare() -> None:
+        if sync_each:
+            synchronize(device)
+        if flush is not None:
+            flush.zero_()
+
+    return prepare
+
+
+def _repeated(fn: Callable[[], Any], calls: int) -> Callable[[], None]:
+    """One sample's work: ``calls`` back-to-back calls of ``fn``."""
+
+    def run() -> None:
+        for _ in range(calls):
+            fn()
+
+    return run
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """As timeit does, the garbage collector paused while samples are taken: a collection that earlier
+    allocations trigger would otherwise land in whichever function's sample runs next, which on
+    microsecond host-bound calls is larger than the cost being measured."""
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
-        times = _samples(prepare, run, device, n_samples)
+        yield
     finally:
         if was_enabled:
             gc.enable()
-    return Timing(tuple(t / calls_per_sample for t in times))
 
 
 def _estimate_ms(prepare: Callable[[], None], run: Callable[[], None], device: torch.device) -> float:
@@ -279,23 +297,8 @@ def interleaved(
     alike); ``rep_ms`` is the budget of one function's samples, from an estimate over five samples of
     the slowest one, and each function first gets warm-up calls worth ``warmup_ms``.
     """
-    cuda = device.type == "cuda"
-    flush = _flush_buffer(device) if cuda and flush_l2 else None
-
-    def prepare() -> None:
-        if sync_each:
-            synchronize(device)
-        if flush is not None:
-            flush.zero_()
-
-    runs = {}
-    for name, fn in fns.items():
-
-        def run(fn: Callable[[], Any] = fn) -> None:
-            for _ in range(calls_per_sample):
-                fn()
-
-        runs[name] = run
+    prepare = _preparer(device, flush_l2, sync_each)
+    runs = {name: _repeated(fn, calls_per_sample) for name, fn in fns.items()}
     estimates = {}
     for name, run in runs.items():
         run()
@@ -307,14 +310,8 @@ def interleaved(
     for name, fn in fns.items():
         for _ in range(_clamp(warmup_ms / max(estimates[name], 1e-6), 1, 1000)):
             fn()
-    was_enabled = gc.isenabled()  # paused during the samples, as in measure()
-    gc.collect()
-    gc.disable()
-    try:
+    with _gc_paused():
         times = _interleaved_samples(prepare, runs, device, n_samples)
-    finally:
-        if was_enabled:
-            gc.enable()
     return {name: [t / calls_per_sample for t in series] for name, series in times.items()}
 
 

@@ -16,7 +16,8 @@ for every layer:
   no version counter; for them every call reads the offsets on the host and re-plans only if they
   changed (correct, but it syncs at each call; create the offsets outside inference mode to avoid
   that). The plans of the last :data:`MAX_CACHED_BATCHES` batches are kept; the oldest batch's
-  wrappers go back to a pool for reuse.
+  wrappers go back to a pool for reuse. A plan's first call runs ``wrapper.run()`` and records the
+  kernel call it makes; later calls replay that call (:mod:`.flashinfer_replay`).
 - **CUDA graphs.** When ``cu_seqlens`` was registered with :func:`mla_ops.plan_cuda_graph`, the op
   uses wrappers built with ``use_cuda_graph=True`` and static indptr buffers of the backend. Their
   batch size is fixed to the registered buffer's ``B`` plus one padding sequence that covers the

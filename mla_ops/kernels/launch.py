@@ -19,7 +19,9 @@ every argument but the leading, per-call ones, and fixes the grid) when it launc
 :meth:`CachedLaunch.relaunch` with only the leading arguments. That skips rebuilding the scalar
 arguments, the constexpr dictionary and the specialisation key, which is most of what is left of the
 Python cost per launch. Passing the leading tensors as device addresses skips, per pointer, the
-launcher's call of ``data_ptr()`` and its driver query (``cuPointerGetAttribute``).
+launcher's call of ``data_ptr()`` and its driver query (``cuPointerGetAttribute``). Where the installed
+Triton's ``CudaLauncher.__call__`` is one this module knows (:data:`KNOWN_LAUNCHER_CALLS`), a launch calls
+the compiled kernel's C ``launch`` directly, with what that ``__call__`` would pass.
 
 Triton's launch hooks (profilers such as Proton add them) are honoured: the hook chains are read on
 every launch, and launch metadata is built only when a hook is installed.
