@@ -274,14 +274,13 @@ def _run(
     lse = empty((num_rows, num_heads), _FP32, q.device)
     if not _all_aligned(q, k, v):
         q, k, v = _aligned(q), _aligned(k), _aligned(v)
-    if plan is None:
-        wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
-    elif plan.replay is not None:
-        plan.replay(q, k, v, out, lse)
-    elif plan.recorded:  # recorded before, and found not to be replayable
-        wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
-    else:
+    replay = None if plan is None else plan.replay
+    if replay is not None:
+        replay(q, k, v, out, lse)
+    elif plan is not None and not plan.recorded:
         plan.replay, plan.recorded = record_run(wrapper, q, k, v, out, lse), True
+    else:  # no eager plan, or one whose kernel call was recorded and found not to be replayable
+        wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
     torch.mul(lse.t(), LN2, out=lse_out)  # what lse_base2_to_natural does, inlined on this per-call path
 
 

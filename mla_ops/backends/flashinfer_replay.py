@@ -120,7 +120,7 @@ def record_run(
     for i in slots:  # kept by the plan for the life of the batch: hold no reference to this call's tensors
         args[i] = None
     run = RecordedRun(module.ragged_run, args, slots)
-    entry = _verified.get(id(module))
-    if entry is None or entry[0] is not module:
+    entry = _verified.get(id(module))  # the entry keeps its module alive: an id found is this module's
+    if entry is None:
         entry = _verified[id(module)] = (module, _replay_matches(run, q, k, v, out, lse))
     return run if entry[1] else None
