@@ -246,6 +246,31 @@ def _as_chunk(index: int, chunk: object, q: torch.Tensor, v: torch.Tensor) -> Co
     return ContextChunk(k_c, v_c, cu_seqlens_k, _length(where, "max_seqlen_k", max_seqlen_k))
 
 
+def _as_chunks(chunks: Sequence[object], q: torch.Tensor, v: torch.Tensor) -> list[ContextChunk]:
+    """Every chunk as a :class:`ContextChunk` (see :func:`_as_chunk`), with the common case first.
+
+    A layer calls this once per forward: a chunk that is already a well-formed ``ContextChunk`` or
+    4-tuple is taken as it is after comparing its dims one by one, which costs a fraction of
+    slicing and comparing ``torch.Size`` objects. Anything else gets :func:`_as_chunk`'s checks and
+    messages.
+    """
+    _, heads, dqk = q.shape
+    dv = v.shape[2]
+    result = []
+    for i, chunk in enumerate(chunks):
+        kind = type(chunk)
+        if kind is ContextChunk or (kind is tuple and len(chunk) == 4):
+            k_c, v_c, cu_k, max_k = chunk
+            if isinstance(k_c, _Tensor) and isinstance(v_c, _Tensor) and type(max_k) is int:
+                ks, vcs = k_c.shape, v_c.shape
+                dims_match = len(ks) == 3 and ks[1] == heads and ks[2] == dqk
+                if dims_match and len(vcs) == 3 and vcs[1] == heads and vcs[2] == dv:
+                    result.append(chunk if kind is ContextChunk else ContextChunk(k_c, v_c, cu_k, max_k))
+                    continue
+        result.append(_as_chunk(i, chunk, q, v))
+    return result
+
+
 def _scaled_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x`` ``[T, H, D]`` times ``weight`` ``[H, T]`` per row, with rows of weight 0 set to 0.
 
@@ -310,12 +335,12 @@ def prefill_with_context(
     Returns:
         ``(out, lse)``: ``out`` ``[T, H, Dv]``; ``lse`` float32 ``[H, T]``.
     """
-    scale = _scale("prefill_with_context", q, softmax_scale)
+    scale = softmax_scale if type(softmax_scale) is float else _scale("prefill_with_context", q, softmax_scale)
     out, lse = prefill(q, k, v, cu_seqlens, max_seqlen, scale)
-    chunks = [_as_chunk(i, chunk, q, v) for i, chunk in enumerate(chunks)]
+    chunks = _as_chunks(chunks, q, v)
     partials = (
-        prefill_context_chunk(q, c.k, c.v, cu_seqlens, c.cu_seqlens_k, max_seqlen, c.max_seqlen_k, scale)
-        for c in chunks
+        prefill_context_chunk(q, k_c, v_c, cu_seqlens, cu_k, max_seqlen, max_k, scale)
+        for k_c, v_c, cu_k, max_k in chunks
     )
     if len(chunks) <= SEQUENTIAL_MERGE_MAX_CHUNKS:
         for out_c, lse_c in partials:

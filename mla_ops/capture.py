@@ -8,6 +8,11 @@ import contextlib
 
 import torch
 
+#: ``torch.cuda.current_device()`` without its Python frame and lazy-initialisation check: the C binding
+#: it calls, which initialises CUDA itself when needed. ``None`` in a build of torch without CUDA, where
+#: no tensor can be on a CUDA device to ask about.
+current_cuda_device = getattr(torch._C, "_cuda_getDevice", None)
+
 # One shared no-op context: ``nullcontext`` keeps no state, so it can be entered any number of times.
 _NO_SWITCH = contextlib.nullcontext()
 
@@ -44,6 +49,6 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     one query of the current device, no switch). Inside CUDA-graph capture on a stream of ``device``
     that device is current already, so nothing changes there either.
     """
-    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+    if device.type != "cuda" or device.index is None or device.index == current_cuda_device():
         return _NO_SWITCH
     return torch.cuda.device(device.index)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from utils import cu_seqlens_of, make_batch, make_qkv
@@ -218,6 +219,40 @@ def test_prefill_with_context_rejects_malformed_chunks() -> None:
     g = _good()
     with pytest.raises(TypeError, match=re.escape("chunks[0] must be (k, v, cu_seqlens_k, max_seqlen_k), got 2 items")):
         mla_ops.prefill_with_context(g["q"], g["k"], g["v"], g["cu_seqlens"], 4, [(g["k"], g["v"])])
+
+
+@pytest.mark.parametrize(
+    ("part", "bad", "message"),
+    [
+        ("k", lambda t: t[..., :128], "chunks[0]: k has shape (7, 2, 128), but the new tokens' k has"),
+        ("v", lambda t: t[:, :1], "chunks[0]: v has shape (7, 1, 128), but the new tokens' v has"),
+        ("v", lambda t: t[0], "chunks[0]: v has shape (2, 128), but the new tokens' v has"),
+    ],
+)
+def test_prefill_with_context_rejects_a_chunk_of_other_dims(part, bad, message) -> None:
+    g = _good()
+    chunk = {"k": g["k"], "v": g["v"]}
+    chunk[part] = bad(chunk[part])
+    for form in (mla_ops.ContextChunk, lambda *c: c):  # the fast path's two forms, and the general checks
+        with pytest.raises(ValueError, match=re.escape(message)):
+            mla_ops.prefill_with_context(
+                g["q"], g["k"], g["v"], g["cu_seqlens"], 4, [form(chunk["k"], chunk["v"], g["cu_seqlens"], 4)]
+            )
+
+
+def test_prefill_with_context_takes_every_form_of_a_chunk_alike() -> None:
+    g = _good()
+    args = (g["q"], g["k"], g["v"], g["cu_seqlens"], 4)
+    forms = [
+        mla_ops.ContextChunk(g["k"], g["v"], g["cu_seqlens"], 4),
+        (g["k"], g["v"], g["cu_seqlens"], 4),
+        [g["k"], g["v"], g["cu_seqlens"], 4],
+        (g["k"], g["v"], g["cu_seqlens"], np.int64(4)),
+    ]
+    want_out, want_lse = mla_ops.prefill_with_context(*args, [forms[0]], g["q"].shape[-1] ** -0.5)
+    for chunk in forms:
+        out, lse = mla_ops.prefill_with_context(*args, [chunk])
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse), type(chunk)
 
 
 def test_errors_surface_at_trace_time_under_compile() -> None:

@@ -22,6 +22,7 @@ import torch
 from tp_worker import launch
 
 import mla_ops
+from mla_ops import capture
 from mla_ops.capture import on_device
 from mla_ops.config import DeviceCapability
 from mla_ops.demo import attention_fp64
@@ -119,7 +120,7 @@ def test_layer_needs_an_initialised_process_group() -> None:
 
 
 def test_on_device_switches_only_to_another_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(capture, "current_cuda_device", lambda: 0)
     switch = on_device(torch.device("cuda", 1))
     assert isinstance(switch, torch.cuda.device) and switch.idx == 1
     for device in (torch.device("cuda", 0), torch.device("cpu")):

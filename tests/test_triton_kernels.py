@@ -621,7 +621,7 @@ def test_cached_launch_skips_the_jit_after_the_first_launch(monkeypatch):
         launch, "_knobs", SimpleNamespace(runtime=SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
     )
     monkeypatch.setattr(launch, "_current_stream", lambda index: f"stream{index}")
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "current_cuda_device", lambda: 0)
     launcher = launch.CachedLaunch(Jit())
     assert launcher.enabled and launcher.constexpr_names == ["BLOCK", "MODE"]
     cuda0 = torch.device("cuda", 0)
@@ -757,7 +757,7 @@ def test_cached_launch_supplies_the_scratch_allocator(monkeypatch):
         launch, "_knobs", SimpleNamespace(runtime=SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
     )
     monkeypatch.setattr(launch, "_current_stream", lambda index: f"stream{index}")
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch, "current_cuda_device", lambda: 0)
     cuda0 = torch.device("cuda", 0)
 
     def callers_allocator(size, alignment, stream):

@@ -51,6 +51,8 @@ from typing import Any
 
 import torch
 
+from ..capture import current_cuda_device
+
 try:  # Triton >= 3.4: runtime hooks live in triton.knobs
     from triton import knobs as _knobs
 except ImportError:  # pragma: no cover - older Triton: JIT launches only
@@ -213,7 +215,7 @@ class CachedLaunch:
         values of the first ``leading`` arguments. The caller guarantees that ``layout`` determines
         ``key``, ``grid``, ``args[leading:]``, ``constexprs`` and ``options``.
         """
-        direct = self.enabled and device.type == "cuda" and device.index == torch.cuda.current_device()
+        direct = self.enabled and device.type == "cuda" and device.index == current_cuda_device()
         compiled = self.compiled.get(key) if direct else None
         if compiled is None:
             with TorchScratch():  # the variant is not known yet, nor whether it needs scratch
@@ -240,7 +242,7 @@ class CachedLaunch:
         under a layout sits where the tensors of the layout's first, checked, launch did.
         """
         fixed = self.layouts.get(layout)
-        if fixed is None or device.index != torch.cuda.current_device():
+        if fixed is None or device.index != current_cuda_device():
             return False
         self._run(fixed, device.index, leading)
         return True
