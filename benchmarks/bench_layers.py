@@ -19,6 +19,11 @@ eager model. The same batch is used in every step, so FLASHINFER plans once in b
 per step would add one plan per step to both. Without a GPU it compares REFERENCE with its own
 functions on a tiny stack (a test of the script, not a measurement).
 
+With ``--attribute``, it also splits the op cost into its parts (:mod:`benchlib.attribution`): the host
+time of the layers' attention through the Python API, the ops called directly, the dispatcher alone,
+the ops' kernels without the dispatcher, the backend, and the raw calls, in turns; the differences give
+the API wrappers, the dispatcher, validation and routing, and the backend's wrapping, per layer.
+
 Writes ``layers.csv``, ``layers.md`` and ``layers.env.json`` into ``benchmarks/results/<gpu-slug>/``
 (or ``--out``).
 """
@@ -35,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The shared modules live next to this script, which is not part of a package.
+from benchlib import attribution as A
 from benchlib import cli
 from benchlib import methods as M
 from benchlib import problems as P
@@ -61,7 +67,22 @@ FIELDS = R.Fields(
     ("rel_diff", "rel diff", ".1e"),
     ("status", "status"),
     ("note", "raw call / note", R.text("raw_call", "note")),
+    "attribution_samples",
+    *(f"{form}_us" for form in A.FORMS),
+    *(f"{form}_forward_us" for form in A.FORMS),
+    *(A.part_key(part) for part in A.PARTS),
+    A.TOTAL_KEY,
 )
+#: The Markdown table of ``--attribute``: per backend, host µs per layer in the attention calls of each form,
+#: and the parts of the op cost.
+ATTRIBUTION_COLUMNS = [
+    ("backend", R.text("backend")),
+    *((form, R.num(f"{form}_us", ".1f")) for form in A.FORMS),
+    *((part, R.num(A.part_key(part), ".1f")) for part in A.PARTS),
+    ("api - raw", R.num(A.TOTAL_KEY, ".1f")),
+]
+#: Forwards of each form that ``--attribute`` times when given without a number.
+ATTRIBUTION_SAMPLES = 60
 #: Largest ``||op - raw|| / ||raw||`` of the stacks' outputs accepted: both compute the same layers in
 #: bf16 (same kernels; FLASHINFER's raw form merges with flashinfer.merge_state), so they differ by
 #: rounding only, far below this.
@@ -83,11 +104,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     cli.add_backends(parser)
     cli.add_rounds(parser, "rounds of op and raw samples taken in turns")
+    parser.add_argument(
+        "--attribute",
+        type=int,
+        nargs="?",
+        const=ATTRIBUTION_SAMPLES,
+        metavar="SAMPLES",
+        help="also split the op cost into API wrappers, dispatcher, validation and routing, and backend wrapping, "
+        f"from SAMPLES forwards of each form in turns (default {ATTRIBUTION_SAMPLES})",
+    )
     cli.add_timer(parser)
     cli.add_out_dir(parser)
     cli.add_device(parser)
     args = parser.parse_args(argv)
     cli.check_rounds(parser, args)
+    if args.attribute is not None and args.attribute < 1:
+        parser.error(f"--attribute: give at least 1 sample, got {args.attribute}")
     return args
 
 
@@ -131,6 +163,14 @@ def measure_backend(
         ratio = M.overhead_ratio(
             op, plain, device, args.rounds, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, flush_l2=False, sync_each=True
         )
+        if args.attribute:
+            with op.context():
+                backend = mla_ops.selector.route(device, first.o_proj.weight.dtype, P.DQK, P.DV)
+                forms = A.attention_forms(backend, device, attention)
+                parts = A.attribute(stack, args_, forms, device, args.attribute)
+            out["attribution_samples"] = parts.pop("samples")
+            out["rel_diff"] = max(out["rel_diff"], parts.pop("forms_rel_diff"))
+            out.update(parts)
     out.update(
         op_layer_ms=ratio.denominator_ms / args.layers,
         raw_layer_ms=ratio.numerator_ms / args.layers,
@@ -138,8 +178,8 @@ def measure_backend(
         raw_over_op=ratio.median,
         raw_over_op_min=ratio.low,
         raw_over_op_max=ratio.high,
-        status="ok" if out["rel_diff"] <= REL_DIFF_TOL else "WRONG",
     )
+    out["status"] = "ok" if out["rel_diff"] <= REL_DIFF_TOL else "WRONG"
     return out
 
 
@@ -150,9 +190,20 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argpa
         f"eager, on one batch of {args.size.label}. Per layer: the forward's time through the ops and with the "
         f"backend's raw library calls, medians over {args.rounds} rounds of samples taken in turns, each sample "
         "one forward from an idle device; *op cost* is their difference. *rel diff*: ||op - raw|| / ||raw|| of the "
-        "outputs."
+        "outputs (with `--attribute`, the largest of that and of every form's difference from the ops' output)."
     )
-    return R.results_page("MLA layers, ops against raw library calls", env, intro, FIELDS.table(rows))
+    table = FIELDS.table(rows)
+    attributed = [row for row in rows if row.get(A.TOTAL_KEY) is not None]
+    if attributed:
+        forms = "; ".join(f"*{form}*: {what}" for form, what in A.FORMS.items())
+        parts = "; ".join(f"*{part}* = {form} - {minus}" for part, (form, minus) in A.PARTS.items())
+        table += (
+            f"\n\n## Where the op cost goes\n\nHost µs per layer spent in the layers' attention calls, medians over "
+            f"{attributed[0]['attribution_samples']} forwards of each form taken in turns (`--attribute`). Forms: "
+            f"{forms}. Parts (medians of differences of neighbouring samples): {parts}.\n\n"
+            + R.rows_table(attributed, ATTRIBUTION_COLUMNS)
+        )
+    return R.results_page("MLA layers, ops against raw library calls", env, intro, table)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -199,6 +250,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{result['rel_diff']:.1e} {result['status']}",
             flush=True,
         )
+        if result.get(A.TOTAL_KEY) is not None:
+            forms = "  ".join(f"{form} {result[f'{form}_us']:.1f}" for form in A.FORMS)
+            parts = "  ".join(f"{part} {result[A.part_key(part)]:.1f}" for part in A.PARTS)
+            print(f"  attention host µs/layer: {forms}\n  parts: {parts}  (api - raw {result[A.TOTAL_KEY]:.1f})")
     R.end_run(env, not_measured, started)
     R.write_run(
         args.out or R.default_out_dir(device), "layers", FIELDS.keys, rows, env, render_markdown(rows, env, args)

@@ -92,6 +92,11 @@ def _merge(prefix_out, prefix_lse, suffix_out, suffix_lse):
     return merge_kernel(prefix_out.device)(prefix_out, prefix_lse, suffix_out, suffix_lse)
 
 
+#: The public ops' eager kernels by op name, as registered for CPU and CUDA: what a call runs after the
+#: dispatcher. ``benchmarks/bench_layers.py --attribute`` calls them directly to time the dispatcher apart.
+EAGER_KERNELS = {"prefill": _prefill, "prefill_context_chunk": _prefill_context_chunk, "merge_attn_states": _merge}
+
+
 # --- fake: shapes from mla_ops.meta, plus the one check only compile time can make -----------------
 
 

@@ -27,10 +27,12 @@ import bench_prefill as BP
 import probe_warp_specialize as PW
 import pytest
 import torch
+from benchlib import attribution as A
 from benchlib import methods as M
 from benchlib import problems as P
 from benchlib import report as R
 from benchlib import timing
+from utils import make_batch
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 SCRIPTS = [
@@ -338,6 +340,54 @@ def test_layers_cpu_run(tmp_path, written):
     # the two times by up to a microsecond.
     assert math.isclose(cost_us, (op_ms - raw_ms) * 1e3, abs_tol=1e-5 * (1e3 * (op_ms + raw_ms) + abs(cost_us)))
     assert "| REFERENCE |" in (tmp_path / "layers.md").read_text()
+
+
+def test_layers_cpu_run_attributes_the_op_cost(tmp_path, written):
+    printed = _main(BL, ["--device", "cpu", "--out", str(tmp_path), "--rounds", "2", "--attribute", "3", *FAST])
+    _assert_fields_written(written, BL, tmp_path / "layers.csv")
+    (row,) = _read_rows(tmp_path / "layers.csv")
+    # Every form computes the layers the ops compute, with the same functions: exactly the same outputs.
+    assert row["status"] == "ok" and float(row["rel_diff"]) == 0.0 and row["attribution_samples"] == "3"
+    for form in A.FORMS:
+        assert float(row[f"{form}_us"]) > 0 and float(row[f"{form}_forward_us"]) >= float(row[f"{form}_us"])
+    for key in [A.part_key(part) for part in A.PARTS] + [A.TOTAL_KEY]:
+        assert math.isfinite(float(row[key])), key
+    assert "parts: API wrappers" in printed
+    md = (tmp_path / "layers.md").read_text()
+    assert "## Where the op cost goes" in md and "| backend | api | ops | dispatch |" in md
+
+
+def test_attribution_forms_take_the_dispatcher_only_where_they_say():
+    """Seen from a dispatch mode: the ops form dispatches the mla ops, the dispatch form its own ops of the same
+    schemas, and the kernels, backend and raw forms no op of either namespace; all give the api form's result."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import mla_ops
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace in ("mla", A.NAMESPACE):
+                self.ops.append(f"{func.namespace}::{func._opname}")
+            return func(*args, **(kwargs or {}))
+
+    b = make_batch([3, 5], 2, P.DQK, P.DV, torch.bfloat16, seed=1)
+    chunk = (b.k[:6], b.v[:6], torch.tensor([0, 2, 6], dtype=torch.int32), 4)
+    raw = M.RawLayerAttention(M.ReferenceRaw(), CPU)
+    with mla_ops.prefill_backend("REFERENCE"), torch.no_grad():
+        backend = mla_ops.selector.route(CPU, torch.bfloat16, P.DQK, P.DV)
+        forms = A.attention_forms(backend, CPU, raw)
+        want = mla_ops.prefill_with_context(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen, [chunk], 0.1)
+        for form, fn in forms.items():
+            with Seen() as seen:
+                out, lse = fn(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen, [chunk], 0.1)
+            assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), form
+            namespace = {"api": "mla", "ops": "mla", "dispatch": A.NAMESPACE}.get(form)
+            expected = [f"{namespace}::{op}" for op in ("prefill", "prefill_context_chunk", "merge_attn_states")]
+            assert seen.ops == (expected if namespace else []), form
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")

@@ -137,7 +137,7 @@ def measure(
         n_warmup, n_samples = warmup_calls or 0, samples
     for _ in range(n_warmup):
         fn()
-    with _gc_paused():
+    with gc_paused():
         times = _samples(prepare, run, device, n_samples)
     return Timing(tuple(t / calls_per_sample for t in times))
 
@@ -166,7 +166,7 @@ def _repeated(fn: Callable[[], Any], calls: int) -> Callable[[], None]:
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """As timeit does, the garbage collector paused while samples are taken: a collection that earlier
     allocations trigger would otherwise land in whichever function's sample runs next, which on
     microsecond host-bound calls is larger than the cost being measured."""
@@ -310,7 +310,7 @@ def interleaved(
     for name, fn in fns.items():
         for _ in range(_clamp(warmup_ms / max(estimates[name], 1e-6), 1, 1000)):
             fn()
-    with _gc_paused():
+    with gc_paused():
         times = _interleaved_samples(prepare, runs, device, n_samples)
     return {name: [t / calls_per_sample for t in series] for name, series in times.items()}
 
