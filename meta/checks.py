@@ -202,16 +202,10 @@ def check_attention_inputs(op: str, inputs: AttentionInputs, self_attention: boo
     _check_scale(op, softmax_scale)
 
 
-def _merge_inputs_are_valid(prefix_out, prefix_lse, suffix_out, suffix_lse) -> bool:
-    """The common case of :func:`check_merge_inputs` in one expression, as for the attention inputs."""
-    tensor = torch.Tensor
-    if not (
-        isinstance(prefix_out, tensor)
-        and isinstance(prefix_lse, tensor)
-        and isinstance(suffix_out, tensor)
-        and isinstance(suffix_lse, tensor)
-    ):
-        return False
+def merge_tensors_are_valid(prefix_out, prefix_lse, suffix_out, suffix_lse) -> bool:
+    """Whether :func:`check_merge_inputs` would accept these four *tensors*, in one expression, as
+    :func:`attention_inputs_are_valid` for the attention inputs. The op's kernel calls it directly (the
+    dispatcher has made sure they are tensors), and :func:`check_merge_inputs` only when it says no."""
     shape, dt, dev = prefix_out.shape, prefix_out.dtype, prefix_out.device
     return (
         len(shape) == 3
@@ -237,7 +231,14 @@ def check_merge_inputs(
     suffix_lse: torch.Tensor,
 ) -> None:
     """Validate the inputs of ``mla.merge_attn_states`` without reading data."""
-    if _merge_inputs_are_valid(prefix_out, prefix_lse, suffix_out, suffix_lse):
+    tensor = torch.Tensor
+    all_tensors = (
+        isinstance(prefix_out, tensor)
+        and isinstance(prefix_lse, tensor)
+        and isinstance(suffix_out, tensor)
+        and isinstance(suffix_lse, tensor)
+    )
+    if all_tensors and merge_tensors_are_valid(prefix_out, prefix_lse, suffix_out, suffix_lse):
         return
     op = "mla.merge_attn_states"
     _check_rank3(op, "prefix_out", prefix_out, "[T, H, Dv]")

@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 
 from . import meta
-from .capture import on_device
+from .capture import current_cuda_device, on_device
 from .graph_trees import IN_GRAPH_TWINS, check_graph_trees
 from .merge import merge_kernel
-from .meta.checks import attention_inputs_are_valid, check_attention_inputs, check_merge_inputs
+from .meta.checks import attention_inputs_are_valid, check_attention_inputs, check_merge_inputs, merge_tensors_are_valid
 from .selector import route
 
 NAMESPACE = "mla"
@@ -65,7 +65,9 @@ def _attention_kernels(in_graph: bool):
                 "mla.prefill", (q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale), True
             )
         device = q.device
-        backend = route(device, q.dtype, q.shape[2], v.shape[2], in_graph=in_graph)
+        backend = route(device, q.dtype, q.shape[2], v.shape[2], in_graph)
+        if device.type != "cuda" or device.index == current_cuda_device():  # on_device's no-switch case, inline
+            return backend.attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
         with on_device(device):
             return backend.attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
 
@@ -75,7 +77,9 @@ def _attention_kernels(in_graph: bool):
                 "mla.prefill_context_chunk", (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale), False
             )
         device = q.device
-        backend = route(device, q.dtype, q.shape[2], v.shape[2], in_graph=in_graph)
+        backend = route(device, q.dtype, q.shape[2], v.shape[2], in_graph)
+        if device.type != "cuda" or device.index == current_cuda_device():
+            return backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
         with on_device(device):
             return backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
 
@@ -87,7 +91,8 @@ _prefill_in_graph, _prefill_context_chunk_in_graph = _attention_kernels(in_graph
 
 
 def _merge(prefix_out, prefix_lse, suffix_out, suffix_lse):
-    check_merge_inputs(prefix_out, prefix_lse, suffix_out, suffix_lse)
+    if not merge_tensors_are_valid(prefix_out, prefix_lse, suffix_out, suffix_lse):
+        check_merge_inputs(prefix_out, prefix_lse, suffix_out, suffix_lse)
     # No device switch here: each merge function runs on its tensors' device whichever is current.
     return merge_kernel(prefix_out.device)(prefix_out, prefix_lse, suffix_out, suffix_lse)
 

@@ -269,7 +269,7 @@ def backend_for(q: torch.Tensor, v: torch.Tensor, *, in_graph: bool = False) -> 
 
 
 def route(
-    device: torch.device, dtype: torch.dtype, head_dim_qk: int, head_dim_v: int, *, in_graph: bool = False
+    device: torch.device, dtype: torch.dtype, head_dim_qk: int, head_dim_v: int, in_graph: bool = False
 ) -> PrefillBackend:
     """The backend the ops run for tensors on ``device`` of ``dtype`` with these head dims; cached.
 
