@@ -72,6 +72,7 @@ FIELDS = R.Fields(
     *(f"{form}_forward_us" for form in A.FORMS),
     *(A.part_key(part) for part in A.PARTS),
     A.TOTAL_KEY,
+    A.REST_KEY,
 )
 #: The Markdown table of ``--attribute``: per backend, host µs per layer in the attention calls of each form,
 #: and the parts of the op cost.
@@ -80,6 +81,7 @@ ATTRIBUTION_COLUMNS = [
     *((form, R.num(f"{form}_us", ".1f")) for form in A.FORMS),
     *((part, R.num(A.part_key(part), ".1f")) for part in A.PARTS),
     ("api - raw", R.num(A.TOTAL_KEY, ".1f")),
+    ("rest of the forward, api - raw", R.num(A.REST_KEY, ".1f")),
 ]
 #: Forwards of each form that ``--attribute`` times when given without a number.
 ATTRIBUTION_SAMPLES = 60
@@ -200,8 +202,9 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argpa
         table += (
             f"\n\n## Where the op cost goes\n\nHost µs per layer spent in the layers' attention calls, medians over "
             f"{attributed[0]['attribution_samples']} forwards of each form taken in turns (`--attribute`). Forms: "
-            f"{forms}. Parts (medians of differences of neighbouring samples): {parts}.\n\n"
-            + R.rows_table(attributed, ATTRIBUTION_COLUMNS)
+            f"{forms}. Parts (medians of differences of neighbouring samples): {parts}; *rest of the forward*: "
+            "the same difference, api - raw, of the host time outside the attention calls (the layers' other "
+            "calls).\n\n" + R.rows_table(attributed, ATTRIBUTION_COLUMNS)
         )
     return R.results_page("MLA layers, ops against raw library calls", env, intro, table)
 
@@ -253,7 +256,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if result.get(A.TOTAL_KEY) is not None:
             forms = "  ".join(f"{form} {result[f'{form}_us']:.1f}" for form in A.FORMS)
             parts = "  ".join(f"{part} {result[A.part_key(part)]:.1f}" for part in A.PARTS)
-            print(f"  attention host µs/layer: {forms}\n  parts: {parts}  (api - raw {result[A.TOTAL_KEY]:.1f})")
+            print(
+                f"  attention host µs/layer: {forms}\n  parts: {parts}  (api - raw {result[A.TOTAL_KEY]:.1f}; "
+                f"outside the attention calls {result[A.REST_KEY]:.1f})"
+            )
     R.end_run(env, not_measured, started)
     R.write_run(
         args.out or R.default_out_dir(device), "layers", FIELDS.keys, rows, env, render_markdown(rows, env, args)

@@ -350,7 +350,7 @@ def test_layers_cpu_run_attributes_the_op_cost(tmp_path, written):
     assert row["status"] == "ok" and float(row["rel_diff"]) == 0.0 and row["attribution_samples"] == "3"
     for form in A.FORMS:
         assert float(row[f"{form}_us"]) > 0 and float(row[f"{form}_forward_us"]) >= float(row[f"{form}_us"])
-    for key in [A.part_key(part) for part in A.PARTS] + [A.TOTAL_KEY]:
+    for key in [A.part_key(part) for part in A.PARTS] + [A.TOTAL_KEY, A.REST_KEY]:
         assert math.isfinite(float(row[key])), key
     assert "parts: API wrappers" in printed
     md = (tmp_path / "layers.md").read_text()

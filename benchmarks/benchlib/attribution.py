@@ -52,6 +52,8 @@ PARTS = {
 #: The whole op cost, as the parts are: ``(form, minus form)``, and its result key.
 TOTAL = ("api", "raw")
 TOTAL_KEY = "op_cost_host_us"
+#: The same difference for the host time of the forwards *outside* the attention calls.
+REST_KEY = "rest_of_forward_us"
 
 #: The ops a layer's attention calls, in the order :func:`_chained` takes them.
 _OP_NAMES = ("prefill", "prefill_context_chunk", "merge_attn_states")
@@ -161,7 +163,8 @@ def attribute(
 
     Returns ``{"<form>_us": median µs per layer, "<form>_forward_us": the whole forward's host time per layer,
     "<part>_us": median of the differences of neighbouring samples}`` with part names in snake case
-    (:func:`part_key`), :data:`TOTAL_KEY` (the same for ``api`` - ``raw``), ``"samples"``, and
+    (:func:`part_key`), :data:`TOTAL_KEY` (the same for ``api`` - ``raw``), :data:`REST_KEY` (``api`` - ``raw``
+    of the host time outside the attention calls), ``"samples"``, and
     ``"forms_rel_diff"``: the largest ``||out - out_api|| / ||out_api||`` of the stacks' outputs (the forms
     compute the same layers, so it is rounding at most).
     """
@@ -197,6 +200,14 @@ def attribute(
         result[f"{name}_forward_us"] = statistics.median(forward_us[name])
     for key, (form, minus) in [(part_key(part), pair) for part, pair in PARTS.items()] + [(TOTAL_KEY, TOTAL)]:
         result[key] = statistics.median(a - b for a, b in zip(attention[form], attention[minus]))
+    # The layers' other calls, outside attention: the same code in every form, so a difference here is
+    # what a form's attention does to the rest of the forward (caches, allocator state).
+    form, minus = TOTAL
+    rest = [
+        (fa - aa) - (fb - ab)
+        for fa, aa, fb, ab in zip(forward_us[form], attention[form], forward_us[minus], attention[minus])
+    ]
+    result[REST_KEY] = statistics.median(rest)
     return result
 
 
