@@ -25,12 +25,22 @@ from . import ops  # noqa: F401  (registers torch.ops.mla)
 from .graph_trees import IN_GRAPH_TWINS, routes_in_graph
 from .meta.checks import MAX_SEQLEN_LIMIT, check_argument_types, check_attention_inputs, check_merge_inputs
 
+
+def _overload_callable(overload: torch._ops.OpOverload):
+    """What the eager fast paths call: the default overload's C++ callable, which ``OpOverload.__call__``
+    only forwards to (one Python frame less per call); the overload itself where a torch has none."""
+    return getattr(overload, "_op", overload)
+
+
 # The ops' default overloads, which the eager fast paths call directly: the OpOverloadPacket's __call__
-# costs a microsecond more. (Traced calls keep the packet, as graphs have always shown it.)
-_PREFILL = torch.ops.mla.prefill.default
-_PREFILL_CONTEXT_CHUNK = torch.ops.mla.prefill_context_chunk.default
-_MERGE_ATTN_STATES = torch.ops.mla.merge_attn_states.default
+# costs a microsecond more, and every Python frame on this path costs more again between a model's other
+# calls, where the path is out of the CPU's caches. (Traced calls keep the packet, as graphs have always
+# shown it.)
+_PREFILL = _overload_callable(torch.ops.mla.prefill.default)
+_PREFILL_CONTEXT_CHUNK = _overload_callable(torch.ops.mla.prefill_context_chunk.default)
+_MERGE_ATTN_STATES = _overload_callable(torch.ops.mla.merge_attn_states.default)
 _Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
 
 # The ops' twins for calls inside CUDA-graph trees: same schemas, routed with in_graph=True.
 _PREFILL_IN_GRAPH = getattr(torch.ops.mla, IN_GRAPH_TWINS["prefill"])
@@ -78,19 +88,6 @@ def _scale(op: str, q: torch.Tensor, softmax_scale: object) -> float:
     return float(softmax_scale)
 
 
-def _plain_eager_call(tensors: tuple, lengths: tuple) -> bool:
-    """Whether an eager call can go straight to the op: its kernel validates everything then. The
-    API's own checks add what the dispatcher would reject with messages that name no argument (other
-    types, ints beyond the schema's int64), and what torch.compile needs; ``is_compiling()`` comes
-    first, so that Dynamo, for which it is a constant, looks no further."""
-    if torch.compiler.is_compiling():
-        return False
-    for n in lengths:
-        if type(n) is not int or n > MAX_SEQLEN_LIMIT:
-            return False
-    return all(isinstance(t, _Tensor) for t in tensors)
-
-
 def _plain_scale(q: torch.Tensor, softmax_scale: object) -> float | None:
     """The scale for the eager fast path: a float as given, the default for a 3-D ``q``, else ``None``
     (the full checks then say what is wrong)."""
@@ -136,8 +133,20 @@ def prefill(
     Inside torch.compile's CUDA-graph trees (``mode="reduce-overhead"``), the call runs the best backend
     that reads the offsets on the device (:mod:`mla_ops.graph_trees`).
     """
-    if _plain_eager_call((q, k, v, cu_seqlens), (max_seqlen,)):
-        scale = _plain_scale(q, softmax_scale)
+    # The eager fast path: straight to the op, whose kernel validates everything. The checks below add
+    # what the dispatcher would reject with messages that name no argument (other types, ints beyond the
+    # schema's int64) and what torch.compile needs; is_compiling() comes first, so that Dynamo, for which
+    # it is a constant, looks no further. One expression, no helper call: this runs on every eager call.
+    if (
+        not _is_compiling()
+        and type(max_seqlen) is int
+        and max_seqlen <= MAX_SEQLEN_LIMIT
+        and isinstance(q, _Tensor)
+        and isinstance(k, _Tensor)
+        and isinstance(v, _Tensor)
+        and isinstance(cu_seqlens, _Tensor)
+    ):
+        scale = softmax_scale if type(softmax_scale) is float else _plain_scale(q, softmax_scale)
         if scale is not None:
             return _PREFILL(q, k, v, cu_seqlens, max_seqlen, scale)
     op = "mla.prefill"
@@ -177,8 +186,19 @@ def prefill_context_chunk(
 
     Inside torch.compile's CUDA-graph trees, routed as :func:`prefill` is.
     """
-    if _plain_eager_call((q, k, v, cu_seqlens_q, cu_seqlens_k), (max_seqlen_q, max_seqlen_k)):
-        scale = _plain_scale(q, softmax_scale)
+    if (  # the eager fast path, as in prefill
+        not _is_compiling()
+        and type(max_seqlen_q) is int
+        and type(max_seqlen_k) is int
+        and max_seqlen_q <= MAX_SEQLEN_LIMIT
+        and max_seqlen_k <= MAX_SEQLEN_LIMIT
+        and isinstance(q, _Tensor)
+        and isinstance(k, _Tensor)
+        and isinstance(v, _Tensor)
+        and isinstance(cu_seqlens_q, _Tensor)
+        and isinstance(cu_seqlens_k, _Tensor)
+    ):
+        scale = softmax_scale if type(softmax_scale) is float else _plain_scale(q, softmax_scale)
         if scale is not None:
             return _PREFILL_CONTEXT_CHUNK(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
     op = "mla.prefill_context_chunk"
@@ -215,7 +235,13 @@ def merge_attn_states(
         ``(out, lse)`` as if attention had run over both key sets at once. A row empty on both sides
         gives ``out = 0`` and ``lse = -inf``; a NaN LSE on either side gives NaN in ``out`` and ``lse``.
     """
-    if _plain_eager_call((prefix_out, prefix_lse, suffix_out, suffix_lse), ()):
+    if (  # the eager fast path, as in prefill
+        not _is_compiling()
+        and isinstance(prefix_out, _Tensor)
+        and isinstance(prefix_lse, _Tensor)
+        and isinstance(suffix_out, _Tensor)
+        and isinstance(suffix_lse, _Tensor)
+    ):
         return _MERGE_ATTN_STATES(prefix_out, prefix_lse, suffix_out, suffix_lse)
     op = "mla.merge_attn_states"
     check_argument_types(
