@@ -20,9 +20,10 @@ per step would add one plan per step to both. Without a GPU it compares REFERENC
 functions on a tiny stack (a test of the script, not a measurement).
 
 With ``--attribute``, it also splits the op cost into its parts (:mod:`benchlib.attribution`): the host
-time of the layers' attention through the Python API, the ops called directly, the dispatcher alone,
-the ops' kernels without the dispatcher, the backend, and the raw calls, in turns; the differences give
-the API wrappers, the dispatcher, validation and routing, and the backend's wrapping, per layer.
+time of the layers' attention through the Python API, the fused op and the three ops called directly,
+the dispatcher alone, the ops' kernels without the dispatcher, the backend, and the raw calls, in turns;
+the differences give the API wrappers, what three op calls cost more than one, the dispatcher,
+validation and routing, and the backend's wrapping, per layer.
 
 Writes ``layers.csv``, ``layers.md`` and ``layers.env.json`` into ``benchmarks/results/<gpu-slug>/``
 (or ``--out``).
@@ -112,7 +113,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         nargs="?",
         const=ATTRIBUTION_SAMPLES,
         metavar="SAMPLES",
-        help="also split the op cost into API wrappers, dispatcher, validation and routing, and backend wrapping, "
+        help="also split the op cost into API wrappers, three op calls for one, dispatcher, validation and routing, "
+        "and backend wrapping, "
         f"from SAMPLES forwards of each form in turns (default {ATTRIBUTION_SAMPLES})",
     )
     cli.add_timer(parser)

@@ -14,6 +14,7 @@ from .checks import (
     AttentionInputs,
     check_argument_types,
     check_attention_inputs,
+    check_chunk_values,
     check_cu_seqlens_values,
     check_merge_inputs,
 )
@@ -22,11 +23,13 @@ __all__ = [
     "AttentionInputs",
     "check_argument_types",
     "check_attention_inputs",
+    "check_chunk_values",
     "check_cu_seqlens_values",
     "check_merge_inputs",
     "merge_attn_states_fake",
     "prefill_context_chunk_fake",
     "prefill_fake",
+    "prefill_with_chunk_fake",
 ]
 
 
@@ -69,3 +72,29 @@ def merge_attn_states_fake(
     """Fake ``mla::merge_attn_states``: ``out`` like ``prefix_out``, ``lse`` like ``prefix_lse``."""
     check_merge_inputs(prefix_out, prefix_lse, suffix_out, suffix_lse)
     return prefix_out.new_empty(prefix_out.shape), prefix_lse.new_empty(prefix_lse.shape)
+
+
+def prefill_with_chunk_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    k_chunk: torch.Tensor,
+    v_chunk: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_k: int,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fake ``mla::prefill_with_chunk`` (the new tokens, one context chunk and their merge): each part
+    checked as its op checks it; ``out`` ``[T, H, Dv]``, ``lse`` float32 ``[H, T]``."""
+    check_attention_inputs(
+        "mla.prefill", (q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale), self_attention=True
+    )
+    check_attention_inputs(
+        "mla.prefill_context_chunk",
+        (q, k_chunk, v_chunk, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, softmax_scale),
+        self_attention=False,
+    )
+    check_chunk_values(v, v_chunk)
+    return _attention_outputs(q, v)

@@ -275,6 +275,16 @@ def check_merge_inputs(
     _check_grad(op, ("prefix_out", "suffix_out"), (prefix_out, suffix_out))
 
 
+def check_chunk_values(v: torch.Tensor, v_chunk: torch.Tensor) -> None:
+    """A context chunk's values must be as wide as the new tokens' (``[.., .., Dv]`` both): the two
+    attentions' outputs are merged. Called after both inputs passed :func:`check_attention_inputs`."""
+    if v_chunk.shape[2] != v.shape[2]:
+        raise ValueError(
+            f"mla.prefill_with_chunk: v_chunk has head dim {v_chunk.shape[2]} but v has {v.shape[2]}; a context "
+            "chunk's values must be as wide as the new tokens' values"
+        )
+
+
 def check_argument_types(op: str, tensors: dict[str, object], ints: dict[str, object]) -> None:
     """Check Python argument types before they reach the dispatcher, whose own errors name no argument."""
     for name, t in tensors.items():

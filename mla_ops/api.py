@@ -39,6 +39,7 @@ def _overload_callable(overload: torch._ops.OpOverload):
 _PREFILL = _overload_callable(torch.ops.mla.prefill.default)
 _PREFILL_CONTEXT_CHUNK = _overload_callable(torch.ops.mla.prefill_context_chunk.default)
 _MERGE_ATTN_STATES = _overload_callable(torch.ops.mla.merge_attn_states.default)
+_PREFILL_WITH_CHUNK = _overload_callable(torch.ops.mla.prefill_with_chunk.default)
 _Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
 
@@ -272,6 +273,37 @@ def _as_chunk(index: int, chunk: object, q: torch.Tensor, v: torch.Tensor) -> Co
     return ContextChunk(k_c, v_c, cu_seqlens_k, _length(where, "max_seqlen_k", max_seqlen_k))
 
 
+def _fused_arguments(q, k, v, cu_seqlens, max_seqlen, chunk, scale) -> tuple | None:
+    """The fused op's arguments for an eager :func:`prefill_with_context` call with this one chunk (and
+    the float ``scale``), or ``None`` unless every argument is of the plain types and the chunk's dims
+    are the ones :func:`_as_chunk` accepts: anything else takes the general path, whose checks name what
+    is wrong. What is left to check, the fused op's kernel checks as the three ops would."""
+    kind = type(chunk)
+    if not (kind is ContextChunk or (kind is tuple and len(chunk) == 4)):
+        return None
+    k_c, v_c, cu_k, max_k = chunk
+    plain = (
+        type(max_seqlen) is int
+        and type(max_k) is int
+        and max_seqlen <= MAX_SEQLEN_LIMIT
+        and max_k <= MAX_SEQLEN_LIMIT
+        and isinstance(q, _Tensor)
+        and isinstance(k, _Tensor)
+        and isinstance(v, _Tensor)
+        and isinstance(cu_seqlens, _Tensor)
+        and isinstance(k_c, _Tensor)
+        and isinstance(v_c, _Tensor)
+        and isinstance(cu_k, _Tensor)
+    )
+    if not plain:
+        return None
+    qs, vs, ks, vcs = q.shape, v.shape, k_c.shape, v_c.shape
+    ranks = len(qs) == 3 and len(vs) == 3 and len(ks) == 3 and len(vcs) == 3
+    if ranks and ks[1] == qs[1] and ks[2] == qs[2] and vcs[1] == vs[1] and vcs[2] == vs[2]:
+        return q, k, v, cu_seqlens, max_seqlen, k_c, v_c, cu_k, max_k, scale
+    return None
+
+
 def _as_chunks(chunks: Sequence[object], q: torch.Tensor, v: torch.Tensor) -> list[ContextChunk]:
     """Every chunk as a :class:`ContextChunk` (see :func:`_as_chunk`), with the common case first.
 
@@ -349,6 +381,9 @@ def prefill_with_context(
     the partial results, which equals one causal attention over ``[context ; new tokens]``. Up to
     :data:`SEQUENTIAL_MERGE_MAX_CHUNKS` chunks are merged one by one with :func:`merge_attn_states`;
     more are accumulated in fp32 and rounded once, so the error does not grow with their number.
+    Eagerly, one chunk runs as one call of the internal op ``mla.prefill_with_chunk``, which does the
+    three ops' work with their checks and returns exactly what they return, with one dispatch and one
+    routing instead of three (:mod:`mla_ops.ops`).
 
     Under ``torch.compile`` the number of chunks is part of the compiled graph: pack them into one
     with :func:`pack_chunks` outside the compiled function, and every count runs the same graph.
@@ -362,6 +397,12 @@ def prefill_with_context(
         ``(out, lse)``: ``out`` ``[T, H, Dv]``; ``lse`` float32 ``[H, T]``.
     """
     scale = softmax_scale if type(softmax_scale) is float else _scale("prefill_with_context", q, softmax_scale)
+    if not _is_compiling() and type(chunks) in (list, tuple) and len(chunks) == 1:
+        # The common eager layer, one chunk: the three ops' work in one op call (mla_ops.ops.FUSED_SCHEMA), the
+        # same results. Only for arguments of the plain types, which the fused kernel validates in full.
+        fused = _fused_arguments(q, k, v, cu_seqlens, max_seqlen, chunks[0], scale)
+        if fused is not None:
+            return _PREFILL_WITH_CHUNK(*fused)
     out, lse = prefill(q, k, v, cu_seqlens, max_seqlen, scale)
     chunks = _as_chunks(chunks, q, v)
     partials = (

@@ -16,6 +16,13 @@ against 21 us for ``torch.library.custom_op``). They are forward-only: there is 
 The two attention ops have an internal twin each, ``*_in_graph`` (:data:`mla_ops.graph_trees.IN_GRAPH_TWINS`),
 with the same schema and validation, which the Python API calls inside CUDA-graph trees and whose kernel
 selects with ``in_graph=True`` (never a backend that plans on the host). Its fake refuses nothing.
+
+One more internal op, ``prefill_with_chunk`` (:data:`FUSED_SCHEMA`), is what :func:`mla_ops.prefill_with_context`
+calls eagerly for the common layer of one context chunk: ``prefill``, ``prefill_context_chunk`` and
+``merge_attn_states`` in one kernel, with the same validation, routing and device guard as the three
+ops, the same backend calls and the same merge, so it returns exactly what the three return. One op
+call instead of three is one dispatch and one routing instead of three. Traced code keeps the three
+ops (the API calls this one only outside ``torch.compile``).
 """
 
 from __future__ import annotations
@@ -26,7 +33,13 @@ from . import meta
 from .capture import current_cuda_device, on_device
 from .graph_trees import IN_GRAPH_TWINS, check_graph_trees
 from .merge import merge_kernel
-from .meta.checks import attention_inputs_are_valid, check_attention_inputs, check_merge_inputs, merge_tensors_are_valid
+from .meta.checks import (
+    attention_inputs_are_valid,
+    check_attention_inputs,
+    check_chunk_values,
+    check_merge_inputs,
+    merge_tensors_are_valid,
+)
 from .selector import route
 
 NAMESPACE = "mla"
@@ -46,8 +59,14 @@ SCHEMAS = {
     ),
 }
 
+#: The internal op that runs a layer's new tokens, one context chunk and their merge in one call.
+FUSED_SCHEMA = (
+    "prefill_with_chunk(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, Tensor k_chunk,"
+    " Tensor v_chunk, Tensor cu_seqlens_k, SymInt max_seqlen_k, float softmax_scale) -> (Tensor out, Tensor lse)"
+)
+
 _lib = torch.library.Library(NAMESPACE, "DEF")
-for _schema in SCHEMAS.values():
+for _schema in (*SCHEMAS.values(), FUSED_SCHEMA):
     _lib.define(_schema)
 for _name, _twin in IN_GRAPH_TWINS.items():
     _lib.define(_twin + SCHEMAS[_name].removeprefix(_name))
@@ -86,6 +105,34 @@ def _attention_kernels(in_graph: bool):
     return prefill, prefill_context_chunk
 
 
+def _prefill_with_chunk(q, k, v, cu_seqlens, max_seqlen, k_chunk, v_chunk, cu_seqlens_k, max_seqlen_k, softmax_scale):
+    # Each part is checked as its own op checks it, with that op's messages; then that the chunk's values
+    # are as wide as the new tokens', which the merge of the two ops' outputs would check.
+    if not attention_inputs_are_valid(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True):
+        check_attention_inputs(
+            "mla.prefill", (q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale), True
+        )
+    if not attention_inputs_are_valid(
+        q, k_chunk, v_chunk, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, softmax_scale, False
+    ):
+        check_attention_inputs(
+            "mla.prefill_context_chunk",
+            (q, k_chunk, v_chunk, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, softmax_scale),
+            False,
+        )
+    dv = v.shape[2]
+    if v_chunk.shape[2] != dv:
+        check_chunk_values(v, v_chunk)
+    device = q.device
+    backend = route(device, q.dtype, q.shape[2], dv, False)
+    with on_device(device):
+        out, lse = backend.attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
+        out_c, lse_c = backend.attention(
+            q, k_chunk, v_chunk, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, softmax_scale, False
+        )
+    return merge_kernel(device)(out_c, lse_c, out, lse)
+
+
 _prefill, _prefill_context_chunk = _attention_kernels(in_graph=False)
 _prefill_in_graph, _prefill_context_chunk_in_graph = _attention_kernels(in_graph=True)
 
@@ -115,6 +162,11 @@ def _prefill_context_chunk_fake(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale
     return meta.prefill_context_chunk_fake(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale)
 
 
+def _prefill_with_chunk_fake(q, k, v, cu, max_q, k_chunk, v_chunk, cu_k, max_k, softmax_scale):
+    check_graph_trees("mla::prefill_with_chunk", q, v)
+    return meta.prefill_with_chunk_fake(q, k, v, cu, max_q, k_chunk, v_chunk, cu_k, max_k, softmax_scale)
+
+
 def _register(op: str, kernel, fake) -> None:
     _lib.impl(op, kernel, "CPU")
     _lib.impl(op, kernel, "CUDA")
@@ -124,6 +176,7 @@ def _register(op: str, kernel, fake) -> None:
 _register("prefill", _prefill, _prefill_fake)
 _register("prefill_context_chunk", _prefill_context_chunk, _prefill_context_chunk_fake)
 _register("merge_attn_states", _merge, meta.merge_attn_states_fake)
+_register("prefill_with_chunk", _prefill_with_chunk, _prefill_with_chunk_fake)
 # The twins' fakes need no graph-tree check: their kernels never select a backend that plans on the host.
 _register(IN_GRAPH_TWINS["prefill"], _prefill_in_graph, meta.prefill_fake)
 _register(IN_GRAPH_TWINS["prefill_context_chunk"], _prefill_context_chunk_in_graph, meta.prefill_context_chunk_fake)

@@ -354,12 +354,13 @@ def test_layers_cpu_run_attributes_the_op_cost(tmp_path, written):
         assert math.isfinite(float(row[key])), key
     assert "parts: API wrappers" in printed
     md = (tmp_path / "layers.md").read_text()
-    assert "## Where the op cost goes" in md and "| backend | api | ops | dispatch |" in md
+    assert "## Where the op cost goes" in md and "| backend | api | fused | ops | dispatch |" in md
 
 
 def test_attribution_forms_take_the_dispatcher_only_where_they_say():
-    """Seen from a dispatch mode: the ops form dispatches the mla ops, the dispatch form its own ops of the same
-    schemas, and the kernels, backend and raw forms no op of either namespace; all give the api form's result."""
+    """Seen from a dispatch mode: the api and fused forms dispatch the fused op, the ops form the three mla ops,
+    the dispatch form its own ops of their schemas, and the kernels, backend and raw forms no op of either
+    namespace; all give the api form's result."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import mla_ops
@@ -385,9 +386,14 @@ def test_attribution_forms_take_the_dispatcher_only_where_they_say():
             with Seen() as seen:
                 out, lse = fn(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen, [chunk], 0.1)
             assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), form
-            namespace = {"api": "mla", "ops": "mla", "dispatch": A.NAMESPACE}.get(form)
-            expected = [f"{namespace}::{op}" for op in ("prefill", "prefill_context_chunk", "merge_attn_states")]
-            assert seen.ops == (expected if namespace else []), form
+            three = ("prefill", "prefill_context_chunk", "merge_attn_states")
+            expected = {
+                "api": ["mla::prefill_with_chunk"],  # one chunk, eagerly: the fused op
+                "fused": ["mla::prefill_with_chunk"],
+                "ops": [f"mla::{op}" for op in three],
+                "dispatch": [f"{A.NAMESPACE}::{op}" for op in three],
+            }
+            assert seen.ops == expected.get(form, []), form
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -62,6 +63,55 @@ def test_opcheck_all_ops(shape) -> None:
     out_a, lse_a = torch.ops.mla.prefill(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen, scale)
     out_b, lse_b = torch.ops.mla.prefill_context_chunk(*chunk_args)
     torch.library.opcheck(torch.ops.mla.merge_attn_states.default, (out_a, lse_a, out_b, lse_b))
+
+
+def test_the_internal_fused_op_is_registered_like_the_ops() -> None:
+    """mla::prefill_with_chunk, which prefill_with_context runs eagerly for one chunk: its documented schema,
+    a kernel for CPU and CUDA, and a fake."""
+    from mla_ops.ops import FUSED_SCHEMA
+
+    assert str(torch.ops.mla.prefill_with_chunk.default._schema) == "mla::" + FUSED_SCHEMA
+    for key in ("CPU", "CUDA", "Meta"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key("mla::prefill_with_chunk", key), key
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_fused_op_passes_opcheck_and_equals_the_three_ops(shape) -> None:
+    lengths, heads, dqk, dv, dtype, strided, padding = shape
+    b = make_batch(lengths, heads, dqk, dv, dtype, strided_v=strided, padding=padding)
+    scale = dqk**-0.5
+    k_c, v_c, cu_k, max_k = _chunk_for(b, [(i * 3) % 5 for i in range(len(lengths))])
+    args = (b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen, k_c, v_c, cu_k, max_k, scale)
+    torch.library.opcheck(torch.ops.mla.prefill_with_chunk.default, args)
+    out, lse = torch.ops.mla.prefill_with_chunk(*args)
+    want = torch.ops.mla.merge_attn_states(
+        *torch.ops.mla.prefill_context_chunk(b.q, k_c, v_c, b.cu_seqlens, cu_k, b.max_seqlen, max_k, scale),
+        *torch.ops.mla.prefill(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen, scale),
+    )
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["kernel", "fake"])
+def test_fused_op_checks_each_part_as_its_op_does(fake: bool) -> None:
+    b = make_batch([3, 4], 2, 192, 128, torch.bfloat16)
+    k_c, v_c, cu_k, max_k = _chunk_for(b, [2, 5])
+    good = [b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen, k_c, v_c, cu_k, max_k, 0.1]
+    cases = [
+        ({2: b.v.half()}, TypeError, "mla.prefill: v has dtype float16 but q has bfloat16"),
+        ({5: k_c[..., :128]}, ValueError, "mla.prefill_context_chunk: q has head dim 192 but k has 128"),
+        ({7: cu_k.long()}, TypeError, "mla.prefill_context_chunk: cu_seqlens_k must have dtype int32"),
+        ({6: torch.randn(7, 2, 64, dtype=torch.bfloat16)}, ValueError, "v_chunk has head dim 64 but v has 128"),
+    ]
+    for overrides, error, message in cases:
+        args = [overrides.get(i, a) for i, a in enumerate(good)]
+        if fake:
+            mode = FakeTensorMode()
+            args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+            with mode, pytest.raises(error, match=re.escape(message)):
+                torch.ops.mla.prefill_with_chunk(*args)
+        else:
+            with pytest.raises(error, match=re.escape(message)):
+                torch.ops.mla.prefill_with_chunk(*args)
 
 
 def test_fake_kernels_give_shapes_without_data() -> None:

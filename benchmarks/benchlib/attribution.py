@@ -3,8 +3,10 @@
 Each form computes the same attention of a layer (the new tokens' causal call, each context chunk's
 call, the merges), with less of the package around the backend's work:
 
-- ``api``: :func:`mla_ops.prefill_with_context`, as the layers call it;
-- ``ops``: the ops' default overloads, ``torch.ops.mla.*.default``, called directly (no Python API);
+- ``api``: :func:`mla_ops.prefill_with_context`, as the layers call it (eagerly, for one chunk, one call
+  of the internal op ``mla.prefill_with_chunk``);
+- ``fused``: that op's default overload called directly (with more than one chunk, the ``ops`` form);
+- ``ops``: the three ops' default overloads, ``torch.ops.mla.*.default``, called directly;
 - ``dispatch``: ops of the same schemas in a namespace of this module, whose kernels call the backend at
   once: the dispatcher's cost for those schemas, and nothing of the package's kernels;
 - ``kernels``: the ops' eager kernels (:data:`mla_ops.ops.EAGER_KERNELS`) called as Python functions:
@@ -17,8 +19,8 @@ a sample is one forward from an idle device, and what it records is the host tim
 attention calls. The eager layers are host-bound on small batches, so that time is what each form costs
 a forward. :data:`PARTS` are the differences of neighbouring samples, which split the op cost
 (``api`` - ``raw``) into the API wrappers, the dispatcher, validation and routing, and the backend's own
-wrapping of its library. The parts are medians of separate differences: their sum is close to, not equal
-to, the median of ``api`` - ``raw``.
+wrapping of its library, and say what three op calls cost more than the fused one. The parts are medians
+of separate differences: their sum is close to, not equal to, the median of ``api`` - ``raw``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from .methods import relative_difference
 #: The forms timed, thickest first, with what each one calls.
 FORMS = {
     "api": "mla_ops.prefill_with_context",
-    "ops": "torch.ops.mla.*.default called directly",
+    "fused": "torch.ops.mla.prefill_with_chunk.default called directly",
+    "ops": "the three torch.ops.mla.*.default called directly",
     "dispatch": "ops of the same schemas whose kernels call the backend at once",
     "kernels": "the ops' eager kernels called as Python functions",
     "backend": "the backend's attention() and the merge function",
@@ -43,7 +46,8 @@ FORMS = {
 }
 #: The parts of the op cost: ``name: (form, minus form)``.
 PARTS = {
-    "API wrappers": ("api", "ops"),
+    "API wrappers": ("api", "fused"),
+    "three op calls for one": ("ops", "fused"),
     "dispatcher": ("dispatch", "backend"),
     "validation and routing": ("kernels", "backend"),
     "backend wrapping": ("backend", "raw"),
@@ -129,9 +133,19 @@ def attention_forms(backend: Any, device: Any, raw_attention: Callable) -> dict[
     def backend_chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale):
         return backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, False)
 
+    three = _chained(ops.prefill.default, ops.prefill_context_chunk.default, ops.merge_attn_states.default)
+    fused_op = ops.prefill_with_chunk.default
+
+    def fused(q, k, v, cu_seqlens, max_seqlen, chunks, softmax_scale):
+        if len(chunks) != 1:
+            return three(q, k, v, cu_seqlens, max_seqlen, chunks, softmax_scale)
+        ((k_c, v_c, cu_k, max_k),) = chunks
+        return fused_op(q, k, v, cu_seqlens, max_seqlen, k_c, v_c, cu_k, max_k, softmax_scale)
+
     return {
         "api": mla_ops.prefill_with_context,
-        "ops": _chained(ops.prefill.default, ops.prefill_context_chunk.default, ops.merge_attn_states.default),
+        "fused": fused,
+        "ops": three,
         "dispatch": _chained(*_dispatch_ops()),
         "kernels": _chained(*(EAGER_KERNELS[name] for name in _OP_NAMES)),
         "backend": _chained(backend_causal, backend_chunk, _targets["merge"]),
