@@ -82,3 +82,28 @@ def test_packed_context_compiles_once_on_cuda(backend: str) -> None:
             rel = ((out.double() - want).norm() / want.norm()).item()
             assert rel <= 2e-2, (backend, new_lengths, rel)
     assert counters["stats"]["unique_graphs"] - before == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_one_chunk_layer_runs_the_fused_op_with_the_three_ops_results(backend: str) -> None:
+    """prefill_with_context with one chunk runs eagerly as mla::prefill_with_chunk: bit for bit what the three
+    ops return on this backend, zero-length sequences and empty chunk slices included. (Capture and replay of a
+    layer with one chunk, which takes the same op, is test_gpu_e2e's manual CUDA-graph test.)"""
+    _require(backend)
+    gen = torch.Generator().manual_seed(7)
+    lengths, context = [5, 0, 130, 17], [33, 4, 0, 260]
+    cu, cu_k = cu_seqlens_of(lengths, "cuda"), cu_seqlens_of(context, "cuda")
+    q, k = (torch.randn(sum(lengths), 16, 192, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    v = torch.randn(sum(lengths), 16, 256, generator=gen).to("cuda", torch.bfloat16)[..., 128:]  # strided
+    k_c = torch.randn(sum(context), 16, 192, generator=gen).to("cuda", torch.bfloat16)
+    v_c = torch.randn(sum(context), 16, 256, generator=gen).to("cuda", torch.bfloat16)[..., :128]
+    with mla_ops.prefill_backend(backend), torch.no_grad():
+        out, lse = mla_ops.prefill_with_context(q, k, v, cu, max(lengths), [(k_c, v_c, cu_k, max(context))])
+        new = mla_ops.prefill(q, k, v, cu, max(lengths))
+        chunk = mla_ops.prefill_context_chunk(q, k_c, v_c, cu, cu_k, max(lengths), max(context))
+        want_out, want_lse = mla_ops.merge_attn_states(*chunk, *new)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    chunks = [mla_ops.ContextChunk(k_c, v_c, cu_k, max(context))]
+    ref_out, ref_lse = attention_fp64(q, k, v, cu, max(lengths), chunks, 192**-0.5)
+    assert ((out.double() - ref_out).norm() / ref_out.norm()).item() < 1e-2
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-2
