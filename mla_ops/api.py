@@ -26,7 +26,7 @@ from .graph_trees import IN_GRAPH_TWINS, routes_in_graph
 from .meta.checks import MAX_SEQLEN_LIMIT, check_argument_types, check_attention_inputs, check_merge_inputs
 
 
-def _overload_callable(overload: torch._ops.OpOverload):
+def _overload_callable(overload: torch._ops.OpOverload) -> object:
     """What the eager fast paths call: the default overload's C++ callable, which ``OpOverload.__call__``
     only forwards to (one Python frame less per call); the overload itself where a torch has none."""
     return getattr(overload, "_op", overload)
@@ -307,10 +307,10 @@ def _fused_arguments(q, k, v, cu_seqlens, max_seqlen, chunk, scale) -> tuple | N
 def _as_chunks(chunks: Sequence[object], q: torch.Tensor, v: torch.Tensor) -> list[ContextChunk]:
     """Every chunk as a :class:`ContextChunk` (see :func:`_as_chunk`), with the common case first.
 
-    A layer calls this once per forward: a chunk that is already a well-formed ``ContextChunk`` or
-    4-tuple is taken as it is after comparing its dims one by one, which costs a fraction of
-    slicing and comparing ``torch.Size`` objects. Anything else gets :func:`_as_chunk`'s checks and
-    messages.
+    :func:`prefill_with_context` calls this once per call that does not take the fused op: a chunk that
+    is already a well-formed ``ContextChunk`` or 4-tuple is taken as it is after comparing its dims one by
+    one, which costs a fraction of slicing and comparing ``torch.Size`` objects. Anything else gets
+    :func:`_as_chunk`'s checks and messages.
     """
     _, heads, dqk = q.shape
     dv = v.shape[2]
