@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -26,7 +26,7 @@ from .graph_trees import IN_GRAPH_TWINS, routes_in_graph
 from .meta.checks import MAX_SEQLEN_LIMIT, check_argument_types, check_attention_inputs, check_merge_inputs
 
 
-def _overload_callable(overload: torch._ops.OpOverload) -> object:
+def _overload_callable(overload: torch._ops.OpOverload) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """What the eager fast paths call: the default overload's C++ callable, which ``OpOverload.__call__``
     only forwards to (one Python frame less per call); the overload itself where a torch has none."""
     return getattr(overload, "_op", overload)
