@@ -5,9 +5,9 @@ A stack of :class:`mla_ops.model.MLAAttention` layers (DeepSeek-V3's head dims, 
 default) runs one batch of 512 new tokens over 8 sequences with one chunk of cached context, eagerly,
 in two forms with the same weights:
 
-- **op**: each layer's attention is ``mla_ops.prefill_with_context``, i.e. the ops
-  (``mla.prefill``, ``mla.prefill_context_chunk``, ``mla.merge_attn_states``) under
-  ``prefill_backend(NAME)``;
+- **op**: each layer's attention is ``mla_ops.prefill_with_context`` under ``prefill_backend(NAME)``:
+  for the batch's one chunk, eagerly, one call of the internal op ``mla.prefill_with_chunk``, which does
+  the work of ``mla.prefill``, ``mla.prefill_context_chunk`` and ``mla.merge_attn_states``;
 - **raw**: each layer's attention calls the backend's library directly: FlashInfer's wrappers planned
   once for the batch, then ``run`` and ``flashinfer.merge_state``; the FlashAttention implementation
   FLASH_ATTN runs here (FlashAttention-4, or PyTorch's bundled FlashAttention-2 on ``v`` widened as the
