@@ -11,8 +11,10 @@ kernels take a few microseconds, it measures per call:
    implementation FLASH_ATTN runs here, the package's Triton kernel function, or the reference math
    on CPU);
 
-and reports (2)-(3), the op's own overhead, and (2)-(4). The same for ``prefill_context_chunk`` and
-for ``merge_attn_states``. On CUDA it also captures N calls in a CUDA graph, where the backend can be
+and reports (2)-(3), the op's own overhead, and (2)-(4). The same for ``prefill_context_chunk``, for
+a layer's attention with one context chunk (``mla_ops.prefill_with_context``, which eagerly calls the
+fused op ``mla.prefill_with_chunk``, against the backend's two calls and the merge, and the raw calls
+merged), and for ``merge_attn_states``. On CUDA it also captures N calls in a CUDA graph, where the backend can be
 captured, and times replays: there the host cost disappears and what remains is device time.
 
 Writes ``dispatch.csv``, ``dispatch.md`` and ``dispatch.env.json`` into
@@ -188,6 +190,84 @@ def measure_backend(
     return out
 
 
+#: The path name of the one-chunk layer rows.
+LAYER_PATH = "prefill_with_context, 1 chunk"
+
+
+def measure_layer(
+    row: dict[str, Any], causal: P.Problem, chunk: P.Problem, args: argparse.Namespace, device: torch.device, auto: str
+) -> dict[str, Any]:
+    """One row for a layer's attention with one context chunk: the new tokens of ``causal`` over
+    themselves and over ``chunk``'s keys, merged. *mla_ops.** is ``mla_ops.prefill_with_context`` (eagerly
+    one call of the fused op), *torch.ops.mla.** the fused op ``mla.prefill_with_chunk`` itself, *direct*
+    the backend's two ``attention`` calls and the merge function, *raw* the backend's library calls merged
+    as ``bench_layers.py``'s raw layers merge them (:class:`benchlib.methods.RawLayerAttention`)."""
+    import torch
+
+    import mla_ops
+    from mla_ops.merge import merge_kernel
+
+    name, backend = row["name"], row["backend"]
+    out: dict[str, Any] = {
+        "path": LAYER_PATH,
+        "backend": name,
+        "auto_selected": name == auto,
+        "tokens": args.tokens,
+        "heads": args.heads,
+    }
+    notes = []
+    q, k, v, cu, _, max_q, _, scale = causal.attention_args()
+    k_c, v_c, cu_k, max_k = chunk.k, chunk.v, chunk.cu_k, chunk.max_k
+    chunks = [mla_ops.ContextChunk(k_c, v_c, cu_k, max_k)]
+    fused_args = (q, k, v, cu, max_q, k_c, v_c, cu_k, max_k, scale)
+    fused = torch.ops.mla.prefill_with_chunk
+    merge = merge_kernel(device)
+
+    def direct():
+        o, lse = backend.attention(q, k, v, cu, cu, max_q, max_q, scale, True)
+        o_c, lse_c = backend.attention(q, k_c, v_c, cu, cu_k, max_q, max_k, scale, False)
+        return merge(o_c, lse_c, o, lse)
+
+    with mla_ops.prefill_backend(name):
+        fns = {
+            "api_us": lambda: mla_ops.prefill_with_context(q, k, v, cu, max_q, chunks, scale),
+            "op_us": lambda: fused(*fused_args),
+            "direct_us": direct,
+        }
+        raw = M.raw_method_for(name, backend, device, args.fi_backend)
+        why = "it has none" if raw is None else raw.unavailable(device)
+        if why is None:
+            try:
+                layer = M.RawLayerAttention(raw, device)
+                layer.plan(cu, [cu_k], args.heads, causal.dtype, scale)
+                fns["raw_us"] = lambda: layer(q, k, v, cu, max_q, chunks, scale)
+                out["raw_call"] = f"{raw.implementation}, twice, and the merge"
+            except Exception as exc:
+                why = R.short_error(exc)
+        if why is not None:
+            notes.append(f"raw calls unavailable: {why}")
+        out.update(per_call_us(fns, dict.fromkeys(fns, args.iters), device, args.rounds))
+        out["op_minus_direct_us"] = out["op_us"] - out["direct_us"]
+        if "raw_us" in out:
+            out["op_minus_raw_us"] = out["op_us"] - out["raw_us"]
+        if device.type == "cuda" and not args.no_graph and name != "REFERENCE":
+            try:
+                out["graph_op_us"] = graph_us(
+                    lambda: fused(*fused_args),
+                    device,
+                    args.graph_calls,
+                    args.graph_replays,
+                    before=lambda: mla_ops.plan_cuda_graph(cu, cu_seqlens_k=[cu_k]),
+                )
+            except Exception as exc:
+                notes.append(f"op not capturable: {R.short_error(exc)}")
+            finally:
+                mla_ops.release_cuda_graph_buffers()
+                torch.cuda.synchronize(device)
+    out["note"] = "; ".join(notes)
+    return out
+
+
 def measure_merge(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """The merge op against the function it dispatches to."""
     import torch
@@ -253,6 +333,13 @@ def measure_dispatch_floor(args: argparse.Namespace, device: torch.device) -> di
     return row
 
 
+def print_row(result: dict[str, Any]) -> None:
+    """A row's per-call figures on one line, and its note."""
+    keys = ("routing_us", "api_us", "op_us", "direct_us", "raw_us", "graph_op_us", "graph_raw_us")
+    figures = ", ".join(f"{k} {R.fmt(result.get(k), '.2f')}" for k in keys if k in result)
+    print(f"  {figures}  {result.get('note', '')}")
+
+
 def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
     """The results as Markdown: header, the table, and what the columns mean."""
     shape = f"T={rows[0]['tokens']}, H={rows[0]['heads']}, (Dqk, Dv) = ({P.DQK}, {P.DV})" if rows else ""
@@ -266,7 +353,10 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         "other raw calls return the op's outputs already. "
         "*graph* columns: device time per call inside a replayed CUDA graph. The *dispatch floor* row is an op "
         "with mla.prefill's schema whose Python kernel only returns preallocated outputs: what the dispatcher "
-        "alone costs on this host, below which no op with a Python kernel can go. Design goal: op − raw <= 5 µs."
+        "alone costs on this host, below which no op with a Python kernel can go. The *prefill_with_context, 1 "
+        "chunk* rows are a layer's attention with one context chunk: mla_ops.prefill_with_context, the fused op "
+        "mla.prefill_with_chunk it calls eagerly, the backend's two attention calls and the merge (direct), and "
+        "the library's calls merged (raw). Design goal: op − raw <= 5 µs."
     )
     return R.results_page("MLA op dispatch overhead", env, intro, FIELDS.table(rows), extra=[shape])
 
@@ -353,15 +443,20 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                     "note": f"failed: {R.short_error(exc)}",
                 }
             rows.append(result)
-            print(
-                "  "
-                + ", ".join(
-                    f"{k} {R.fmt(result.get(k), '.2f')}"
-                    for k in ("routing_us", "op_us", "direct_us", "raw_us", "graph_op_us", "graph_raw_us")
-                )
-                + "  "
-                + result.get("note", "")
-            )
+            print_row(result)
+        print(f"{row['name']} {LAYER_PATH}...", flush=True)
+        try:
+            result = measure_layer(row, causal, chunk, args, device, auto)
+        except Exception as exc:
+            result = {
+                "path": LAYER_PATH,
+                "backend": row["name"],
+                "tokens": args.tokens,
+                "heads": args.heads,
+                "note": f"failed: {R.short_error(exc)}",
+            }
+        rows.append(result)
+        print_row(result)
     print("dispatch floor...", flush=True)
     try:
         rows.append(measure_dispatch_floor(args, device))

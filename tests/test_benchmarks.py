@@ -305,6 +305,10 @@ def test_dispatch_cpu_run(tmp_path, written):
         assert math.isclose(float(r["op_minus_direct_us"]), expected, abs_tol=tol)
         assert r["raw_call"] == M.ReferenceRaw.implementation
     assert any(path == "merge_attn_states" for path, _ in rows)
+    layer = rows[(BD.LAYER_PATH, "REFERENCE")]
+    for key in ("api_us", "op_us", "direct_us", "raw_us"):
+        assert float(layer[key]) > 0, key
+    assert layer["raw_call"].startswith(M.ReferenceRaw.implementation) and layer["note"] == ""
     md = (tmp_path / "dispatch.md").read_text()
     assert "| prefill | REFERENCE | yes |" in md and "**torch**" in md
     assert json.loads((tmp_path / "dispatch.env.json").read_text())["iters"] == 5
