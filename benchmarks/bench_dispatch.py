@@ -24,6 +24,7 @@ Writes ``dispatch.csv``, ``dispatch.md`` and ``dispatch.env.json`` into
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -430,10 +431,17 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     causal = P.make_problem(P.Shape("causal", args.heads, (args.tokens,)), device, dtype, args.seed)
     chunk = P.make_problem(P.Shape("chunk", args.heads, (args.tokens,), (args.tokens,)), device, dtype, args.seed)
     for row in timed:
-        for path, problem in (("prefill", causal), ("prefill_context_chunk", chunk)):
+        measures = {
+            "prefill": functools.partial(measure_backend, row, "prefill", causal, args, device, auto),
+            "prefill_context_chunk": functools.partial(
+                measure_backend, row, "prefill_context_chunk", chunk, args, device, auto
+            ),
+            LAYER_PATH: functools.partial(measure_layer, row, causal, chunk, args, device, auto),
+        }
+        for path, measure in measures.items():
             print(f"{row['name']} {path}...", flush=True)
             try:
-                result = measure_backend(row, path, problem, args, device, auto)
+                result = measure()
             except Exception as exc:
                 result = {
                     "path": path,
@@ -444,19 +452,6 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                 }
             rows.append(result)
             print_row(result)
-        print(f"{row['name']} {LAYER_PATH}...", flush=True)
-        try:
-            result = measure_layer(row, causal, chunk, args, device, auto)
-        except Exception as exc:
-            result = {
-                "path": LAYER_PATH,
-                "backend": row["name"],
-                "tokens": args.tokens,
-                "heads": args.heads,
-                "note": f"failed: {R.short_error(exc)}",
-            }
-        rows.append(result)
-        print_row(result)
     print("dispatch floor...", flush=True)
     try:
         rows.append(measure_dispatch_floor(args, device))
