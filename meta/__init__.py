@@ -87,14 +87,8 @@ def prefill_with_chunk_fake(
     softmax_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fake ``mla::prefill_with_chunk`` (the new tokens, one context chunk and their merge): each part
-    checked as its op checks it; ``out`` ``[T, H, Dv]``, ``lse`` float32 ``[H, T]``."""
-    check_attention_inputs(
-        "mla.prefill", (q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale), self_attention=True
-    )
-    check_attention_inputs(
-        "mla.prefill_context_chunk",
-        (q, k_chunk, v_chunk, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, softmax_scale),
-        self_attention=False,
-    )
+    checked by its op's fake; ``out`` ``[T, H, Dv]``, ``lse`` float32 ``[H, T]``."""
+    out, lse = prefill_fake(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
+    prefill_context_chunk_fake(q, k_chunk, v_chunk, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, softmax_scale)
     check_chunk_values(v, v_chunk)
-    return _attention_outputs(q, v)
+    return out, lse
