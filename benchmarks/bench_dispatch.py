@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The shared modules live next to this script, which is not part of a package.
+from benchlib import attribution as A
 from benchlib import cli, timing
 from benchlib import methods as M
 from benchlib import problems as P
@@ -206,7 +207,6 @@ def measure_layer(
     import torch
 
     import mla_ops
-    from mla_ops.merge import merge_kernel
 
     name, backend = row["name"], row["backend"]
     out: dict[str, Any] = {
@@ -222,18 +222,13 @@ def measure_layer(
     chunks = [mla_ops.ContextChunk(k_c, v_c, cu_k, max_k)]
     fused_args = (q, k, v, cu, max_q, k_c, v_c, cu_k, max_k, scale)
     fused = torch.ops.mla.prefill_with_chunk
-    merge = merge_kernel(device)
-
-    def direct():
-        o, lse = backend.attention(q, k, v, cu, cu, max_q, max_q, scale, True)
-        o_c, lse_c = backend.attention(q, k_c, v_c, cu, cu_k, max_q, max_k, scale, False)
-        return merge(o_c, lse_c, o, lse)
+    direct = A.backend_attention(backend, device)
 
     with mla_ops.prefill_backend(name):
         fns = {
             "api_us": lambda: mla_ops.prefill_with_context(q, k, v, cu, max_q, chunks, scale),
             "op_us": lambda: fused(*fused_args),
-            "direct_us": direct,
+            "direct_us": lambda: direct(q, k, v, cu, max_q, chunks, scale),
         }
         raw = M.raw_method_for(name, backend, device, args.fi_backend)
         why = "it has none" if raw is None else raw.unavailable(device)

@@ -112,6 +112,20 @@ def _chained(prefill: Callable, chunk: Callable, merge: Callable) -> Callable:
     return attention
 
 
+def backend_attention(backend: Any, device: Any) -> Callable:
+    """The ``backend`` form: a layer's attention from ``backend.attention`` (causal, then each chunk) and the
+    merge function of ``device``, with no op around them."""
+    from mla_ops.merge import merge_kernel
+
+    def causal(q, k, v, cu, max_q, scale):
+        return backend.attention(q, k, v, cu, cu, max_q, max_q, scale, True)
+
+    def chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        return backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, False)
+
+    return _chained(causal, chunk, merge_kernel(device))
+
+
 def attention_forms(backend: Any, device: Any, raw_attention: Callable) -> dict[str, Callable]:
     """Every form of :data:`FORMS` as a layer attention function, for ``backend`` (the instance the ops
     route to on ``device``, under ``mla_ops.prefill_backend``) and its ``raw_attention``.
@@ -126,13 +140,6 @@ def attention_forms(backend: Any, device: Any, raw_attention: Callable) -> dict[
 
     _targets["backend"], _targets["merge"] = backend, merge_kernel(device)
     ops = torch.ops.mla
-
-    def backend_causal(q, k, v, cu, max_q, scale):
-        return backend.attention(q, k, v, cu, cu, max_q, max_q, scale, True)
-
-    def backend_chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-        return backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, False)
-
     three = _chained(ops.prefill.default, ops.prefill_context_chunk.default, ops.merge_attn_states.default)
     fused_op = ops.prefill_with_chunk.default
 
@@ -148,7 +155,7 @@ def attention_forms(backend: Any, device: Any, raw_attention: Callable) -> dict[
         "ops": three,
         "dispatch": _chained(*_dispatch_ops()),
         "kernels": _chained(*(EAGER_KERNELS[name] for name in _OP_NAMES)),
-        "backend": _chained(backend_causal, backend_chunk, _targets["merge"]),
+        "backend": backend_attention(backend, device),
         "raw": raw_attention,
     }
 
