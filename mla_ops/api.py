@@ -273,60 +273,55 @@ def _as_chunk(index: int, chunk: object, q: torch.Tensor, v: torch.Tensor) -> Co
     return ContextChunk(k_c, v_c, cu_seqlens_k, _length(where, "max_seqlen_k", max_seqlen_k))
 
 
+def _plain_chunk(chunk: object, heads: int, dqk: int, v_heads: int, dv: int) -> ContextChunk | None:
+    """``chunk`` as a :class:`ContextChunk` when it already is one, or a 4-tuple, of two tensors whose dims
+    are the ones :func:`_as_chunk` accepts (the new tokens' ``q`` ``[.., heads, dqk]`` and ``v``
+    ``[.., v_heads, dv]``) and an int bound; else ``None``, for :func:`_as_chunk`'s checks and messages.
+    Compares the dims one by one, which costs a fraction of slicing and comparing ``torch.Size`` objects."""
+    kind = type(chunk)
+    if not (kind is ContextChunk or (kind is tuple and len(chunk) == 4)):
+        return None
+    k_c, v_c, cu_k, max_k = chunk
+    if not (isinstance(k_c, _Tensor) and isinstance(v_c, _Tensor) and type(max_k) is int):
+        return None
+    ks, vcs = k_c.shape, v_c.shape
+    dims_match = len(ks) == 3 and len(vcs) == 3 and ks[1] == heads and ks[2] == dqk
+    if not (dims_match and vcs[1] == v_heads and vcs[2] == dv):
+        return None
+    return chunk if kind is ContextChunk else ContextChunk(k_c, v_c, cu_k, max_k)
+
+
 def _fused_arguments(q, k, v, cu_seqlens, max_seqlen, chunk, scale) -> tuple | None:
     """The fused op's arguments for an eager :func:`prefill_with_context` call with this one chunk (and
     the float ``scale``), or ``None`` unless every argument is of the plain types and the chunk's dims
     are the ones :func:`_as_chunk` accepts: anything else takes the general path, whose checks name what
     is wrong. What is left to check, the fused op's kernel checks as the three ops would."""
-    kind = type(chunk)
-    if not (kind is ContextChunk or (kind is tuple and len(chunk) == 4)):
-        return None
-    k_c, v_c, cu_k, max_k = chunk
     plain = (
         type(max_seqlen) is int
-        and type(max_k) is int
         and max_seqlen <= MAX_SEQLEN_LIMIT
-        and max_k <= MAX_SEQLEN_LIMIT
         and isinstance(q, _Tensor)
         and isinstance(k, _Tensor)
         and isinstance(v, _Tensor)
         and isinstance(cu_seqlens, _Tensor)
-        and isinstance(k_c, _Tensor)
-        and isinstance(v_c, _Tensor)
-        and isinstance(cu_k, _Tensor)
     )
     if not plain:
         return None
-    qs, vs, ks, vcs = q.shape, v.shape, k_c.shape, v_c.shape
-    ranks = len(qs) == 3 and len(vs) == 3 and len(ks) == 3 and len(vcs) == 3
-    if ranks and ks[1] == qs[1] and ks[2] == qs[2] and vcs[1] == vs[1] and vcs[2] == vs[2]:
-        return q, k, v, cu_seqlens, max_seqlen, k_c, v_c, cu_k, max_k, scale
-    return None
+    qs, vs = q.shape, v.shape
+    if len(qs) != 3 or len(vs) != 3:
+        return None
+    chunk = _plain_chunk(chunk, qs[1], qs[2], vs[1], vs[2])
+    if chunk is None or chunk.max_seqlen_k > MAX_SEQLEN_LIMIT or not isinstance(chunk.cu_seqlens_k, _Tensor):
+        return None
+    return q, k, v, cu_seqlens, max_seqlen, *chunk, scale
 
 
 def _as_chunks(chunks: Sequence[object], q: torch.Tensor, v: torch.Tensor) -> list[ContextChunk]:
-    """Every chunk as a :class:`ContextChunk` (see :func:`_as_chunk`), with the common case first.
-
-    :func:`prefill_with_context` calls this once per call that does not take the fused op: a chunk that
-    is already a well-formed ``ContextChunk`` or 4-tuple is taken as it is after comparing its dims one by
-    one, which costs a fraction of slicing and comparing ``torch.Size`` objects. Anything else gets
-    :func:`_as_chunk`'s checks and messages.
-    """
+    """Every chunk as a :class:`ContextChunk`: :func:`_plain_chunk` for the common case, else
+    :func:`_as_chunk`'s checks and messages. :func:`prefill_with_context` calls it once per call that does
+    not take the fused op."""
     _, heads, dqk = q.shape
-    dv = v.shape[2]
-    result = []
-    for i, chunk in enumerate(chunks):
-        kind = type(chunk)
-        if kind is ContextChunk or (kind is tuple and len(chunk) == 4):
-            k_c, v_c, cu_k, max_k = chunk
-            if isinstance(k_c, _Tensor) and isinstance(v_c, _Tensor) and type(max_k) is int:
-                ks, vcs = k_c.shape, v_c.shape
-                dims_match = len(ks) == 3 and ks[1] == heads and ks[2] == dqk
-                if dims_match and len(vcs) == 3 and vcs[1] == heads and vcs[2] == dv:
-                    result.append(chunk if kind is ContextChunk else ContextChunk(k_c, v_c, cu_k, max_k))
-                    continue
-        result.append(_as_chunk(i, chunk, q, v))
-    return result
+    _, v_heads, dv = v.shape
+    return [_plain_chunk(chunk, heads, dqk, v_heads, dv) or _as_chunk(i, chunk, q, v) for i, chunk in enumerate(chunks)]
 
 
 def _scaled_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
