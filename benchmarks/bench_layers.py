@@ -168,9 +168,8 @@ def measure_backend(
             op, plain, device, args.rounds, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, flush_l2=False, sync_each=True
         )
         if args.attribute:
-            with op.context():
-                backend = mla_ops.selector.route(device, first.o_proj.weight.dtype, P.DQK, P.DV)
-                forms = A.attention_forms(backend, device, attention)
+            with op.context():  # the api, ops and kernels forms route to the backend by this override
+                forms = A.attention_forms(row["backend"], device, attention)
                 parts = A.attribute(stack, args_, forms, device, args.attribute)
             out["attribution_samples"] = parts.pop("samples")
             out["rel_diff"] = max(out["rel_diff"], parts.pop("forms_rel_diff"))
