@@ -111,6 +111,52 @@ def raw_graph_call(name: str, raw: M.Method, p: P.Problem, fi_kernel: str) -> Ca
     return lambda: w.run(q, k, v, return_lse=True)
 
 
+def row_start(path: str, name: str, args: argparse.Namespace, auto: str | None = None) -> dict[str, Any]:
+    """The fields every row of a path and backend starts with (``auto_selected`` when ``auto`` is given)."""
+    row: dict[str, Any] = {"path": path, "backend": name, "tokens": args.tokens, "heads": args.heads}
+    if auto is not None:
+        row["auto_selected"] = name == auto
+    return row
+
+
+def record_graph_op(
+    out: dict[str, Any],
+    notes: list[str],
+    name: str,
+    fn: Callable[[], Any],
+    device: torch.device,
+    args: argparse.Namespace,
+    cu_q: torch.Tensor,
+    chunk_offsets: list[torch.Tensor],
+) -> bool:
+    """``out["graph_op_us"]``: ``fn`` captured in a CUDA graph after ``mla_ops.plan_cuda_graph(cu_q,
+    chunk_offsets)`` and replayed, or a note in ``notes`` why not. ``False`` where no capture was tried
+    (not on CUDA, ``--no-graph``, or REFERENCE, which reads the offsets on the host)."""
+    import torch
+
+    import mla_ops
+
+    if device.type != "cuda" or args.no_graph:
+        return False
+    if name == "REFERENCE":
+        notes.append("not capturable: REFERENCE reads the offsets on the host")
+        return False
+    try:
+        out["graph_op_us"] = graph_us(
+            fn,
+            device,
+            args.graph_calls,
+            args.graph_replays,
+            before=lambda: mla_ops.plan_cuda_graph(cu_q, cu_seqlens_k=chunk_offsets),
+        )
+    except Exception as exc:
+        notes.append(f"op not capturable: {R.short_error(exc)}")
+    finally:
+        mla_ops.release_cuda_graph_buffers()
+        torch.cuda.synchronize(device)
+    return True
+
+
 def measure_backend(
     row: dict[str, Any], path: str, p: P.Problem, args: argparse.Namespace, device: torch.device, auto: str
 ) -> dict[str, Any]:
@@ -121,13 +167,7 @@ def measure_backend(
     from mla_ops.selector import backend_for
 
     name, backend = row["name"], row["backend"]
-    out: dict[str, Any] = {
-        "path": path,
-        "backend": name,
-        "auto_selected": name == auto,
-        "tokens": args.tokens,
-        "heads": args.heads,
-    }
+    out = row_start(path, name, args, auto)
     notes = []
     q, k, v, cu_q, cu_k, max_q, max_k, scale = p.attention_args()
     if path == "prefill":
@@ -165,29 +205,14 @@ def measure_backend(
             out["op_minus_raw_us"] = out["op_us"] - out["raw_us"]
         if "raw_outputs_us" in out:
             out["op_minus_raw_outputs_us"] = out["op_us"] - out["raw_outputs_us"]
-        if device.type == "cuda" and not args.no_graph and name == "REFERENCE":
-            notes.append("not capturable: REFERENCE reads the offsets on the host")
-        elif device.type == "cuda" and not args.no_graph:
-            chunks = [] if path == "prefill" else [cu_k]
+        chunks = [] if path == "prefill" else [cu_k]
+        captured = record_graph_op(out, notes, name, lambda: op(*op_args), device, args, cu_q, chunks)
+        if captured and "raw_us" in out:
             try:
-                out["graph_op_us"] = graph_us(
-                    lambda: op(*op_args),
-                    device,
-                    args.graph_calls,
-                    args.graph_replays,
-                    before=lambda: mla_ops.plan_cuda_graph(cu_q, cu_seqlens_k=chunks),
-                )
+                fn = raw_graph_call(name, raw, p, args.fi_backend)
+                out["graph_raw_us"] = graph_us(fn, device, args.graph_calls, args.graph_replays)
             except Exception as exc:
-                notes.append(f"op not capturable: {R.short_error(exc)}")
-            finally:
-                mla_ops.release_cuda_graph_buffers()
-                torch.cuda.synchronize(device)
-            if "raw_us" in out:
-                try:
-                    fn = raw_graph_call(name, raw, p, args.fi_backend)
-                    out["graph_raw_us"] = graph_us(fn, device, args.graph_calls, args.graph_replays)
-                except Exception as exc:
-                    notes.append(f"raw call not capturable: {R.short_error(exc)}")
+                notes.append(f"raw call not capturable: {R.short_error(exc)}")
     out["note"] = "; ".join(notes)
     return out
 
@@ -209,13 +234,7 @@ def measure_layer(
     import mla_ops
 
     name, backend = row["name"], row["backend"]
-    out: dict[str, Any] = {
-        "path": LAYER_PATH,
-        "backend": name,
-        "auto_selected": name == auto,
-        "tokens": args.tokens,
-        "heads": args.heads,
-    }
+    out = row_start(LAYER_PATH, name, args, auto)
     notes = []
     q, k, v, cu, _, max_q, _, scale = causal.attention_args()
     k_c, v_c, cu_k, max_k = chunk.k, chunk.v, chunk.cu_k, chunk.max_k
@@ -246,20 +265,7 @@ def measure_layer(
         out["op_minus_direct_us"] = out["op_us"] - out["direct_us"]
         if "raw_us" in out:
             out["op_minus_raw_us"] = out["op_us"] - out["raw_us"]
-        if device.type == "cuda" and not args.no_graph and name != "REFERENCE":
-            try:
-                out["graph_op_us"] = graph_us(
-                    lambda: fused(*fused_args),
-                    device,
-                    args.graph_calls,
-                    args.graph_replays,
-                    before=lambda: mla_ops.plan_cuda_graph(cu, cu_seqlens_k=[cu_k]),
-                )
-            except Exception as exc:
-                notes.append(f"op not capturable: {R.short_error(exc)}")
-            finally:
-                mla_ops.release_cuda_graph_buffers()
-                torch.cuda.synchronize(device)
+        record_graph_op(out, notes, name, lambda: fused(*fused_args), device, args, cu, [cu_k])
     out["note"] = "; ".join(notes)
     return out
 
@@ -438,13 +444,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             try:
                 result = measure()
             except Exception as exc:
-                result = {
-                    "path": path,
-                    "backend": row["name"],
-                    "tokens": args.tokens,
-                    "heads": args.heads,
-                    "note": f"failed: {R.short_error(exc)}",
-                }
+                result = row_start(path, row["name"], args) | {"note": f"failed: {R.short_error(exc)}"}
             rows.append(result)
             print_row(result)
     print("dispatch floor...", flush=True)
