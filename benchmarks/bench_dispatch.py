@@ -13,9 +13,10 @@ kernels take a few microseconds, it measures per call:
 
 and reports (2)-(3), the op's own overhead, and (2)-(4). The same for ``prefill_context_chunk``, for
 a layer's attention with one context chunk (``mla_ops.prefill_with_context``, which eagerly calls the
-fused op ``mla.prefill_with_chunk``, against the backend's two calls and the merge, and the raw calls
-merged), and for ``merge_attn_states``. On CUDA it also captures N calls in a CUDA graph, where the backend can be
-captured, and times replays: there the host cost disappears and what remains is device time.
+fused op ``mla.prefill_with_chunk``, against the backend's two ``attention_for_merge`` calls and the merge,
+and the raw calls merged), and for ``merge_attn_states``. On CUDA it also captures N calls in a CUDA graph,
+where the backend can be captured, and times replays: there the host cost disappears and what remains is
+device time.
 
 Writes ``dispatch.csv``, ``dispatch.md`` and ``dispatch.env.json`` into
 ``benchmarks/results/<gpu-slug>/`` (or ``--out``). See ``benchmarks/README.md``.
@@ -227,8 +228,9 @@ def measure_layer(
     """One row for a layer's attention with one context chunk: the new tokens of ``causal`` over
     themselves and over ``chunk``'s keys, merged. *mla_ops.** is ``mla_ops.prefill_with_context`` (eagerly
     one call of the fused op), *torch.ops.mla.** the fused op ``mla.prefill_with_chunk`` itself, *direct*
-    the backend's two ``attention`` calls and the merge function, *raw* the backend's library calls merged
-    as ``bench_layers.py``'s raw layers merge them (:class:`benchlib.methods.RawLayerAttention`)."""
+    what that op calls: the backend's two ``attention_for_merge`` calls and the merge function, *raw* the
+    backend's library calls merged as ``bench_layers.py``'s raw layers merge them
+    (:class:`benchlib.methods.RawLayerAttention`)."""
     import torch
 
     import mla_ops
@@ -241,7 +243,7 @@ def measure_layer(
     chunks = [mla_ops.ContextChunk(k_c, v_c, cu_k, max_k)]
     fused_args = (q, k, v, cu, max_q, k_c, v_c, cu_k, max_k, scale)
     fused = torch.ops.mla.prefill_with_chunk
-    direct = A.backend_attention(backend, device)
+    direct = A.backend_attention(backend, device, for_merge=True)
 
     with mla_ops.prefill_backend(name):
         fns = {
@@ -357,7 +359,8 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         "with mla.prefill's schema whose Python kernel only returns preallocated outputs: what the dispatcher "
         "alone costs on this host, below which no op with a Python kernel can go. The *prefill_with_context, 1 "
         "chunk* rows are a layer's attention with one context chunk: mla_ops.prefill_with_context, the fused op "
-        "mla.prefill_with_chunk it calls eagerly, the backend's two attention calls and the merge (direct), and "
+        "mla.prefill_with_chunk it calls eagerly, the backend's two attention_for_merge calls and the merge "
+        "(direct: what that op calls), and "
         "the library's calls merged (raw). Design goal: op − raw <= 5 µs."
     )
     return R.results_page("MLA op dispatch overhead", env, intro, FIELDS.table(rows), extra=[shape])

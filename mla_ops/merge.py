@@ -12,13 +12,16 @@ import torch
 
 from .backends.reference import merge_attn_states_reference
 
-MergeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+#: ``(prefix_out, prefix_lse, suffix_out, suffix_lse, *, prefix_lse_base2=False, suffix_lse_base2=False)
+#: -> (out, lse)``: both merge functions take the keywords that mark a side's LSE as base 2.
+MergeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 _cuda_merge: MergeFn | None = None
 
 
 def merge_kernel(device: torch.device) -> MergeFn:
-    """The merge function for tensors on ``device``: ``(prefix_out, prefix_lse, suffix_out, suffix_lse)``."""
+    """The merge function for tensors on ``device``: ``(prefix_out, prefix_lse, suffix_out, suffix_lse)``, with
+    the keywords ``prefix_lse_base2`` and ``suffix_lse_base2`` for a side whose LSE is in base 2."""
     global _cuda_merge
     if device.type != "cuda":
         return merge_attn_states_reference

@@ -21,8 +21,10 @@ One more internal op, ``prefill_with_chunk`` (:data:`FUSED_SCHEMA`), is what :fu
 calls eagerly for the common layer of one context chunk: ``prefill``, ``prefill_context_chunk`` and
 ``merge_attn_states`` in one kernel, with the same validation, routing and device guard as the three
 ops, the same backend calls and the same merge, so it returns exactly what the three return. One op
-call instead of three is one dispatch and one routing instead of three. Traced code keeps the three
-ops (the API calls this one only outside ``torch.compile``).
+call instead of three is one dispatch and one routing instead of three; and since neither part's
+result leaves the op, the backend calls are :meth:`~mla_ops.backends.base.PrefillBackend.attention_for_merge`,
+which may hand the merge a library's base-2 LSE unconverted. Traced code keeps the three ops (the API
+calls this one only outside ``torch.compile``).
 """
 
 from __future__ import annotations
@@ -125,12 +127,15 @@ def _prefill_with_chunk(q, k, v, cu_seqlens, max_seqlen, k_chunk, v_chunk, cu_se
         check_chunk_values(v, v_chunk)
     device = q.device
     backend = route(device, q.dtype, q.shape[2], dv, False)
+    # Neither part's result leaves this op: each may keep its library's base-2 LSE for the merge to read.
     with on_device(device):
-        out, lse = backend.attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
-        out_c, lse_c = backend.attention(
+        out, lse, base2 = backend.attention_for_merge(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True
+        )
+        out_c, lse_c, base2_c = backend.attention_for_merge(
             q, k_chunk, v_chunk, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, softmax_scale, False
         )
-    return merge_kernel(device)(out_c, lse_c, out, lse)
+    return merge_kernel(device)(out_c, lse_c, out, lse, prefix_lse_base2=base2_c, suffix_lse_base2=base2)
 
 
 _prefill, _prefill_context_chunk = _attention_kernels(in_graph=False)

@@ -363,6 +363,33 @@ def test_split_context_merges_to_unsplit_attention(installed, pieces, heads):
     assert_attention_close(out, lse, q, whole.k, whole.v, cu_new, whole.cu_seqlens, scale, True, factor=2.0 + pieces)
 
 
+@pytest.mark.parametrize(("target",), cases(cpu=[()], gpu=[()]))
+def test_attention_for_merge_merges_to_what_attention_merges_to(installed):
+    """``attention_for_merge`` (what the fused layer op calls) may hand the merge another LSE form, flagged
+    base 2, but never another result: on a batch seen before (where a planning backend takes its fast
+    path), merging its two parts gives bit for bit what merging :meth:`attention`'s gives."""
+    from mla_ops.merge import merge_kernel
+
+    dqk, dv = DEEPSEEK_DIMS
+    installed.require(BF16, DEEPSEEK_DIMS)
+    heads, device = _heads(installed.target), installed.device
+    batch = make_batch([5, 0, 19, 2], heads, dqk, dv, BF16, device, strided_v=True)
+    chunk = make_chunk([7, 3, 0, 12], heads, dqk, dv, BF16, device)
+    scale = dqk**-0.5
+    calls = [
+        (batch.q, chunk.k, chunk.v, batch.cu_seqlens, chunk.cu_seqlens, batch.max_seqlen, 12, scale, False),
+        (batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen, scale,
+         True),
+    ]  # fmt: skip
+    merge = merge_kernel(torch.device(device))
+    want = merge(*(t for args in calls for t in installed.attention(*args)))
+    parts = [installed.backend.attention_for_merge(*args) for args in calls]
+    (out_c, lse_c, base2_c), (out, lse, base2) = parts
+    assert lse_c.shape == lse.shape == want[1].shape and lse_c.dtype == lse.dtype == torch.float32
+    got = merge(out_c, lse_c, out, lse, prefix_lse_base2=base2_c, suffix_lse_base2=base2)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 # --- CUDA graphs (GPU) ----------------------------------------------------------------------------------------
 
 

@@ -348,6 +348,54 @@ def test_padding_rows_are_cut_before_flashinfer(fi):
     assert bool(torch.isneginf(lse_c[:, 16:]).all())
 
 
+def test_attention_for_merge_hands_over_flashinfers_base2_lse_once_a_batch_is_planned(fi):
+    """For a result that goes straight into the merge, a planned batch's call returns FlashInfer's own LSE
+    (base 2, [T, H] viewed as [H, T]) instead of launching the conversion; anything else (a first call, a
+    padded batch) is attention()'s result, natural log, and says so."""
+    batch = make_batch([5, 0, 13, 1], H, DQK, DV, BF16)
+    chunk = make_batch([4, 2, 0, 7], H, DQK, DV, BF16, seed=5)
+    calls = [
+        (batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 13, 13, SCALE, True),
+        (batch.q, chunk.k, chunk.v, batch.cu_seqlens, chunk.cu_seqlens, 13, 7, SCALE, False),
+    ]  # fmt: skip
+    for args in calls:
+        first_out, first_lse, first_base2 = fi.backend.attention_for_merge(*args)  # plans the batch
+        out, lse = fi.backend.attention(*args)
+        assert first_base2 is False and torch.equal(first_out, out) and torch.equal(first_lse, lse)
+        got_out, got_lse, base2 = fi.backend.attention_for_merge(*args)
+        assert base2 is True and got_lse.shape == lse.shape and got_lse.stride() == (1, H)
+        assert torch.equal(got_out, out) and torch.equal(got_lse * math.log(2.0), lse)
+    assert fi.plans == 2
+    padded = make_batch([3, 8], H, DQK, DV, BF16, padding=4)
+    args = (padded.q, padded.k, padded.v, padded.cu_seqlens, padded.cu_seqlens, 8, 8, SCALE, True)
+    for _ in range(2):
+        out, lse, base2 = fi.backend.attention_for_merge(*args)
+        assert base2 is False and bool(torch.isneginf(lse[:, 11:]).all())
+
+
+def test_the_fused_op_on_flashinfer_merges_its_base2_lse_without_converting_it(fi, monkeypatch):
+    """mla::prefill_with_chunk routed to FLASHINFER: once the batch is planned, neither part converts its LSE
+    (no call of the converting run), and the result is bit for bit the three ops'."""
+    import mla_ops.ops
+
+    monkeypatch.setattr(mla_ops.ops, "route", lambda *args: fi.backend)
+    batch = make_batch([6, 1, 9], H, DQK, DV, BF16)
+    chunk = make_batch([3, 0, 5], H, DQK, DV, BF16, seed=6)
+    args = (batch.q, batch.k, batch.v, batch.cu_seqlens, 9, chunk.k, chunk.v, chunk.cu_seqlens, 5, SCALE)
+    ops = torch.ops.mla
+    want = ops.merge_attn_states(
+        *ops.prefill_context_chunk(batch.q, chunk.k, chunk.v, batch.cu_seqlens, chunk.cu_seqlens, 9, 5, SCALE),
+        *ops.prefill(batch.q, batch.k, batch.v, batch.cu_seqlens, 9, SCALE),
+    )
+    converting = []
+    real_run = fib._run
+    monkeypatch.setattr(fib, "_run", lambda *a, **kw: (converting.append(1), real_run(*a, **kw))[1])
+    out, lse = ops.prefill_with_chunk(*args)
+    assert converting == []
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    assert fi.plans == 2
+
+
 def test_empty_chunk_and_empty_batch_skip_flashinfer(fi):
     batch = make_batch([3, 4], H, DQK, DV, BF16)
     kc, vc, _ = make_qkv(2, H, DQK, DV, BF16)

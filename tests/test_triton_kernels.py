@@ -360,6 +360,34 @@ def test_merge_strided_inputs():
     _assert_merge_close(got, merge_attn_states_reference(prefix_out, prefix_lse, suffix_out, suffix_lse))
 
 
+@interpreted
+@pytest.mark.parametrize("merge", ["triton", "reference"])
+def test_merge_reads_a_base2_lse_as_if_converted_first(merge):
+    """``*_lse_base2``: a side's base-2 LSE (a library's own, [T, H] viewed as [H, T]) merges bit for bit as
+    the same LSE converted first (``lse * ln 2``, as the FLASHINFER backend's attention() converts it),
+    the empty-side markers (-inf, +inf) and NaN included."""
+    num_tokens, heads, dv = 19, 3, 64
+    gen = torch.Generator().manual_seed(14)
+    prefix_out = torch.randn(num_tokens, heads, dv, generator=gen).to(torch.bfloat16)
+    suffix_out = torch.randn(num_tokens, heads, dv, generator=gen).to(torch.bfloat16)
+    prefix_lse2 = (torch.randn(num_tokens, heads, generator=gen) * 6).t()
+    suffix_lse2 = (torch.randn(num_tokens, heads, generator=gen) * 6).t()
+    prefix_lse2[0, :3], suffix_lse2[1, 2:5], prefix_lse2[2, 7] = -math.inf, math.inf, math.nan
+    fn = merge_attn_states_triton if merge == "triton" else merge_attn_states_reference
+    ln2 = math.log(2.0)
+    for base2 in ((True, False), (False, True), (True, True)):
+        pl = prefix_lse2 if base2[0] else prefix_lse2 * ln2
+        sl = suffix_lse2 if base2[1] else suffix_lse2 * ln2
+        got = fn(prefix_out, pl, suffix_out, sl, prefix_lse_base2=base2[0], suffix_lse_base2=base2[1])
+        want = fn(prefix_out, prefix_lse2 * ln2, suffix_out, suffix_lse2 * ln2)
+        for g, w in zip(got, want):
+            assert torch.equal(g.view(torch.int16 if g.element_size() == 2 else torch.int32),
+                               w.view(torch.int16 if w.element_size() == 2 else torch.int32)), base2  # fmt: skip
+    # Without the keyword the same numbers are read as natural log: a different result, so the flag matters.
+    plain = fn(prefix_out, prefix_lse2, suffix_out, suffix_lse2)
+    assert not torch.equal(plain[1].nan_to_num(), want[1].nan_to_num())
+
+
 def test_merge_zero_tokens():
     out, lse = merge_attn_states_triton(
         torch.empty(0, 2, 64, dtype=torch.float16), torch.empty(2, 0),

@@ -11,7 +11,9 @@ call, the merges), with less of the package around the backend's work:
   once: the dispatcher's cost for those schemas, and nothing of the package's kernels;
 - ``kernels``: the ops' eager kernels (:data:`mla_ops.ops.EAGER_KERNELS`) called as Python functions:
   validation, routing and the device guard around the backend, without the dispatcher;
-- ``backend``: the selected backend's ``attention`` and the merge function (:func:`mla_ops.merge.merge_kernel`);
+- ``backend``: the selected backend's ``attention`` and the merge function (:func:`mla_ops.merge.merge_kernel`),
+  as the three ops call them (the fused op calls ``attention_for_merge``, which may skip an LSE conversion:
+  that saving is part of "three op calls for one");
 - ``raw``: the backend's library calls (:class:`benchlib.methods.RawLayerAttention`).
 
 :func:`attribute` runs one stack per form (the same weights) in turns, sample by sample, and times the host:
@@ -112,18 +114,36 @@ def _chained(prefill: Callable, chunk: Callable, merge: Callable) -> Callable:
     return attention
 
 
-def backend_attention(backend: Any, device: Any) -> Callable:
+def backend_attention(backend: Any, device: Any, for_merge: bool = False) -> Callable:
     """The ``backend`` form: a layer's attention from ``backend.attention`` (causal, then each chunk) and the
-    merge function of ``device``, with no op around them."""
+    merge function of ``device``, with no op around them. ``for_merge``: call ``backend.attention_for_merge``
+    instead and hand the merge each part's LSE as it comes (base 2 where flagged), as the fused op does."""
     from mla_ops.merge import merge_kernel
 
-    def causal(q, k, v, cu, max_q, scale):
-        return backend.attention(q, k, v, cu, cu, max_q, max_q, scale, True)
+    merge = merge_kernel(device)
+    if not for_merge:
 
-    def chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-        return backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, False)
+        def causal(q, k, v, cu, max_q, scale):
+            return backend.attention(q, k, v, cu, cu, max_q, max_q, scale, True)
 
-    return _chained(causal, chunk, merge_kernel(device))
+        def chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+            return backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, False)
+
+        return _chained(causal, chunk, merge)
+
+    def attention(q, k, v, cu_seqlens, max_seqlen, chunks, softmax_scale):
+        out, lse, base2 = backend.attention_for_merge(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True
+        )
+        for k_c, v_c, cu_k, max_k in chunks:
+            out_c, lse_c, base2_c = backend.attention_for_merge(
+                q, k_c, v_c, cu_seqlens, cu_k, max_seqlen, max_k, softmax_scale, False
+            )
+            out, lse = merge(out_c, lse_c, out, lse, prefix_lse_base2=base2_c, suffix_lse_base2=base2)
+            base2 = False
+        return out, lse
+
+    return attention
 
 
 def attention_forms(backend: Any, device: Any, raw_attention: Callable) -> dict[str, Callable]:

@@ -8,7 +8,8 @@ stand-in library and installs it with :func:`mla_ops.selector.backend_installed`
 A backend writes:
 
 - the class attributes below;
-- :meth:`PrefillBackend.attention`, one method for both paths (``causal`` tells them apart);
+- :meth:`PrefillBackend.attention`, one method for both paths (``causal`` tells them apart), and, where
+  the library's own LSE is base 2, :meth:`~PrefillBackend.attention_for_merge`, which may skip converting it;
 - where the defaults do not fit, the reason hooks :meth:`~PrefillBackend.capability_reasons`,
   :meth:`~PrefillBackend.head_dim_reasons` and :meth:`~PrefillBackend.library_reasons`, each returning
   a list of reasons a user can act on (empty: fine). Only this base class composes them;
@@ -149,3 +150,28 @@ class PrefillBackend(abc.ABC):
         attends to no key. Convert the library's LSE base, layout and empty-row value here, never in
         callers. Rows past ``cu_seqlens_q[-1]`` are padding: their ``out`` is unspecified.
         """
+
+    def attention_for_merge(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        softmax_scale: float,
+        causal: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """:meth:`attention` for a result that goes straight into the merge and nowhere else.
+
+        Returns ``(out, lse, lse_base2)``: ``out`` as :meth:`attention` returns it; ``lse`` float32
+        ``[H, Tq]`` of any strides, in base 2 (``log2`` of each row's sum) when ``lse_base2`` is True,
+        else natural log, ``-inf`` or ``+inf`` for a row without keys. The merge functions read such an
+        LSE directly (their ``*_lse_base2`` keywords), so a library whose LSE is base 2 saves the
+        conversion kernel that :meth:`attention` launches. Default: :meth:`attention`, natural log.
+        """
+        out, lse = self.attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
+        )
+        return out, lse, False

@@ -270,6 +270,14 @@ def _run(
     # The kernels index the LSE as a contiguous [n, H] array, so it gets its own buffer and one
     # fused transpose-and-scale. FlashInfer >= 0.7.2's run(lse_base="ln", lse_layout="HN") does the
     # same two steps internally and rejects the strided [H, n] view that a padded batch needs.
+    lse = _run_base2(wrapper, q, k, v, out, plan)
+    torch.mul(lse.t(), LN2, out=lse_out)  # what lse_base2_to_natural does, inlined on this per-call path
+
+
+def _run_base2(
+    wrapper: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, plan: _EagerPlan | None
+) -> torch.Tensor:
+    """:func:`_run` without the LSE conversion: returns FlashInfer's own LSE, float32 ``[n, H]``, base 2."""
     num_rows, num_heads, _ = q.shape
     lse = empty((num_rows, num_heads), _FP32, q.device)
     if not _all_aligned(q, k, v):
@@ -281,7 +289,7 @@ def _run(
         plan.replay, plan.recorded = record_run(wrapper, q, k, v, out, lse), True
     else:  # no eager plan, or one whose kernel call was recorded and found not to be replayable
         wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
-    torch.mul(lse.t(), LN2, out=lse_out)  # what lse_base2_to_natural does, inlined on this per-call path
+    return lse
 
 
 class _LayerConfig(NamedTuple):
@@ -746,22 +754,35 @@ class FlashInferBackend(PrefillBackend):
 
     # --- execution --------------------------------------------------------------------------------
 
-    def attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    def _hot_plan(
+        self, q: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor | None, softmax_scale: float,
+        causal: bool,
+    ) -> _EagerPlan | None:  # fmt: skip
+        """The plan of the common eager call, or ``None``: a batch planned before (for an earlier layer)
+        with offsets that were not written since, no graph buffers registered, no capture. One flat
+        lookup, no record built; anything else (a miss, a padded batch, an empty one) takes the
+        general path of :meth:`attention`."""
+        if self._buffers or is_capturing():
+            return None
         num_tokens, num_heads, head_dim_qk = q.shape
+        cfg = (num_heads, head_dim_qk, v.shape[2], q.dtype, float(softmax_scale), causal)
+        hot = self._hot.get(_hot_key(cu_q, cu_k, cfg))
+        if hot is None:
+            return None
+        plan, batch_key = hot
+        if plan.num_rows != num_tokens or plan.wrapper is None:
+            return None
+        self._batches.move_to_end(batch_key)
+        return plan
+
+    def attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
         cu_k = None if causal else cu_seqlens_k  # causal: the new tokens over themselves, one offsets tensor
-        if not self._buffers and not is_capturing():
-            # The common eager call: a batch planned before (for an earlier layer) with offsets that
-            # were not written since. One flat lookup, no record built; anything else (a miss, a
-            # padded batch, an empty one) takes the general path below.
-            cfg = (num_heads, head_dim_qk, v.shape[2], q.dtype, float(softmax_scale), causal)
-            hot = self._hot.get(_hot_key(cu_seqlens_q, cu_k, cfg))
-            if hot is not None:
-                plan, batch_key = hot
-                if plan.num_rows == num_tokens and plan.wrapper is not None:
-                    self._batches.move_to_end(batch_key)
-                    out, lse = _empty_outputs(q, cfg[2])
-                    _run(plan.wrapper, q, k, v, out, lse, plan)
-                    return out, lse
+        plan = self._hot_plan(q, v, cu_seqlens_q, cu_k, softmax_scale, causal)
+        if plan is not None:
+            out, lse = _empty_outputs(q, v.shape[2])
+            _run(plan.wrapper, q, k, v, out, lse, plan)
+            return out, lse
+        num_tokens, num_heads, head_dim_qk = q.shape
         cfg = _LayerConfig(num_heads, head_dim_qk, v.shape[-1], q.dtype, float(softmax_scale), causal)
         if num_tokens == 0:
             return _empty_outputs(q, cfg.head_dim_vo)
@@ -778,6 +799,20 @@ class FlashInferBackend(PrefillBackend):
             name = "cu_seqlens" if cu_k is None else "cu_seqlens_q"
             raise _capture_error(f"{name} is not registered for CUDA graphs")
         return self._run_eager(call)
+
+    def attention_for_merge(
+        self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
+    ):
+        # The common eager call hands FlashInfer's base-2 [T, H] LSE over as an [H, T] view: the merge
+        # converts it as it reads it, so the transpose-and-scale kernel of attention() is not launched.
+        plan = self._hot_plan(q, v, cu_seqlens_q, None if causal else cu_seqlens_k, softmax_scale, causal)
+        if plan is None:
+            out, lse = self.attention(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
+            )
+            return out, lse, False
+        out = empty((q.shape[0], q.shape[1], v.shape[2]), q.dtype, q.device)
+        return out, _run_base2(plan.wrapper, q, k, v, out, plan).t(), True
 
     # --- warm-up ----------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from ..meta.checks import check_cu_seqlens_values
 from .base import PrefillBackend
 
 _CHUNK = "mla.prefill_context_chunk"
+_LN2 = math.log(2.0)
 
 # Scores of one block of query rows are materialised in fp32; this bounds that block's size.
 _MAX_SCORE_ELEMENTS = 1 << 26
@@ -92,6 +93,9 @@ def merge_attn_states_reference(
     prefix_lse: torch.Tensor,
     suffix_out: torch.Tensor,
     suffix_lse: torch.Tensor,
+    *,
+    prefix_lse_base2: bool = False,
+    suffix_lse_base2: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two partial attention results through their log-sum-exp, in fp32.
 
@@ -99,12 +103,18 @@ def merge_attn_states_reference(
         prefix_out, suffix_out: ``[T, H, Dv]``, bf16 or fp16.
         prefix_lse, suffix_lse: float32 ``[H, T]``, natural log. ``-inf`` and ``+inf`` both mean
             "this side attended to no key" and give it zero weight.
+        prefix_lse_base2, suffix_lse_base2: that side's LSE is in base 2 (``log2`` of the sum);
+            it is converted (``lse * ln 2``) before the merge.
 
     Returns:
         ``out`` ``[T, H, Dv]`` in the dtype of ``prefix_out`` and ``lse`` float32 ``[H, T]``. When
         both sides are empty the row is ``out = 0``, ``lse = -inf``: never NaN. A NaN LSE on either
         side makes the row NaN in ``out`` and ``lse``.
     """
+    if prefix_lse_base2:
+        prefix_lse = prefix_lse * _LN2
+    if suffix_lse_base2:
+        suffix_lse = suffix_lse * _LN2
     neg_inf = torch.tensor(-math.inf, dtype=torch.float32, device=prefix_lse.device)
     a = torch.where(torch.isposinf(prefix_lse), neg_inf, prefix_lse.float())
     b = torch.where(torch.isposinf(suffix_lse), neg_inf, suffix_lse.float())

@@ -52,6 +52,8 @@ def _merge_kernel(
     DV: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    PREFIX_LOG2: tl.constexpr,
+    SUFFIX_LOG2: tl.constexpr,
 ):
     h = tl.program_id(1)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -59,6 +61,12 @@ def _merge_kernel(
     t64 = offs_t.to(tl.int64)
     a = tl.load(PrefixLse + h * stride_pl_h + t64 * stride_pl_t, mask=t_ok, other=float("-inf"))
     b = tl.load(SuffixLse + h * stride_sl_h + t64 * stride_sl_t, mask=t_ok, other=float("-inf"))
+    # A base-2 LSE (a library's own, handed over unconverted) becomes natural log here: the same one fp32
+    # multiply a separate conversion would make, and it keeps +-inf and NaN as they are.
+    if PREFIX_LOG2:
+        a = a * 0.6931471805599453
+    if SUFFIX_LOG2:
+        b = b * 0.6931471805599453
     # +inf marks an empty side too (some kernels write it for rows without keys).
     a = tl.where(a == float("inf"), float("-inf"), a)
     b = tl.where(b == float("inf"), float("-inf"), b)
@@ -103,6 +111,8 @@ def merge_attn_states_triton(
     suffix_out: torch.Tensor,
     suffix_lse: torch.Tensor,
     *,
+    prefix_lse_base2: bool = False,
+    suffix_lse_base2: bool = False,
     block_t: int | None = None,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,6 +122,9 @@ def merge_attn_states_triton(
         prefix_out, suffix_out: ``[T, H, Dv]``, bfloat16 or float16, last-dimension stride 1.
         prefix_lse, suffix_lse: float32 ``[H, T]``, natural log, any strides. ``-inf`` or ``+inf``
             marks a side with no keys; that side's output is ignored (it may hold NaN).
+        prefix_lse_base2, suffix_lse_base2: that side's LSE is in base 2 (``log2`` of the sum), as
+            some libraries return it; the kernel converts it as it loads it. The result is the same,
+            bit for bit, as converting first (``lse * ln 2`` in fp32).
         block_t, num_warps: launch overrides (tests and tuning); by default from
             :func:`mla_ops.kernels.configs.merge_config`.
 
@@ -127,12 +140,13 @@ def merge_attn_states_triton(
     if num_tokens == 0 or num_heads == 0 or dv == 0:
         return out, lse
     # Everything the launch depends on but the addresses: the shapes, the inputs' strides, 16-byte
-    # alignment and devices (the outputs are fresh, contiguous and aligned), the dtype, the device and the
-    # overrides. A relaunch passes the addresses as integers (see CachedLaunch.relaunch).
+    # alignment and devices (the outputs are fresh, contiguous and aligned), the dtype, the device, the LSE
+    # bases and the overrides. A relaunch passes the addresses as integers (see CachedLaunch.relaunch).
     p_po, p_pl, p_so, p_sl = prefix_out.data_ptr(), prefix_lse.data_ptr(), suffix_out.data_ptr(), suffix_lse.data_ptr()
     layout = (
         prefix_out.shape, prefix_out.stride(), suffix_out.stride(), prefix_lse.stride(), suffix_lse.stride(),
-        prefix_out.dtype, device, block_t, num_warps, p_po % 16 == 0, p_pl % 16 == 0, p_so % 16 == 0, p_sl % 16 == 0,
+        prefix_out.dtype, device, prefix_lse_base2, suffix_lse_base2, block_t, num_warps,
+        p_po % 16 == 0, p_pl % 16 == 0, p_so % 16 == 0, p_sl % 16 == 0,
         prefix_lse.get_device(), suffix_out.get_device(), suffix_lse.get_device(),
     )  # fmt: skip
     addresses = (p_po, p_pl, p_so, p_sl, out.data_ptr(), lse.data_ptr())
@@ -141,7 +155,10 @@ def merge_attn_states_triton(
     # Triton launches on the current device and its current stream, not on the tensors' device.
     with on_device(device):
         if not _launcher.relaunch(layout, device, addresses):
-            _launch(prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse, block_t, num_warps, layout)
+            _launch(
+                prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse,
+                (prefix_lse_base2, suffix_lse_base2), block_t, num_warps, layout,
+            )  # fmt: skip
     return out, lse
 
 
@@ -152,6 +169,7 @@ def _launch(
     suffix_lse: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    lse_base2: tuple[bool, bool],
     block_t: int | None,
     num_warps: int | None,
     layout: tuple,
@@ -166,7 +184,9 @@ def _launch(
         prefix_lse.stride(0), prefix_lse.stride(1), suffix_lse.stride(0), suffix_lse.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
     )  # fmt: skip
-    constexprs = dict(DV=dv, BLOCK_D=triton.next_power_of_2(dv), BLOCK_T=block_t)
+    constexprs = dict(
+        DV=dv, BLOCK_D=triton.next_power_of_2(dv), BLOCK_T=block_t, PREFIX_LOG2=lse_base2[0], SUFFIX_LOG2=lse_base2[1]
+    )
     # Every integer Triton specialises (the strides but the head strides of the LSEs, which grow with the
     # token count and are marked do_not_specialize) by value, every pointer by alignment.
     specialised = tuple(stride for i, stride in enumerate(strides) if i not in (4, 6, 10))
