@@ -240,6 +240,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Only after success: a rank that fails exits without it, since tearing NCCL down waits for the
     # other ranks (and for captured graphs that a traceback may keep alive); torchrun then stops them.
     dist.destroy_process_group()
+    # Then leave without the interpreter's teardown: in the compile check a rank sometimes aborted there,
+    # after passing ("terminate called without an active exception": a native thread of the compiled
+    # code's runtime destroyed while still joinable), which turned a passed check into exit code -6.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
