@@ -267,9 +267,9 @@ def _run(
     eager plan ``wrapper`` carries out, whose first call records the wrapper's kernel call and whose later
     calls replay it (:mod:`.flashinfer_replay`); without one, ``wrapper.run()`` serves every call.
     """
-    # The kernels index the LSE as a contiguous [n, H] array, so it gets its own buffer and one
-    # fused transpose-and-scale. FlashInfer >= 0.7.2's run(lse_base="ln", lse_layout="HN") does the
-    # same two steps internally and rejects the strided [H, n] view that a padded batch needs.
+    # One fused transpose-and-scale from FlashInfer's own LSE buffer. FlashInfer >= 0.7.2's
+    # run(lse_base="ln", lse_layout="HN") does the same two steps internally and rejects the strided
+    # [H, n] view that a padded batch needs.
     lse = _run_base2(wrapper, q, k, v, out, plan)
     torch.mul(lse.t(), LN2, out=lse_out)  # what lse_base2_to_natural does, inlined on this per-call path
 
@@ -278,6 +278,7 @@ def _run_base2(
     wrapper: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, plan: _EagerPlan | None
 ) -> torch.Tensor:
     """:func:`_run` without the LSE conversion: returns FlashInfer's own LSE, float32 ``[n, H]``, base 2."""
+    # The kernels index the LSE as a contiguous [n, H] array, so it gets its own buffer.
     num_rows, num_heads, _ = q.shape
     lse = empty((num_rows, num_heads), _FP32, q.device)
     if not _all_aligned(q, k, v):
@@ -760,8 +761,8 @@ class FlashInferBackend(PrefillBackend):
     ) -> _EagerPlan | None:  # fmt: skip
         """The plan of the common eager call, or ``None``: a batch planned before (for an earlier layer)
         with offsets that were not written since, no graph buffers registered, no capture. One flat
-        lookup, no record built; anything else (a miss, a padded batch, an empty one) takes the
-        general path of :meth:`attention`."""
+        lookup, no record built; anything else (a miss, a padded batch, an empty one) takes
+        :meth:`_attention_unplanned`."""
         if self._buffers or is_capturing():
             return None
         num_tokens, num_heads, head_dim_qk = q.shape
@@ -782,6 +783,10 @@ class FlashInferBackend(PrefillBackend):
             out, lse = _empty_outputs(q, v.shape[2])
             _run(plan.wrapper, q, k, v, out, lse, plan)
             return out, lse
+        return self._attention_unplanned(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+
+    def _attention_unplanned(self, q, k, v, cu_seqlens_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        """:meth:`attention` past the hot plan: a first call of a batch, a padded or empty one, graphs."""
         num_tokens, num_heads, head_dim_qk = q.shape
         cfg = _LayerConfig(num_heads, head_dim_qk, v.shape[-1], q.dtype, float(softmax_scale), causal)
         if num_tokens == 0:
@@ -805,10 +810,11 @@ class FlashInferBackend(PrefillBackend):
     ):
         # The common eager call hands FlashInfer's base-2 [T, H] LSE over as an [H, T] view: the merge
         # converts it as it reads it, so the transpose-and-scale kernel of attention() is not launched.
-        plan = self._hot_plan(q, v, cu_seqlens_q, None if causal else cu_seqlens_k, softmax_scale, causal)
+        cu_k = None if causal else cu_seqlens_k
+        plan = self._hot_plan(q, v, cu_seqlens_q, cu_k, softmax_scale, causal)
         if plan is None:
-            out, lse = self.attention(
-                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
+            out, lse = self._attention_unplanned(
+                q, k, v, cu_seqlens_q, cu_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
             )
             return out, lse, False
         out = empty((q.shape[0], q.shape[1], v.shape[2]), q.dtype, q.device)
