@@ -9,8 +9,9 @@ per thread and spilled bytes (from ``ptxas -v``), the shared memory per program,
 bytes per program (where the kernel builds TMA descriptors on the device, ``(device)`` in the last
 column), the warps per program (warp specialisation adds a producer warp group), and what the TTGIR
 holds: ``ttg.warp_specialize`` regions and TMA (``async_tma_copy``) operations. A configuration that
-does not compile, spills, or asks for warp specialisation the compiler did not apply is reported as a
-failure (exit status 1).
+does not compile, spills, has its wgmma instructions serialised by ptxas (its warnings C7514/C7515:
+the tensor cores then finish each product before the next starts), or asks for warp specialisation
+the compiler did not apply is reported as a failure (exit status 1).
 
 Usage::
 
@@ -49,6 +50,7 @@ class Variant:
     error: str | None = None
     registers: int | None = None
     spill_bytes: int | None = None
+    serialized: str | None = None
     shared_bytes: int | None = None
     scratch_bytes: int | None = None
     warps: int | None = None
@@ -63,6 +65,8 @@ class Variant:
         found = []
         if self.spill_bytes:
             found.append(f"spills {self.spill_bytes} bytes")
+        if self.serialized:
+            found.append(f"wgmma serialised ({self.serialized})")
         if wants_ws and not self.warp_specialized:
             found.append("warp specialisation requested but not applied")
         return found
@@ -84,8 +88,9 @@ def _stand_ins(dqk: int, dv: int, causal: bool):
     return q, k, v, out, lse, cu_q, cu_k
 
 
-def _ptxas_usage(ptx: str) -> tuple[int, int]:
-    """``(registers per thread, spilled bytes stored + loaded)`` from ``ptxas -v`` for sm_90a."""
+def _ptxas_usage(ptx: str) -> tuple[int, int, str | None]:
+    """``(registers per thread, spilled bytes stored + loaded, wgmma serialisation warning codes or None)``
+    from ``ptxas -v`` for sm_90a."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,7 +101,11 @@ def _ptxas_usage(ptx: str) -> tuple[int, int]:
         log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
     registers = max(int(r) for r in re.findall(r"Used (\d+) registers", log))
     spills = sum(int(b) for b in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
-    return registers, spills
+    # ptxas gives each reason a warning code of its own ("... wgmma.mma_async instructions are
+    # serialized due to ..."): C7514 for a product still in flight across a loop's back edge,
+    # C7515 for a product inside a conditional region, among others.
+    codes = sorted(set(re.findall(r"(C75\d\d)\b[^\n]*serialized", log)))
+    return registers, spills, ",".join(codes) or None
 
 
 def compile_variant(config: Any, dqk: int, dv: int, causal: bool) -> Variant:
@@ -127,7 +136,7 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool) -> Variant:
             ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__
         )
         ttgir = compiled.asm["ttgir"]
-        variant.registers, variant.spill_bytes = _ptxas_usage(compiled.asm["ptx"])
+        variant.registers, variant.spill_bytes, variant.serialized = _ptxas_usage(compiled.asm["ptx"])
         variant.shared_bytes = compiled.metadata.shared
         variant.scratch_bytes = compiled.metadata.global_scratch_size
         variant.warps = compiled.metadata.num_warps

@@ -147,6 +147,8 @@ HOPPER_VARIANTS = [
     "128,64,8,4,tma,lazy",
     "128,64,8,3,tma,qo",
     "128,64,8,4,tma,qo,lazy",
+    "128,64,8,3,ovl",
+    "128,64,8,3,tma,ovl",
     *(pytest.param(text, marks=_WS_OPT_IN) for text in WS_VARIANTS),
 ]
 

@@ -198,6 +198,8 @@ HOPPER_KNOBS = {
     "lazy": dict(lazy_rescale=True),
     "ws": dict(use_tma=True, qo_tma=True, warp_specialize=True),
     "qo+lazy": dict(use_tma=True, qo_tma=True, lazy_rescale=True),
+    "ovl": dict(overlap_softmax=True),
+    "tma+ovl": dict(use_tma=True, overlap_softmax=True),
 }
 
 
@@ -223,6 +225,26 @@ def test_hopper_knobs_match_reference(knobs, causal):
     n = sum(lengths_q)
     assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.1, causal)
     assert torch.isneginf(lse[:, n:]).all(), "padding rows must have lse -inf"
+
+
+@interpreted
+@pytest.mark.parametrize("use_tma", [False, True], ids=["ptr", "tma"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
+def test_overlapped_loop_over_many_tiles(causal, use_tma):
+    """The ``ovl`` loop carries one tile's probabilities into the next step: sequences of 0 to 6
+    whole key tiles (plus a partial one) each fold every tile once, with a large key late in the
+    sequence so a later tile must rescale what the earlier ones accumulated."""
+    if use_tma:
+        pytest.importorskip("triton.tools.tensor_descriptor", reason="this Triton has no host TMA descriptors")
+    lengths_q = [100, 3, 48, 17] if causal else [20, 16, 5, 33]
+    lengths_k = lengths_q if causal else [100, 16, 0, 71]
+    q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, 192, 128, torch.float16, seed=5, strided_v=True)
+    if causal:
+        cu_k = cu_q
+    k[cu_k[0] + 70 : cu_k[0] + 72] *= 6.0
+    config = AttentionConfig(16, 16, 4, 1, use_tma=use_tma, overlap_softmax=True)
+    out, lse = attention_triton(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), 0.1, causal=causal, config=config)
+    assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.1, causal)
 
 
 @interpreted
@@ -431,7 +453,8 @@ def test_config_env_var(monkeypatch):
     assert configs.env_attention_config() == hopper
     # str() writes the same format back, so the tuning script's output can be pasted into the variable.
     lazy_tma = AttentionConfig(128, 64, 8, 3, use_tma=True, lazy_rescale=True)
-    for config in (hopper, AttentionConfig(64, 32, 4, 2), lazy_tma):
+    overlap = AttentionConfig(128, 64, 8, 3, use_tma=True, overlap_softmax=True)
+    for config in (hopper, AttentionConfig(64, 32, 4, 2), lazy_tma, overlap):
         assert AttentionConfig.parse(str(config)) == config
     assert AttentionConfig.parse("128,64,8,3,tma,0") == AttentionConfig(128, 64, 8, 3)
 
@@ -468,6 +491,8 @@ def test_ws_launch_on_cuda_needs_the_experimental_opt_in(monkeypatch):
         ("128,64,4,2,tma,ws", "warp_specialize needs use_tma and qo_tma"),
         ("128,64,8,2,tma,qo,ws", "warp_specialize needs num_warps=4"),
         ("128,64,4,2,tma,qo,ws,lazy", "warp_specialize and lazy_rescale do not combine"),
+        ("128,64,8,3,ovl,lazy", "overlap_softmax combines with neither warp_specialize nor lazy_rescale"),
+        ("128,64,4,2,tma,qo,ws,ovl", "overlap_softmax combines with neither"),
     ],
 )
 def test_config_env_var_errors(monkeypatch, text, message):

@@ -71,7 +71,7 @@ def add_attention_configs(parser: argparse.ArgumentParser, flag: str, default: s
     parser.add_argument(
         flag,
         default="",
-        help="';'-separated attention configs 'BLOCK_M,BLOCK_N,num_warps,num_stages[,tma][,qo][,ws][,lazy]'\n"
+        help="';'-separated attention configs 'BLOCK_M,BLOCK_N,num_warps,num_stages[,tma][,qo][,ws][,lazy][,ovl]'\n"
         f"(default: {default})",
     )
 

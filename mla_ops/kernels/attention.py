@@ -252,6 +252,178 @@ def _attend_tiles(
 
 
 @triton.jit
+def _qk_full_tile(
+    q_a,
+    q_b,
+    K,
+    K2,
+    tok,
+    h,
+    stride_kt,
+    stride_kh,
+    live,
+    DQK: tl.constexpr,
+    D_A: tl.constexpr,
+    D_B: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GUARD: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """The unscaled scores ``q @ k^T`` ``[BLOCK_M, BLOCK_N]`` of the key tile at packed row ``tok``,
+    every one of whose keys is in the sequence (no row mask).
+
+    ``GUARD``: the tile may not exist (``live`` false, ``tok >= 0``): pointer loads then read nothing,
+    and descriptor loads read whatever is there (zeros past the tensor), for the caller to discard.
+    """
+    if USE_TMA:
+        k_a = K.load([tok.to(tl.int32), h * stride_kh])
+    else:
+        offs_n = tl.arange(0, BLOCK_N)
+        k_ptr = K + tok * stride_kt + h * stride_kh + offs_n[:, None] * stride_kt
+        # A row mask rather than the scalar `live`: a scalar mask is not a valid load mask everywhere.
+        n_ok = offs_n[:, None] < tl.where(live, BLOCK_N, 0)
+        if GUARD:
+            k_a = tl.load(k_ptr + tl.arange(0, D_A)[None, :], mask=n_ok, other=0.0)
+        else:
+            k_a = tl.load(k_ptr + tl.arange(0, D_A)[None, :])
+    qk = None
+    if D_B > 0:
+        if USE_TMA:
+            k_b = K2.load([tok.to(tl.int32), h * stride_kh + D_A])
+        else:
+            offs_db = D_A + tl.arange(0, D_B)
+            if GUARD:
+                k_b = tl.load(k_ptr + offs_db[None, :], mask=n_ok & (offs_db[None, :] < DQK), other=0.0)
+            elif D_A + D_B != DQK:
+                k_b = tl.load(k_ptr + offs_db[None, :], mask=offs_db[None, :] < DQK, other=0.0)
+            else:
+                k_b = tl.load(k_ptr + offs_db[None, :])
+        qk = _dot(q_b, tl.trans(k_b), None, UPCAST)
+    return _dot(q_a, tl.trans(k_a), qk, UPCAST)
+
+
+@triton.jit
+def _pv_full_tile(
+    p,
+    acc,
+    V,
+    tok,
+    h,
+    stride_vt,
+    stride_vh,
+    live,
+    DV: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GUARD: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """``acc + p @ v`` for the value tile at packed row ``tok``, all of whose keys are in the sequence;
+    ``p`` (fp32) is rounded to the values' dtype for the product. ``GUARD``: the tile may not exist
+    (``live`` false, ``tok >= 0``; ``p`` is 0 then), and its values read as 0."""
+    if USE_TMA:
+        v = V.load([tok.to(tl.int32), h * stride_vh])
+        if GUARD:
+            v = tl.where(live, v, 0.0).to(V.dtype)
+    else:
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_dv = tl.arange(0, D_V)
+        v_ptr = V + tok * stride_vt + h * stride_vh + offs_n[:, None] * stride_vt + offs_dv[None, :]
+        if GUARD:
+            n_ok = offs_n[:, None] < tl.where(live, BLOCK_N, 0)  # a row mask, as in _qk_full_tile
+            v = tl.load(v_ptr, mask=n_ok & (offs_dv[None, :] < DV), other=0.0)
+        elif D_V != DV:
+            v = tl.load(v_ptr, mask=offs_dv[None, :] < DV, other=0.0)
+        else:
+            v = tl.load(v_ptr)
+    return _dot(p.to(v.dtype), v, acc, UPCAST)
+
+
+@triton.jit
+def _softmax_full_tile(qk, l_i, m_i, qk_scale, live, GUARD: tl.constexpr, SCALE_NONNEG: tl.constexpr):
+    """One online-softmax step over a mask-free tile of unscaled scores ``qk``: ``(p, alpha, l_i, m_new)``,
+    where ``alpha`` is the factor that the accumulator still has to be rescaled by (``l_i`` already is).
+    ``GUARD``: the tile may not exist (``live`` false): then ``p = 0``, ``alpha = 1``, the rest unchanged."""
+    if SCALE_NONNEG:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk * qk_scale, 1))
+    if GUARD:
+        m_new = tl.where(live, m_new, m_i)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    if GUARD:
+        p = tl.where(live, p, 0.0)
+        # m_i may be -inf here (no key seen yet): exp2(-inf - -inf) is NaN.
+        alpha = tl.where(live, alpha, 1.0)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def _attend_full_tiles_overlapped(
+    acc,
+    l_i,
+    m_i,
+    q_a,
+    q_b,
+    K,
+    K2,
+    V,
+    k_tok0,
+    h,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    hi,
+    qk_scale,
+    DQK: tl.constexpr,
+    DV: tl.constexpr,
+    D_A: tl.constexpr,
+    D_B: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SCALE_NONNEG: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Fold the mask-free key tiles ``[0, hi)`` (``hi`` a multiple of ``BLOCK_N``, maybe 0) into the
+    running (acc, l_i, m_i), with each tile's softmax overlapping the previous tile's P @ V product
+    on the tensor cores (FlashAttention-3's intra-warpgroup overlap, by one tile): a step computes
+    the next tile's scores, issues this tile's P @ V and, while that runs, the next tile's softmax.
+    The probabilities cross from one step to the next, and only the accumulator's product is in
+    flight at a step's end, as in :func:`_attend_tiles`.
+
+    No branch: the first tile and the last P @ V are guarded (``live``) instead of skipped when
+    ``hi`` is 0. An ``if`` around this loop makes ptxas serialise every wgmma of the kernel
+    (its warning C7515), and so does carrying a product still in flight into the next step (C7514),
+    which is why the scores are not the ones carried.
+    """
+    live = hi > 0
+    last = k_tok0 + tl.maximum(hi - BLOCK_N, 0)
+    qk = _qk_full_tile(
+        q_a, q_b, K, K2, k_tok0, h, stride_kt, stride_kh, live, DQK, D_A, D_B, BLOCK_N, True, USE_TMA, UPCAST
+    )
+    p, alpha, l_i, m_i = _softmax_full_tile(qk, l_i, m_i, qk_scale, live, True, SCALE_NONNEG)
+    for start_n in tl.range(0, hi - BLOCK_N, BLOCK_N):
+        tok = k_tok0 + tl.multiple_of(start_n, BLOCK_N)
+        qk = _qk_full_tile(
+            q_a, q_b, K, K2, tok + BLOCK_N, h, stride_kt, stride_kh, live, DQK, D_A, D_B, BLOCK_N, False,
+            USE_TMA, UPCAST,
+        )  # fmt: skip
+        acc = _pv_full_tile(
+            p, acc * alpha[:, None], V, tok, h, stride_vt, stride_vh, live, DV, D_V, BLOCK_N, False, USE_TMA, UPCAST
+        )
+        p, alpha, l_i, m_i = _softmax_full_tile(qk, l_i, m_i, qk_scale, live, False, SCALE_NONNEG)
+    acc = _pv_full_tile(
+        p, acc * alpha[:, None], V, last, h, stride_vt, stride_vh, live, DV, D_V, BLOCK_N, True, USE_TMA, UPCAST
+    )
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _attend_tiles_ws(
     acc,
     l_i,
@@ -420,6 +592,7 @@ def _attn_fwd_kernel(
     QO_TMA: tl.constexpr,
     WARP_SPEC: tl.constexpr,
     LAZY_RESCALE: tl.constexpr,
+    OVERLAP: tl.constexpr,
     UPCAST: tl.constexpr,
     PAD_FILL: tl.constexpr,
     SEQ_CHUNK: tl.constexpr,
@@ -553,11 +726,17 @@ def _attn_fwd_kernel(
             acc, l_i, m_i, q_a, q_b, k_desc, k2_desc, v_desc, hi, last_key, qk_scale, D_B, BLOCK_N, UPCAST
         )
     else:
-        acc, l_i, m_i = _attend_tiles(
-            acc, l_i, m_i, q_a, q_b, K, K2, V, k_tok0, h, stride_kt, stride_kh, stride_vt, stride_vh,
-            0, full_hi, len_k, q_pos, qk_scale,
-            DQK, DV, D_A, D_B, D_V, BLOCK_N, False, CAUSAL, SCALE_NONNEG, USE_TMA, UPCAST, LAZY_RESCALE,
-        )  # fmt: skip
+        if OVERLAP:
+            acc, l_i, m_i = _attend_full_tiles_overlapped(
+                acc, l_i, m_i, q_a, q_b, K, K2, V, k_tok0, h, stride_kt, stride_kh, stride_vt, stride_vh,
+                full_hi, qk_scale, DQK, DV, D_A, D_B, D_V, BLOCK_N, SCALE_NONNEG, USE_TMA, UPCAST,
+            )  # fmt: skip
+        else:
+            acc, l_i, m_i = _attend_tiles(
+                acc, l_i, m_i, q_a, q_b, K, K2, V, k_tok0, h, stride_kt, stride_kh, stride_vt, stride_vh,
+                0, full_hi, len_k, q_pos, qk_scale,
+                DQK, DV, D_A, D_B, D_V, BLOCK_N, False, CAUSAL, SCALE_NONNEG, USE_TMA, UPCAST, LAZY_RESCALE,
+            )  # fmt: skip
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q_a, q_b, K, K2, V, k_tok0, h, stride_kt, stride_kh, stride_vt, stride_vh,
             full_hi, hi, len_k, q_pos, qk_scale,
@@ -888,8 +1067,8 @@ def launch_plan(
     constexprs = dict(
         DQK=dqk, DV=dv, D_A=d_a, D_B=d_b, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=bool(causal), SCALE_NONNEG=softmax_scale >= 0, USE_TMA=use_tma, QO_TMA=qo_descs is not None,
-        WARP_SPEC=warp_spec,
-        LAZY_RESCALE=config.lazy_rescale, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
+        WARP_SPEC=warp_spec, LAZY_RESCALE=config.lazy_rescale, OVERLAP=config.overlap_softmax,
+        UPCAST=_interpreting() and q.dtype == torch.bfloat16,
         PAD_FILL=_PAD_FILL_BLOCK, SEQ_CHUNK=_SEQ_CHUNK,
     )  # fmt: skip
     strides = (

@@ -13,9 +13,11 @@ the attention table for every call. The flags, in any order (see :class:`Attenti
 - ``ws``: warp-specialise the key loop (needs ``tma``, ``qo`` and, on Hopper, 4 warps; not with ``lazy``).
   Experimental: a GPU launch of it is refused unless ``MLA_OPS_TRITON_EXPERIMENTAL_WS=1`` (see
   :func:`refuse_unproven_warp_specialization`);
-- ``lazy``: rescale the accumulator only when a row's max grew by more than 2^8.
+- ``lazy``: rescale the accumulator only when a row's max grew by more than 2^8;
+- ``ovl``: overlap each key tile's softmax with the previous tile's P @ V product (not with ``ws``
+  or ``lazy``).
 
-e.g. ``128,64,4,2,tma,qo,ws`` or ``128,64,8,3,tma,qo,lazy``.
+e.g. ``128,64,4,2,tma,qo,ws``, ``128,64,8,3,tma,qo,lazy`` or ``128,64,8,3,tma,ovl``.
 
 This module does not import Triton, so the tables can be read (and tested) without it.
 """
@@ -33,10 +35,17 @@ CONFIG_ENV_VAR = "MLA_OPS_TRITON_CONFIG"
 #: Environment variable that lets the experimental ``ws`` variant launch on a GPU ("1").
 EXPERIMENTAL_WS_ENV_VAR = "MLA_OPS_TRITON_EXPERIMENTAL_WS"
 
-_FORMAT = "BLOCK_M,BLOCK_N,num_warps,num_stages[,tma][,qo][,ws][,lazy]"
+_FORMAT = "BLOCK_M,BLOCK_N,num_warps,num_stages[,tma][,qo][,ws][,lazy][,ovl]"
 
 #: Named flags of the configuration text and the fields they set (``0``/``ptr`` clear ``use_tma``).
-_FLAGS = {"tma": "use_tma", "1": "use_tma", "qo": "qo_tma", "ws": "warp_specialize", "lazy": "lazy_rescale"}
+_FLAGS = {
+    "tma": "use_tma",
+    "1": "use_tma",
+    "qo": "qo_tma",
+    "ws": "warp_specialize",
+    "lazy": "lazy_rescale",
+    "ovl": "overlap_softmax",
+}
 _CLEAR_FLAGS = ("0", "ptr")
 
 
@@ -77,6 +86,12 @@ class AttentionConfig:
             running max grew by more than 2^8 (FlashAttention-4's conditional rescale); exact, it
             only changes how often the rescale runs. Not with ``warp_specialize``: its branch is an
             ``if`` with an else block, and Triton 3.6 then silently declines to specialise.
+        overlap_softmax: in the mask-free key loop, compute each tile's softmax while the tensor
+            cores run the previous tile's P @ V (FlashAttention-3's intra-warpgroup overlap, one
+            tile deep): a step issues the next tile's Q @ K^T, then this tile's P @ V, then the next
+            tile's exponentials. It holds one more score tile in registers. Not with
+            ``warp_specialize`` (whose loop is a different one) or ``lazy_rescale`` (whose branch
+            would sit between the overlapped products and serialise them).
     """
 
     block_m: int
@@ -87,6 +102,7 @@ class AttentionConfig:
     qo_tma: bool = False
     warp_specialize: bool = False
     lazy_rescale: bool = False
+    overlap_softmax: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -108,6 +124,11 @@ class AttentionConfig:
                 "warp_specialize and lazy_rescale do not combine (the 'ws' and 'lazy' flags): the lazy rescale's "
                 "branch makes Triton 3.6 decline warp specialisation"
             )
+        if self.overlap_softmax and (self.warp_specialize or self.lazy_rescale):
+            problems.append(
+                "overlap_softmax combines with neither warp_specialize nor lazy_rescale (the 'ovl' flag with 'ws' "
+                "or 'lazy'): each replaces the same key loop"
+            )
         if self.warp_specialize and self.num_warps != 4:
             problems.append(
                 f"warp_specialize needs num_warps=4 (two consumer warp groups of 4 warps and a producer), "
@@ -123,7 +144,7 @@ class AttentionConfig:
     @classmethod
     def parse(cls, text: str, source: str = CONFIG_ENV_VAR) -> AttentionConfig:
         """Parse ``"BLOCK_M,BLOCK_N,num_warps,num_stages[,FLAG...]"`` (flags: ``tma``/``1``, ``ptr``/``0``,
-        ``qo``, ``ws``, ``lazy``); raises ``ValueError`` saying what is wrong."""
+        ``qo``, ``ws``, ``lazy``, ``ovl``); raises ``ValueError`` saying what is wrong."""
         fields = [f.strip() for f in text.split(",")]
         if len(fields) < 4:
             raise ValueError(f"{source} must be {_FORMAT!r} (e.g. '128,64,8,3'), got {text!r}")
@@ -143,7 +164,7 @@ class AttentionConfig:
             else:
                 raise ValueError(
                     f"{source}={text!r}: unknown flag {field!r}; after the four numbers come any of "
-                    f"'tma' (or 1), 'ptr' (or 0), 'qo', 'ws', 'lazy'"
+                    f"'tma' (or 1), 'ptr' (or 0), 'qo', 'ws', 'lazy', 'ovl'"
                 )
         try:
             return cls(*numbers, **flags)
