@@ -228,21 +228,23 @@ def test_hopper_knobs_match_reference(knobs, causal):
 
 
 @interpreted
+@pytest.mark.parametrize("blocks", [(16, 16), (32, 16)], ids=["16x16", "32x16"])
 @pytest.mark.parametrize("use_tma", [False, True], ids=["ptr", "tma"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
-def test_overlapped_loop_over_many_tiles(causal, use_tma):
-    """The ``ovl`` loop carries one tile's probabilities into the next step: sequences of 0 to 6
-    whole key tiles (plus a partial one) each fold every tile once, with a large key late in the
-    sequence so a later tile must rescale what the earlier ones accumulated."""
+def test_overlapped_loop_over_many_tiles(causal, use_tma, blocks):
+    """The ``ovl`` loops carry one tile's probabilities into the next step: sequences of 0 to 6
+    whole key tiles plus a partial one, causal ones with more keys than queries (bottom-right: rows
+    whose masked tiles follow several mask-free ones, and a query block that sees only masked
+    tiles), and a large key late in the sequence so a later tile must rescale what the earlier
+    ones accumulated."""
     if use_tma:
         pytest.importorskip("triton.tools.tensor_descriptor", reason="this Triton has no host TMA descriptors")
-    lengths_q = [100, 3, 48, 17] if causal else [20, 16, 5, 33]
-    lengths_k = lengths_q if causal else [100, 16, 0, 71]
+    lengths_q = [100, 3, 48, 17, 9] if causal else [20, 16, 5, 33, 9]
+    lengths_k = [100, 40, 48, 17, 9] if causal else [100, 16, 0, 71, 9]
     q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, 192, 128, torch.float16, seed=5, strided_v=True)
-    if causal:
-        cu_k = cu_q
+    q = torch.cat([q, torch.full_like(q[:3], math.nan)])  # padding rows
     k[cu_k[0] + 70 : cu_k[0] + 72] *= 6.0
-    config = AttentionConfig(16, 16, 4, 1, use_tma=use_tma, overlap_softmax=True)
+    config = AttentionConfig(*blocks, 4, 1, use_tma=use_tma, overlap_softmax=True)  # 32x16: 2 diagonal tiles
     out, lse = attention_triton(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), 0.1, causal=causal, config=config)
     assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.1, causal)
 

@@ -252,7 +252,7 @@ def _attend_tiles(
 
 
 @triton.jit
-def _qk_full_tile(
+def _qk_tile(
     q_a,
     q_b,
     K,
@@ -261,29 +261,31 @@ def _qk_full_tile(
     h,
     stride_kt,
     stride_kh,
-    live,
+    n_valid,
     DQK: tl.constexpr,
     D_A: tl.constexpr,
     D_B: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    GUARD: tl.constexpr,
+    MASKED: tl.constexpr,
     USE_TMA: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """The unscaled scores ``q @ k^T`` ``[BLOCK_M, BLOCK_N]`` of the key tile at packed row ``tok``,
-    every one of whose keys is in the sequence (no row mask).
+    """The unscaled scores ``q @ k^T`` ``[BLOCK_M, BLOCK_N]`` of the key tile at packed row ``tok``.
 
-    ``GUARD``: the tile may not exist (``live`` false, ``tok >= 0``): pointer loads then read nothing,
-    and descriptor loads read whatever is there (zeros past the tensor), for the caller to discard.
+    ``MASKED``: only the tile's first ``n_valid`` keys (maybe none, maybe all) are in the sequence;
+    pointer loads read nothing past them, descriptor loads whatever is there (another sequence's
+    rows, zeros past the tensor), and the caller masks those scores. Otherwise all are.
+    The second part of the split is issued first and the first chained onto it, so the two dots
+    form one asynchronous group.
     """
+    offs_n = tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_ok = offs_n[:, None] < n_valid
     if USE_TMA:
         k_a = K.load([tok.to(tl.int32), h * stride_kh])
     else:
-        offs_n = tl.arange(0, BLOCK_N)
         k_ptr = K + tok * stride_kt + h * stride_kh + offs_n[:, None] * stride_kt
-        # A row mask rather than the scalar `live`: a scalar mask is not a valid load mask everywhere.
-        n_ok = offs_n[:, None] < tl.where(live, BLOCK_N, 0)
-        if GUARD:
+        if MASKED:
             k_a = tl.load(k_ptr + tl.arange(0, D_A)[None, :], mask=n_ok, other=0.0)
         else:
             k_a = tl.load(k_ptr + tl.arange(0, D_A)[None, :])
@@ -293,7 +295,7 @@ def _qk_full_tile(
             k_b = K2.load([tok.to(tl.int32), h * stride_kh + D_A])
         else:
             offs_db = D_A + tl.arange(0, D_B)
-            if GUARD:
+            if MASKED:
                 k_b = tl.load(k_ptr + offs_db[None, :], mask=n_ok & (offs_db[None, :] < DQK), other=0.0)
             elif D_A + D_B != DQK:
                 k_b = tl.load(k_ptr + offs_db[None, :], mask=offs_db[None, :] < DQK, other=0.0)
@@ -304,7 +306,7 @@ def _qk_full_tile(
 
 
 @triton.jit
-def _pv_full_tile(
+def _pv_tile(
     p,
     acc,
     V,
@@ -312,28 +314,27 @@ def _pv_full_tile(
     h,
     stride_vt,
     stride_vh,
-    live,
+    n_valid,
     DV: tl.constexpr,
     D_V: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    GUARD: tl.constexpr,
+    MASKED: tl.constexpr,
     USE_TMA: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """``acc + p @ v`` for the value tile at packed row ``tok``, all of whose keys are in the sequence;
-    ``p`` (fp32) is rounded to the values' dtype for the product. ``GUARD``: the tile may not exist
-    (``live`` false, ``tok >= 0``; ``p`` is 0 then), and its values read as 0."""
+    """``acc + p @ v`` for the value tile at packed row ``tok``; ``p`` (fp32 ``[BLOCK_M, BLOCK_N]``)
+    is rounded to the values' dtype for the product. ``MASKED``: values past the tile's first
+    ``n_valid`` keys read as 0 (``p`` is 0 there, but ``0 * NaN`` is not 0)."""
+    offs_n = tl.arange(0, BLOCK_N)
     if USE_TMA:
         v = V.load([tok.to(tl.int32), h * stride_vh])
-        if GUARD:
-            v = tl.where(live, v, 0.0).to(V.dtype)
+        if MASKED:
+            v = tl.where(offs_n[:, None] < n_valid, v, 0.0).to(V.dtype)
     else:
-        offs_n = tl.arange(0, BLOCK_N)
         offs_dv = tl.arange(0, D_V)
         v_ptr = V + tok * stride_vt + h * stride_vh + offs_n[:, None] * stride_vt + offs_dv[None, :]
-        if GUARD:
-            n_ok = offs_n[:, None] < tl.where(live, BLOCK_N, 0)  # a row mask, as in _qk_full_tile
-            v = tl.load(v_ptr, mask=n_ok & (offs_dv[None, :] < DV), other=0.0)
+        if MASKED:
+            v = tl.load(v_ptr, mask=(offs_n[:, None] < n_valid) & (offs_dv[None, :] < DV), other=0.0)
         elif D_V != DV:
             v = tl.load(v_ptr, mask=offs_dv[None, :] < DV, other=0.0)
         else:
@@ -342,27 +343,36 @@ def _pv_full_tile(
 
 
 @triton.jit
-def _softmax_full_tile(qk, l_i, m_i, qk_scale, live, GUARD: tl.constexpr, SCALE_NONNEG: tl.constexpr):
-    """One online-softmax step over a mask-free tile of unscaled scores ``qk``: ``(p, alpha, l_i, m_new)``,
-    where ``alpha`` is the factor that the accumulator still has to be rescaled by (``l_i`` already is).
-    ``GUARD``: the tile may not exist (``live`` false): then ``p = 0``, ``alpha = 1``, the rest unchanged."""
-    if SCALE_NONNEG:
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+def _softmax_tile(qk, l_i, m_i, qk_scale, visible, MASKED: tl.constexpr, SCALE_NONNEG: tl.constexpr):
+    """One online-softmax step over a tile of unscaled scores ``qk``: ``(p, alpha, l_i, m_new)``, where
+    ``alpha`` is the factor the accumulator still has to be rescaled by (``l_i`` already is).
+    ``MASKED``: only the scores where ``visible`` (``[BLOCK_M, BLOCK_N]``) count."""
+    if MASKED:
+        p, alpha, m_new = _masked_softmax_step(tl.where(visible, qk * qk_scale, float("-inf")), m_i)
     else:
-        m_new = tl.maximum(m_i, tl.max(qk * qk_scale, 1))
-    if GUARD:
-        m_new = tl.where(live, m_new, m_i)
-    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    if GUARD:
-        p = tl.where(live, p, 0.0)
-        # m_i may be -inf here (no key seen yet): exp2(-inf - -inf) is NaN.
-        alpha = tl.where(live, alpha, 1.0)
+        if SCALE_NONNEG:
+            # max(qk) * scale == max(qk * scale) for scale >= 0; the subtraction fuses into an FMA.
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk * qk_scale, 1))
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
     return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
 
 
 @triton.jit
-def _attend_full_tiles_overlapped(
+def _visible(start_n, hi, q_pos, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]``: which keys of the tile at ``start_n`` each query row sees (keys below
+    ``hi``, which bounds the sequence's keys, and, causal, up to the row's position)."""
+    keys = start_n + tl.arange(0, BLOCK_N)
+    visible = (keys < hi)[None, :]
+    if CAUSAL:
+        visible = visible & (keys[None, :] <= q_pos[:, None])
+    return visible
+
+
+@triton.jit
+def _attend_tiles_overlapped(
     acc,
     l_i,
     m_i,
@@ -377,7 +387,9 @@ def _attend_full_tiles_overlapped(
     stride_kh,
     stride_vt,
     stride_vh,
+    full_hi,
     hi,
+    q_pos,
     qk_scale,
     DQK: tl.constexpr,
     DV: tl.constexpr,
@@ -385,41 +397,56 @@ def _attend_full_tiles_overlapped(
     D_B: tl.constexpr,
     D_V: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
     SCALE_NONNEG: tl.constexpr,
     USE_TMA: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Fold the mask-free key tiles ``[0, hi)`` (``hi`` a multiple of ``BLOCK_N``, maybe 0) into the
-    running (acc, l_i, m_i), with each tile's softmax overlapping the previous tile's P @ V product
-    on the tensor cores (FlashAttention-3's intra-warpgroup overlap, by one tile): a step computes
-    the next tile's scores, issues this tile's P @ V and, while that runs, the next tile's softmax.
-    The probabilities cross from one step to the next, and only the accumulator's product is in
-    flight at a step's end, as in :func:`_attend_tiles`.
+    """Fold every key tile ``[0, hi)`` of one sequence into the running (acc, l_i, m_i), each tile's
+    softmax overlapping the previous tile's P @ V on the tensor cores (FlashAttention-3's
+    intra-warpgroup overlap, one tile deep): a step issues the next tile's Q @ K^T, then this tile's
+    P @ V, and computes the next tile's softmax while that product runs. Tiles below ``full_hi`` (a
+    multiple of ``BLOCK_N``) are mask-free; the rest are masked by :func:`_visible`.
 
-    No branch: the first tile and the last P @ V are guarded (``live``) instead of skipped when
-    ``hi`` is 0. An ``if`` around this loop makes ptxas serialise every wgmma of the kernel
-    (its warning C7515), and so does carrying a product still in flight into the next step (C7514),
-    which is why the scores are not the ones carried.
+    The probabilities cross from one step to the next, and only the accumulator's product is in
+    flight at a step's end, as in :func:`_attend_tiles`. No branch: the first tile is always
+    computed, masked (all of it when ``hi`` is 0), and the last P @ V is masked the same way.
+    An ``if`` around these loops makes ptxas serialise every wgmma of the kernel (its warning
+    C7515), and so does carrying a product still in flight into the next step (C7514), which is
+    why the scores are not what crosses the steps.
     """
-    live = hi > 0
-    last = k_tok0 + tl.maximum(hi - BLOCK_N, 0)
-    qk = _qk_full_tile(
-        q_a, q_b, K, K2, k_tok0, h, stride_kt, stride_kh, live, DQK, D_A, D_B, BLOCK_N, True, USE_TMA, UPCAST
-    )
-    p, alpha, l_i, m_i = _softmax_full_tile(qk, l_i, m_i, qk_scale, live, True, SCALE_NONNEG)
-    for start_n in tl.range(0, hi - BLOCK_N, BLOCK_N):
+    visible = _visible(0, hi, q_pos, BLOCK_N, CAUSAL)
+    qk = _qk_tile(q_a, q_b, K, K2, k_tok0, h, stride_kt, stride_kh, hi, DQK, D_A, D_B, BLOCK_N, True, USE_TMA, UPCAST)
+    p, alpha, l_i, m_i = _softmax_tile(qk, l_i, m_i, qk_scale, visible, True, SCALE_NONNEG)
+    # The mask-free tiles after the first: the previous tile is mask-free too.
+    for start_n in tl.range(BLOCK_N, full_hi, BLOCK_N):
         tok = k_tok0 + tl.multiple_of(start_n, BLOCK_N)
-        qk = _qk_full_tile(
-            q_a, q_b, K, K2, tok + BLOCK_N, h, stride_kt, stride_kh, live, DQK, D_A, D_B, BLOCK_N, False,
+        qk = _qk_tile(q_a, q_b, K, K2, tok, h, stride_kt, stride_kh, hi, DQK, D_A, D_B, BLOCK_N, False, USE_TMA, UPCAST)
+        acc = _pv_tile(
+            p, acc * alpha[:, None], V, tok - BLOCK_N, h, stride_vt, stride_vh, hi, DV, D_V, BLOCK_N, False,
             USE_TMA, UPCAST,
         )  # fmt: skip
-        acc = _pv_full_tile(
-            p, acc * alpha[:, None], V, tok, h, stride_vt, stride_vh, live, DV, D_V, BLOCK_N, False, USE_TMA, UPCAST
-        )
-        p, alpha, l_i, m_i = _softmax_full_tile(qk, l_i, m_i, qk_scale, live, False, SCALE_NONNEG)
-    acc = _pv_full_tile(
-        p, acc * alpha[:, None], V, last, h, stride_vt, stride_vh, live, DV, D_V, BLOCK_N, True, USE_TMA, UPCAST
-    )
+        p, alpha, l_i, m_i = _softmax_tile(qk, l_i, m_i, qk_scale, visible, False, SCALE_NONNEG)
+    # The masked tiles (at most BLOCK_M / BLOCK_N causal, at most one otherwise); the previous tile
+    # may be the first, which may be partial.
+    for start_n in tl.range(tl.maximum(full_hi, BLOCK_N), hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        tok = k_tok0 + start_n
+        qk = _qk_tile(
+            q_a, q_b, K, K2, tok, h, stride_kt, stride_kh, hi - start_n, DQK, D_A, D_B, BLOCK_N, True,
+            USE_TMA, UPCAST,
+        )  # fmt: skip
+        acc = _pv_tile(
+            p, acc * alpha[:, None], V, tok - BLOCK_N, h, stride_vt, stride_vh, hi - start_n + BLOCK_N, DV, D_V,
+            BLOCK_N, True, USE_TMA, UPCAST,
+        )  # fmt: skip
+        visible = _visible(start_n, hi, q_pos, BLOCK_N, CAUSAL)
+        p, alpha, l_i, m_i = _softmax_tile(qk, l_i, m_i, qk_scale, visible, True, SCALE_NONNEG)
+    last = tl.maximum(hi - 1, 0) // BLOCK_N * BLOCK_N
+    acc = _pv_tile(
+        p, acc * alpha[:, None], V, k_tok0 + last, h, stride_vt, stride_vh, hi - last, DV, D_V, BLOCK_N, True,
+        USE_TMA, UPCAST,
+    )  # fmt: skip
     return acc, l_i, m_i
 
 
@@ -727,9 +754,9 @@ def _attn_fwd_kernel(
         )
     else:
         if OVERLAP:
-            acc, l_i, m_i = _attend_full_tiles_overlapped(
+            acc, l_i, m_i = _attend_tiles_overlapped(
                 acc, l_i, m_i, q_a, q_b, K, K2, V, k_tok0, h, stride_kt, stride_kh, stride_vt, stride_vh,
-                full_hi, qk_scale, DQK, DV, D_A, D_B, D_V, BLOCK_N, SCALE_NONNEG, USE_TMA, UPCAST,
+                full_hi, hi, q_pos, qk_scale, DQK, DV, D_A, D_B, D_V, BLOCK_N, CAUSAL, SCALE_NONNEG, USE_TMA, UPCAST,
             )  # fmt: skip
         else:
             acc, l_i, m_i = _attend_tiles(
@@ -737,11 +764,11 @@ def _attn_fwd_kernel(
                 0, full_hi, len_k, q_pos, qk_scale,
                 DQK, DV, D_A, D_B, D_V, BLOCK_N, False, CAUSAL, SCALE_NONNEG, USE_TMA, UPCAST, LAZY_RESCALE,
             )  # fmt: skip
-        acc, l_i, m_i = _attend_tiles(
-            acc, l_i, m_i, q_a, q_b, K, K2, V, k_tok0, h, stride_kt, stride_kh, stride_vt, stride_vh,
-            full_hi, hi, len_k, q_pos, qk_scale,
-            DQK, DV, D_A, D_B, D_V, BLOCK_N, True, CAUSAL, SCALE_NONNEG, USE_TMA, UPCAST, False,
-        )  # fmt: skip
+            acc, l_i, m_i = _attend_tiles(
+                acc, l_i, m_i, q_a, q_b, K, K2, V, k_tok0, h, stride_kt, stride_kh, stride_vt, stride_vh,
+                full_hi, hi, len_k, q_pos, qk_scale,
+                DQK, DV, D_A, D_B, D_V, BLOCK_N, True, CAUSAL, SCALE_NONNEG, USE_TMA, UPCAST, False,
+            )  # fmt: skip
 
     # Rows that saw no key have l = 0: out = 0 and lse = -inf instead of 0/0.
     empty = l_i == 0.0

@@ -86,12 +86,13 @@ class AttentionConfig:
             running max grew by more than 2^8 (FlashAttention-4's conditional rescale); exact, it
             only changes how often the rescale runs. Not with ``warp_specialize``: its branch is an
             ``if`` with an else block, and Triton 3.6 then silently declines to specialise.
-        overlap_softmax: in the mask-free key loop, compute each tile's softmax while the tensor
-            cores run the previous tile's P @ V (FlashAttention-3's intra-warpgroup overlap, one
-            tile deep): a step issues the next tile's Q @ K^T, then this tile's P @ V, then the next
-            tile's exponentials. It holds one more score tile in registers. Not with
-            ``warp_specialize`` (whose loop is a different one) or ``lazy_rescale`` (whose branch
-            would sit between the overlapped products and serialise them).
+        overlap_softmax: compute each key tile's softmax while the tensor cores run the previous
+            tile's P @ V (FlashAttention-3's intra-warpgroup overlap, one tile deep), over the
+            mask-free tiles and the masked ones at the end alike: a step issues the next tile's
+            Q @ K^T, then this tile's P @ V, then the next tile's exponentials. The probabilities
+            of one tile stay in registers across a step. Not with ``warp_specialize`` (whose loop is
+            a different one) or ``lazy_rescale`` (whose branch would sit between the overlapped
+            products and serialise them).
     """
 
     block_m: int
