@@ -52,7 +52,10 @@ CHECK_SHAPES = (
 
 #: Candidates for SM90 (227 KiB shared memory). Flags (see mla_ops.kernels.configs): "tma" loads K/V
 #: through TMA descriptors, "qo" Q and the output too, "lazy" rescales the accumulator only when a
-#: row max grew by more than 2^8. Each compiles for sm_90a without spills (benchmarks/compile_sm90.py).
+#: row max grew by more than 2^8, "ovl" overlaps each tile's softmax with the previous tile's P @ V.
+#: benchmarks/compile_sm90.py tells which spill or have their wgmma serialised (with Triton 3.6: the
+#: pointer-load variants without "ovl" on the chunk path, and a few with 128-key tiles); they stay
+#: here as measured baselines.
 DEFAULT_CANDIDATES = [
     "128,64,8,2",
     "128,64,8,3",
@@ -71,6 +74,11 @@ DEFAULT_CANDIDATES = [
     "128,64,8,3,tma,qo",
     "128,64,8,3,tma,qo,lazy",
     "128,64,8,4,tma,qo,lazy",
+    "128,64,8,3,ovl",
+    "128,64,8,2,tma,ovl",
+    "128,64,8,3,tma,ovl",
+    "128,64,8,4,tma,ovl",
+    "128,64,8,3,tma,qo,ovl",
 ]
 #: The experimental warp-specialised loop ("ws": a TMA producer warp group and two consumer groups of
 #: 4 warps): compiled and checked by compile_sm90.py, but not swept by default, since its launches
