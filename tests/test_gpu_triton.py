@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -440,14 +441,18 @@ def test_warmup_compiles_without_error(dims):
 
 
 def test_table_tma_config_uses_pointers_for_small_eager_chunks_and_tma_otherwise(monkeypatch):
-    """The chunk table entry asks for TMA: a small eager chunk loads through pointers (descriptors would
-    cost more host time than they save), a large one through TMA; a captured call launches what the same
-    shapes launch eagerly, so the eager warm-up has compiled it."""
+    """A table entry that asks for TMA (here the chunk path's, made one if it is not): a small eager
+    chunk loads through pointers (descriptors would cost more host time than they save), a large one
+    through TMA; a captured call launches what the same shapes launch eagerly, so the eager warm-up has
+    compiled it."""
     from mla_ops.kernels import attention
 
+    if torch.cuda.get_device_capability(DEVICE) < (9, 0):
+        pytest.skip("TMA descriptors need SM90 or newer")
     table = attention.attention_config(torch.device(DEVICE), 192, 128, False, torch.bfloat16)
     if not (table.use_tma or table.qo_tma):
-        pytest.skip(f"this GPU's table entry for the context-chunk path ({table}) loads through pointers")
+        monkeypatch.setattr(attention, "attention_config", lambda *args: replace(table, use_tma=True))
+    monkeypatch.setattr(attention, "_table_configs", {})
     plans = record_results(monkeypatch, attention, "launch_plan")
     monkeypatch.setattr(attention._launcher, "layouts", {})
     heads, scale = 16, _scale(192)

@@ -188,12 +188,14 @@ class MergeConfig:
 
 #: Hopper (SM90, H100/H200: 227 KiB shared memory per block). 8 warps = two warpgroups on a
 #: 128-row query block. For (192, 128) one K/V stage of 64 keys is 40 KiB next to a 48 KiB Q tile.
-# (192, 128) from benchmarks/tune_triton.py on an H200 (2026-11-30, torch 2.11, triton 3.6): causal
-# 128,64,8,3 (462/476/380 TFLOP/s on 4x4096 H16, 2x8192 H128, mixed H128); chunk 128,64,8,4 with TMA
-# loads of K/V (481/480 TFLOP/s on 1k over 8k at H16/H128, against 405/424 without TMA).
+# (192, 128) from benchmarks/tune_triton.py on an H200 (2026-12-02, torch 2.11, triton 3.6,
+# benchmarks/results/h200/tune_ovl.log): causal 128,64,8,3 (453/494/388 TFLOP/s on 4x4096 H16,
+# 2x8192 H128, mixed H128; its 'ovl' twin 440/482/369, the TMA ones 415-427/458-483/340-350); chunk
+# 128,64,8,3,ovl (495/496 TFLOP/s on 1k over 8k at H16/H128, against 467/494 for the former entry
+# 128,64,8,4,tma and 414/429 for 128,64,8,3, whose wgmma ptxas serialises on this path).
 SM90_ATTENTION: dict[tuple, AttentionConfig] = {
     (192, 128, True): AttentionConfig(128, 64, 8, 3),
-    (192, 128, False): AttentionConfig(128, 64, 8, 4, use_tma=True),
+    (192, 128, False): AttentionConfig(128, 64, 8, 3, overlap_softmax=True),
     (128, 128, True): AttentionConfig(128, 64, 8, 3),
     (128, 128, False): AttentionConfig(128, 128, 8, 2),
     (64, 64, True): AttentionConfig(128, 64, 4, 3),
