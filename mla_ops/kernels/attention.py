@@ -16,6 +16,10 @@ loop calls ``exp2``) and fp32 accumulators. Design points:
   both accumulate into one fp32 score tile.
 - **Mask-free main loop.** Key tiles that every row of the block sees in full run without any mask
   or bounds code; only the causal diagonal and the ragged tail of a sequence take the masked loop.
+- **Softmax overlapped with P @ V (``ovl``, optional).** :func:`_attend_tiles_overlapped` computes
+  each tile's softmax while the previous tile's P @ V runs on the tensor cores, with no branch and
+  no product in flight across a step's end: either makes ptxas serialise every wgmma of the kernel
+  (``benchmarks/compile_sm90.py`` reports it).
 - **Heaviest blocks first, L2-friendly order.** Causal blocks near a sequence's end do the most
   work, so each sequence's blocks are launched last-first and the light ones fill the tail.
   Programs are grouped by sets of heads whose K/V fits in L2 (heads vary fastest), so the blocks
