@@ -88,9 +88,20 @@ def _stand_ins(dqk: int, dv: int, causal: bool):
     return q, k, v, out, lse, cu_q, cu_k
 
 
-def _ptxas_usage(ptx: str) -> tuple[int, int, str | None]:
+def parse_ptxas_log(log: str) -> tuple[int, int, str | None]:
     """``(registers per thread, spilled bytes stored + loaded, wgmma serialisation warning codes or None)``
-    from ``ptxas -v`` for sm_90a."""
+    from the output of ``ptxas -v``."""
+    registers = max(int(r) for r in re.findall(r"Used (\d+) registers", log))
+    spills = sum(int(b) for b in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    # ptxas names each reason with a code of its own ("(C7515) Potential Performance Loss:
+    # wgmma.mma_async instructions are serialized due to non wgmma instructions defining accumulator
+    # registers of a wgmma between start and end of the pipeline stage", C7514 and others).
+    codes = sorted(set(re.findall(r"(C75\d\d)\)?[^\n]*serialized", log)))
+    return registers, spills, ",".join(codes) or None
+
+
+def _ptxas_usage(ptx: str) -> tuple[int, int, str | None]:
+    """:func:`parse_ptxas_log` of ``ptxas -v`` compiling ``ptx`` for sm_90a."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,13 +110,7 @@ def _ptxas_usage(ptx: str) -> tuple[int, int, str | None]:
         cmd = [get_ptxas(CAPABILITY).path, "-v", f"--gpu-name={sm_arch_from_capability(CAPABILITY)}", str(src)]
         cmd += ["-o", str(Path(tmp) / "kernel.cubin")]
         log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
-    registers = max(int(r) for r in re.findall(r"Used (\d+) registers", log))
-    spills = sum(int(b) for b in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
-    # ptxas gives each reason a warning code of its own ("... wgmma.mma_async instructions are
-    # serialized due to ..."): C7514 for a product still in flight across a loop's back edge,
-    # C7515 for a product inside a conditional region, among others.
-    codes = sorted(set(re.findall(r"(C75\d\d)\b[^\n]*serialized", log)))
-    return registers, spills, ",".join(codes) or None
+    return parse_ptxas_log(log)
 
 
 def compile_variant(config: Any, dqk: int, dv: int, causal: bool) -> Variant:

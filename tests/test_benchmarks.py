@@ -24,6 +24,7 @@ import bench_graph_trees as BGT
 import bench_layers as BL
 import bench_overhead as BO
 import bench_prefill as BP
+import compile_sm90 as CS
 import probe_warp_specialize as PW
 import pytest
 import torch
@@ -956,3 +957,24 @@ def test_a_stale_launch_error_is_consumed_once(monkeypatch):
     errors[:] = ["CUDA error: invalid argument", "CUDA error: an illegal memory access was encountered"]
     with pytest.raises(RuntimeError, match="illegal memory access"):
         M.clear_launch_error(torch.device("cuda", 0))
+
+
+_PTXAS_LOG = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_attn_fwd_kernel' for 'sm_90a'
+ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma \
+instructions defining accumulator registers of a wgmma between start and end of the pipeline stage in the function \
+'_attn_fwd_kernel'
+ptxas info    : Function properties for _attn_fwd_kernel
+    0 bytes stack frame, 16 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 168 bytes cmem[0]
+"""
+
+
+def test_compile_sm90_reads_registers_spills_and_serialised_wgmma_from_ptxas():
+    assert CS.parse_ptxas_log(_PTXAS_LOG) == (255, 28, "C7515")
+    clean = _PTXAS_LOG.replace("16 bytes spill stores, 12 bytes spill", "0 bytes spill stores, 0 bytes spill")
+    clean = "\n".join(line for line in clean.splitlines() if "C7515" not in line)
+    assert CS.parse_ptxas_log(clean) == (255, 0, None)
+    variant = CS.Variant("128,64,8,3", causal=False, registers=255, spill_bytes=0, serialized="C7515")
+    assert variant.problems(wants_ws=False) == ["wgmma serialised (C7515)"]
