@@ -279,8 +279,8 @@ def _qk_tile(
     ``MASKED``: only the tile's first ``n_valid`` keys (maybe none, maybe all) are in the sequence;
     pointer loads read nothing past them, descriptor loads whatever is there (another sequence's
     rows, zeros past the tensor), and the caller masks those scores. Otherwise all are.
-    The second part of the split is issued first and the first chained onto it, so the two dots
-    form one asynchronous group.
+    The second part of the split is issued first and the first accumulates onto it (Triton 3.6 still
+    waits for each before issuing the next).
     """
     offs_n = tl.arange(0, BLOCK_N)
     if MASKED:
