@@ -14,6 +14,11 @@ script answers, for the Triton and GPU at hand, whether that refusal can be lift
   loop before the specialised one: the features the package's variant combines, one at a time.
 - ``mla_ops``: the package's own kernel with ``128,64,4,2,tma,qo,ws`` on a small ragged batch, launched
   with the opt-in set.
+- ``gluon`` and ``gluon+ws``: a minimal loop written in Gluon, Triton's explicit-layout language
+  (``benchlib/gluon_probe.py``), where the program states its own mbarriers and partitions instead of
+  asking the compiler's warp-specialisation pass for them: ``gluon`` in one partition (the control),
+  ``gluon+ws`` with its TMA loads issued by a producer warp of its own through ``gl.warp_specialize``.
+  They tell whether specialisation itself or the compiler's pass deadlocks.
 
 A probe that has not finished after ``--timeout`` seconds is killed and reported as ``hung``: a deadlocked
 kernel never returns, and only ending its process frees the GPU. Writes ``probe_ws.csv``, ``probe_ws.md``
@@ -48,6 +53,8 @@ PROBES = {
     "ws+zero": "... where one program has no key tile",
     "ws+pre": "... after a plain loop",
     "mla_ops": "the package's kernel, config 128,64,4,2,tma,qo,ws, small ragged batch",
+    "gluon": "a minimal loop in Gluon: TMA into an mbarrier-guarded ring, wgmma, one partition (control)",
+    "gluon+ws": "... with the TMA loads in a producer warp of its own (gl.warp_specialize)",
 }
 #: The package's warp-specialised configuration that the ``mla_ops`` probe launches.
 MLA_OPS_WS_CONFIG = "128,64,4,2,tma,qo,ws"
@@ -177,10 +184,38 @@ def _run_mla_ops() -> float:
     return M.relative_difference(out.cpu(), ref)
 
 
+def _run_gluon(name: str) -> float:
+    """Launch the Gluon loop, warp-specialised for ``gluon+ws``; returns its relative error."""
+    import torch
+    from benchlib.gluon_probe import attention_probe_kernel
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    n, d, bm, bn = 1024, 128, 64, 64
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(n, d, generator=gen).to("cuda", torch.bfloat16) for _ in range(3))
+    out = torch.zeros_like(q)
+    descs = [
+        TensorDescriptor.from_tensor(t, [rows, d], gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16))
+        for t, rows in ((q, bm), (k, bn), (v, bn))
+    ]
+    attention_probe_kernel[(n // bm,)](
+        *descs, out, n, d**-0.5 * 1.4426950408889634, name == "gluon+ws", 2, num_warps=4
+    )
+    torch.cuda.synchronize()
+    ref = torch.softmax((q.float() @ k.float().T) * d**-0.5, -1) @ v.float()
+    return M.relative_difference(out, ref)
+
+
 def run_child(name: str) -> int:
     """Run one probe in this process and print its result as one JSON line."""
     started = time.perf_counter()
-    rel_err = _run_mla_ops() if name == "mla_ops" else _run_minimal(name)
+    if name == "mla_ops":
+        rel_err = _run_mla_ops()
+    elif name.startswith("gluon"):
+        rel_err = _run_gluon(name)
+    else:
+        rel_err = _run_minimal(name)
     print(json.dumps({"probe": name, "seconds": time.perf_counter() - started, "rel_err": rel_err}), flush=True)
     return 0
 

@@ -97,7 +97,7 @@ def test_gpu_only_scripts_exit_cleanly_without_cuda(script, args, tmp_path):
     assert not (BENCH_DIR.parent / "unused.csv").exists()
 
 
-@pytest.mark.parametrize("name", ["ws", "mla_ops"])
+@pytest.mark.parametrize("name", ["ws", "mla_ops", "gluon+ws"])
 @pytest.mark.parametrize(
     ("outcome", "status"), [("close", "finished"), ("far", "wrong"), ("timeout", "hung"), ("crash", "failed")]
 )
