@@ -199,9 +199,7 @@ def _run_gluon(name: str) -> float:
         TensorDescriptor.from_tensor(t, [rows, d], gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16))
         for t, rows in ((q, bm), (k, bn), (v, bn))
     ]
-    attention_probe_kernel[(n // bm,)](
-        *descs, out, n, d**-0.5 * 1.4426950408889634, name == "gluon+ws", 2, num_warps=4
-    )
+    attention_probe_kernel[(n // bm,)](*descs, out, n, d**-0.5 * 1.4426950408889634, name == "gluon+ws", 2, num_warps=4)
     torch.cuda.synchronize()
     ref = torch.softmax((q.float() @ k.float().T) * d**-0.5, -1) @ v.float()
     return M.relative_difference(out, ref)
