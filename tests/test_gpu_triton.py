@@ -256,6 +256,129 @@ def test_warp_specialised_variant_is_refused_without_the_opt_in(monkeypatch):
         attention_triton(q, k, v, cu_q, cu_k, 300, 300, _scale(192), True, config=config)
 
 
+#: The Hopper kernel written in Gluon (mla_ops.kernels.attention_sm90): tabled for large batches on SM90,
+#: selectable for any batch there.
+GLUON_VARIANTS = ["128,128,4,2,gluon", "128,64,4,3,gluon"]
+
+
+def _gluon_config(text: str):
+    """The Gluon configuration ``text``; skips off SM90 or without Gluon."""
+    from mla_ops.kernels.configs import AttentionConfig
+
+    if torch.cuda.get_device_capability(DEVICE) != (9, 0):
+        pytest.skip("the Gluon kernel runs on SM90 (Hopper) GPUs only")
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
+    return AttentionConfig.parse(text, "variant")
+
+
+@pytest.mark.parametrize("text", GLUON_VARIANTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
+def test_gluon_kernel(text, dtype, causal):
+    """The Gluon kernel against the reference: ragged and empty sequences, blocks that end mid-block next
+    to whole ones, padding rows holding NaN, strided v, H = 16 and 128; causal with its own keys and,
+    bottom-right aligned, with more keys than queries; chunks longer and shorter than the queries."""
+    from mla_ops.kernels.attention import attention_triton
+
+    config = _gluon_config(text)
+    lengths_q = [1000, 0, 17, 256, 127, 1]
+    for heads in (16, 128):
+        for lengths_k in (
+            ([1000, 0, 17, 256, 127, 1], [1037, 5, 17, 300, 127, 200]) if causal else ([4097, 5, 0, 300, 1, 129],)
+        ):
+            q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, heads, 192, 128, dtype, strided_v=True)
+            q = torch.cat([q, torch.full_like(q[:7], math.nan)])  # padding rows of a token budget
+            if causal and lengths_k == lengths_q:
+                cu_k = cu_q
+            out, lse = attention_triton(q, k, v, cu_q, cu_k, 1000, max(lengths_k), _scale(192), causal, config=config)
+            assert_attention_close(out, lse, q, k, v, cu_q, cu_k, _scale(192), causal)
+            _check_padding(lse, sum(lengths_q))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
+def test_gluon_kernel_isolates_sequences(causal):
+    """NaN and inf in a sequence's neighbours' keys and values, and past ``cu_seqlens_k[-1]``, never reach
+    its output (values come through a descriptor over the sequence's own rows; keys past it are masked)."""
+    from mla_ops.kernels.attention import attention_triton
+
+    config = _gluon_config(GLUON_VARIANTS[0])
+    poisoned = {1, 3, 6}
+    lengths_q = [5, 300, 3, 1000, 64, 0, 129, 11]
+    lengths_k = lengths_q if causal else [9, 300, 3, 1200, 128, 0, 129, 70]
+    q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, [*lengths_k, 40], 16, 192, 128, torch.bfloat16, strided_v=True)
+    cu_k = cu_q if causal else cu_k[:-1].contiguous()
+    poison_sequences(k, v, cu_k, [*poisoned, len(lengths_k)])
+    q = torch.cat([q, torch.full_like(q[:7], math.nan)])
+    out, lse = attention_triton(q, k, v, cu_q, cu_k, 1000, max(lengths_k), _scale(192), causal, config=config)
+    clean = sorted(set(range(len(lengths_q))) - poisoned)
+    assert_sequences_close(out, lse, q, k, v, cu_q, cu_k, _scale(192), causal, clean)
+    _check_padding(lse, sum(lengths_q))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
+def test_gluon_kernel_in_a_cuda_graph(causal):
+    """The Gluon kernel captured in a CUDA graph (its value descriptors' scratch then comes from the graph's
+    pool) and replayed with other batches in the same buffers, a poisoned sequence among them: the replays
+    equal eager calls and the clean sequences match the reference."""
+    from mla_ops.kernels.attention import attention_triton
+
+    config = _gluon_config(GLUON_VARIANTS[0])
+    heads, scale = 16, _scale(192)
+    bufs = GraphBuffers(heads, 192, 128, torch.bfloat16, budget=1024, budget_k=1536, max_batch=4, seed=5)
+    k, v, cu_k = (bufs.k, bufs.v, bufs.cu) if causal else (bufs.kc, bufs.vc, bufs.cu_k)
+
+    def step():
+        return attention_triton(bufs.q, k, v, bufs.cu, cu_k, bufs.budget, k.shape[0], scale, causal, config=config)
+
+    batches = [([1000, 3, 0, 21], [1400, 3, 0, 61]), ([5, 300, 7, 600], [9, 1000, 2, 500]), ([0] * 4, [0] * 4)]
+
+    def load(lengths, ctx_lengths):
+        bufs.load(lengths, ctx_lengths)
+        poison_sequences(k, v, cu_k, [1, bufs.max_batch])
+
+    graph, (graph_out, graph_lse) = _capture_after_warmup(step, load, batches[0])
+    for lengths, ctx_lengths in batches:
+        load(lengths, ctx_lengths)
+        graph.replay()
+        eager_out, eager_lse = step()
+        for b in (0, 2, 3):
+            rows = slice(int(bufs.cu[b]), int(bufs.cu[b + 1]))
+            assert torch.equal(graph_out[rows], eager_out[rows]) and torch.equal(graph_lse[:, rows], eager_lse[:, rows])
+        assert_sequences_close(graph_out, graph_lse, bufs.q, k, v, bufs.cu, cu_k, scale, causal, (0, 2, 3))
+        _check_padding(graph_lse, sum(lengths))
+
+
+def test_large_batches_take_the_gluon_kernel(monkeypatch):
+    """Through the table (no explicit configuration), a batch of at least TMA_MIN_KEY_ROWS key rows times
+    heads runs the Gluon kernel on SM90 and a smaller one the tl.dot kernel; both match the reference.
+    Inputs the Gluon kernel does not cover (here (128, 128) heads) fall back to the tl.dot kernel, and an
+    explicit request for them is refused with the reason."""
+    from mla_ops.kernels import attention, attention_sm90
+
+    config = _gluon_config(GLUON_VARIANTS[0])
+    monkeypatch.setattr(attention, "_large_configs", {})
+    calls = record_results(monkeypatch, attention_sm90, "attention_sm90")
+    heads, scale = 16, _scale(192)
+    for rows, expected in ((1024, 0), (attention.TMA_MIN_KEY_ROWS // heads, 1)):
+        lengths = [rows // 2, rows - rows // 2]
+        batch = make_batch(lengths, heads, 192, 128, torch.bfloat16, DEVICE, strided_v=True, seed=rows)
+        before = len(calls)
+        out, lse = attention.attention_triton(
+            batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, max(lengths), max(lengths), scale, True
+        )
+        assert len(calls) - before == expected, rows
+        assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, scale, True)
+    rows = attention.TMA_MIN_KEY_ROWS // heads
+    batch = make_batch([rows], heads, 128, 128, torch.bfloat16, DEVICE, seed=3)
+    before = len(calls)
+    args = (batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, rows, rows, scale, True)
+    out, lse = attention.attention_triton(*args)
+    assert len(calls) == before
+    assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, scale, True)
+    with pytest.raises(ValueError, match=r"asks for the Gluon kernel, but it does not cover head sizes"):
+        attention.attention_triton(*args, config=config)
+
+
 def test_config_env_var_override(monkeypatch):
     """MLA_OPS_TRITON_CONFIG replaces the table for every call, and gives the same numbers."""
     from mla_ops.kernels.configs import CONFIG_ENV_VAR
@@ -453,6 +576,9 @@ def test_table_tma_config_uses_pointers_for_small_eager_chunks_and_tma_otherwise
     if not (table.use_tma or table.qo_tma):
         monkeypatch.setattr(attention, "attention_config", lambda *args: replace(table, use_tma=True))
     monkeypatch.setattr(attention, "_table_configs", {})
+    # Large batches may have a kernel of their own (the Gluon one on SM90): this test is about the table's.
+    monkeypatch.setattr(attention, "large_batch_attention_config", lambda *args: None)
+    monkeypatch.setattr(attention, "_large_configs", {})
     plans = record_results(monkeypatch, attention, "launch_plan")
     monkeypatch.setattr(attention._launcher, "layouts", {})
     heads, scale = 16, _scale(192)

@@ -456,8 +456,10 @@ def test_config_env_var(monkeypatch):
     # str() writes the same format back, so the tuning script's output can be pasted into the variable.
     lazy_tma = AttentionConfig(128, 64, 8, 3, use_tma=True, lazy_rescale=True)
     overlap = AttentionConfig(128, 64, 8, 3, use_tma=True, overlap_softmax=True)
-    for config in (hopper, AttentionConfig(64, 32, 4, 2), lazy_tma, overlap):
+    gluon = AttentionConfig(128, 128, 4, 2, gluon=True)
+    for config in (hopper, AttentionConfig(64, 32, 4, 2), lazy_tma, overlap, gluon):
         assert AttentionConfig.parse(str(config)) == config
+    assert str(gluon) == "128,128,4,2,gluon"
     assert AttentionConfig.parse("128,64,8,3,tma,0") == AttentionConfig(128, 64, 8, 3)
 
 
@@ -495,6 +497,11 @@ def test_ws_launch_on_cuda_needs_the_experimental_opt_in(monkeypatch):
         ("128,64,4,2,tma,qo,ws,lazy", "warp_specialize and lazy_rescale do not combine"),
         ("128,64,8,3,ovl,lazy", "overlap_softmax combines with neither warp_specialize nor lazy_rescale"),
         ("128,64,4,2,tma,qo,ws,ovl", "overlap_softmax combines with neither"),
+        ("128,128,8,2,gluon", "gluon (the Hopper Gluon kernel) needs block_m=128, num_warps=4"),
+        ("64,64,4,2,gluon", "needs block_m=128"),
+        ("128,32,4,2,gluon", "block_n 64 or 128, got 128,32,4"),
+        ("128,128,4,2,tma,gluon", "gluon combines with none of"),
+        ("128,128,4,2,ovl,gluon", "gluon combines with none of"),
     ],
 )
 def test_config_env_var_errors(monkeypatch, text, message):
@@ -519,6 +526,43 @@ def test_config_tables():
     assert configs.shared_memory_estimate(ada, 256, 256) <= 99 * 1024
     for config in (sm90, *configs.SM90_ATTENTION.values()):
         assert configs.shared_memory_estimate(config, 192, 128) <= 227 * 1024
+
+
+def test_gluon_kernel_is_refused_where_it_cannot_run(monkeypatch):
+    """The Gluon kernel runs on SM90 GPUs only: an explicit request elsewhere (here the interpreter's CPU
+    tensors, through the argument and the variable) is refused with the reason and what to do, and the
+    large-batch table has no entry off CUDA."""
+    q, k, v = make_qkv(4, HEADS, 192, 128, torch.bfloat16)
+    cu = cu_seqlens_of([4])
+    gluon = AttentionConfig(128, 128, 4, 2, gluon=True)
+    with pytest.raises(ValueError, match="asks for the Gluon kernel, but it runs on CUDA devices only") as info:
+        attention_triton(q, k, v, cu, cu, 4, 4, 0.1, causal=True, config=gluon)
+    assert "drop the 'gluon' flag" in str(info.value)
+    monkeypatch.setenv(configs.CONFIG_ENV_VAR, str(gluon))
+    with pytest.raises(ValueError, match="asks for the Gluon kernel"):
+        attention_triton(q, k, v, cu, cu, 4, 4, 0.1, causal=False)
+    monkeypatch.delenv(configs.CONFIG_ENV_VAR)
+    assert configs.large_batch_attention_config(torch.device("cpu"), 192, 128, True, torch.bfloat16) is None
+    for entry in configs.SM90_LARGE_BATCH_ATTENTION.values():
+        assert entry.gluon
+
+
+def test_gluon_kernel_scope():
+    """What the Gluon kernel covers, checked on the host before any launch."""
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
+    from mla_ops.kernels.attention_sm90 import sm90_shared_memory, sm90_unsupported_reason
+
+    def reason(dqk=192, dv=128, dtype=torch.bfloat16, scale=0.1, block_n=128, stages=2, strided=False):
+        q, k, v = make_qkv(8, 2, dqk, dv, dtype, strided_v=strided)
+        return sm90_unsupported_reason(q, k, v, scale, block_n, stages)
+
+    assert reason() == "tensors that are not all on one CUDA device"  # CPU tensors, otherwise in scope
+    assert "head sizes (Dqk, Dv) = (128, 128)" in reason(128, 128)
+    assert "head sizes (Dqk, Dv) = (192, 96)" in reason(192, 96)
+    assert "dtype torch.float32" in reason(dtype=torch.float32)
+    assert reason(scale=-0.1) == "a negative softmax scale"
+    assert "overflow shared memory" in reason(block_n=128, stages=3)
+    assert sm90_shared_memory(192, 128, 128, 2) <= 227 * 1024 < sm90_shared_memory(192, 128, 128, 3)
 
 
 def test_shrink_steps_down_to_smallest():

@@ -73,8 +73,8 @@ class TritonBackend(PrefillBackend):
         arguments that vary per batch (token counts, offsets) are not specialised on, so these
         compilations serve every later batch.
         """
-        from ..kernels.attention import attention_triton
-        from ..kernels.configs import attention_config
+        from ..kernels.attention import attention_triton, gluon_unsupported_reason
+        from ..kernels.configs import attention_config, large_batch_attention_config
         from ..kernels.merge import merge_attn_states_triton
 
         device = torch.device(device)
@@ -95,25 +95,32 @@ class TritonBackend(PrefillBackend):
         q, k = rand(20, num_heads, dqk), rand(20, num_heads, dqk)  # 12 padding rows
         kv = rand(20, num_heads, dqk + dv)
         # Table configurations that load through TMA descriptors do so only for large batches (see
-        # TMA_MIN_KEY_ROWS), which these tiny ones are not: compile those variants too, passing the table
-        # configuration explicitly, for token counts that are and are not multiples of 16 (Triton
-        # specialises a descriptor's row count on that).
-        tma_configs = {
-            causal: table
-            for causal in (True, False)
-            if (table := attention_config(device, dqk, dv, causal, config.dtype)).use_tma or table.qo_tma
-        }
+        # TMA_MIN_KEY_ROWS), which these tiny ones are not, and large batches may take a configuration of
+        # their own (the Gluon kernel on SM90): compile those variants too, passing each configuration
+        # explicitly, for token counts that are and are not multiples of 16 (Triton specialises a
+        # descriptor's row count on that).
+        large_configs = []
+        for causal in (True, False):
+            table = attention_config(device, dqk, dv, causal, config.dtype)
+            if table.use_tma or table.qo_tma:
+                large_configs.append((causal, table))
+            large = large_batch_attention_config(device, dqk, dv, causal, config.dtype)
+            if large is not None and gluon_unsupported_reason(q, k, kv[..., dqk:], scale, large) is None:
+                large_configs.append((causal, large))
         for v in (rand(20, num_heads, dv), kv[..., dqk:]):
             out, lse = attention_triton(q, k, v, cu, cu, max(lengths), max(lengths), scale, causal=True)
             out_c, lse_c = attention_triton(q, k[:4], v[:4], cu, cu_k, max(lengths), 4, scale, causal=False)
             merge_attn_states_triton(out_c, lse_c, out, lse)
-            for causal, table in tma_configs.items():
+            for causal, explicit in large_configs:
                 for rows in (12, 16):
                     if causal:
-                        attention_triton(q[:rows], k[:rows], v[:rows], cu, cu, 5, 5, scale, True, config=table)
-                    else:
-                        cu_rows = torch.tensor([0, rows, rows, rows], dtype=torch.int32, device=device)
-                        attention_triton(q, k[:rows], v[:rows], cu, cu_rows, 5, rows, scale, False, config=table)
+                        attention_triton(q[:rows], k[:rows], v[:rows], cu, cu, 5, 5, scale, True, config=explicit)
+                        continue
+                    cu_rows = torch.tensor([0, rows, rows, rows], dtype=torch.int32, device=device)
+                    for q_part in (q[:16], q):
+                        attention_triton(
+                            q_part, k[:rows], v[:rows], cu, cu_rows, 5, rows, scale, False, config=explicit
+                        )
         # An empty chunk tensor (no context in this chunk for any sequence) takes the pointer path.
         empty_k, empty_v = k[:0], v[:0]
         zeros = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)

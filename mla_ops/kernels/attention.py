@@ -34,6 +34,7 @@ loop calls ``exp2``) and fp32 accumulators. Design points:
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import replace
 from typing import NamedTuple
@@ -50,6 +51,7 @@ from .configs import (
     AttentionConfig,
     attention_config,
     env_attention_config,
+    large_batch_attention_config,
     refuse_unproven_warp_specialization,
     shrink,
 )
@@ -869,6 +871,34 @@ TMA_MIN_KEY_ROWS = 1 << 16
 #: The pointer-load twin of each table configuration that asks for descriptors.
 _pointer_twins: dict[AttentionConfig, AttentionConfig] = {}
 
+#: The large-batch configuration per (device, Dqk, Dv, causal, dtype), or None where none is tabled.
+_large_configs: dict[tuple, AttentionConfig | None] = {}
+
+
+@functools.cache
+def _sm90_module():
+    """:mod:`mla_ops.kernels.attention_sm90`, or ``None`` where this Triton has no Gluon to build it."""
+    try:
+        from . import attention_sm90
+    except ImportError:
+        return None
+    return attention_sm90
+
+
+def gluon_unsupported_reason(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, config: AttentionConfig
+) -> str | None:
+    """Why the Gluon kernel (``config.gluon``) cannot run on these inputs here, or ``None``."""
+    if not q.is_cuda:
+        return "it runs on CUDA devices only (not in Triton's interpreter)"
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return f"it runs on SM90 (Hopper) GPUs only, not on {torch.cuda.get_device_name(q.device)}"
+    module = _sm90_module()
+    if module is None:
+        return f"Triton {triton.__version__} has no Gluon (triton.experimental.gluon)"
+    reason = module.sm90_unsupported_reason(q, k, v, softmax_scale, config.block_n, config.num_stages)
+    return None if reason is None else f"it does not cover {reason}"
+
 
 def _pointer_twin(config: AttentionConfig) -> AttentionConfig:
     twin = _pointer_twins.get(config)
@@ -976,6 +1006,26 @@ def attention_triton(
             config = _table_configs.get(key)
             if config is None:
                 config = _table_configs[key] = attention_config(device, dqk, dv, causal, dtype)
+            if k.shape[0] * num_heads >= TMA_MIN_KEY_ROWS:
+                large = _large_configs.get(key, config)
+                if large is config:
+                    large = _large_configs[key] = large_batch_attention_config(device, dqk, dv, causal, dtype)
+                if large is not None and gluon_unsupported_reason(q, k, v, softmax_scale, large) is None:
+                    config = large
+    if config.gluon:
+        if key is None:  # requested explicitly: refused with the reason, never replaced
+            reason = gluon_unsupported_reason(q, k, v, softmax_scale, config)
+            if reason is not None:
+                raise ValueError(
+                    f"attention_triton: the Triton attention config {config} asks for the Gluon kernel, but {reason}; "
+                    f"drop the 'gluon' flag (e.g. from {CONFIG_ENV_VAR})"
+                )
+        with on_device(device):
+            _sm90_module().attention_sm90(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, out, lse,
+                block_n=config.block_n, stages=config.num_stages,
+            )  # fmt: skip
+        return out, lse
     while True:
         launched = config
         if key is not None and (config.use_tma or config.qo_tma) and k.shape[0] * num_heads < TMA_MIN_KEY_ROWS:
@@ -1065,6 +1115,8 @@ def launch_plan(
     ahead of time on a machine without one (``benchmarks/compile_sm90.py``); the tensors must then
     stand for the GPU ones in shape, strides and alignment.
     """
+    if config.gluon:
+        raise ValueError(f"launch_plan: {config} runs the Gluon kernel (mla_ops.kernels.attention_sm90), not this one")
     num_tokens, num_heads, dqk = q.shape
     dv = v.shape[-1]
     d_a, d_b = head_dim_split(dqk)

@@ -15,7 +15,8 @@ the attention table for every call. The flags, in any order (see :class:`Attenti
   :func:`refuse_unproven_warp_specialization`);
 - ``lazy``: rescale the accumulator only when a row's max grew by more than 2^8;
 - ``ovl``: overlap each key tile's softmax with the previous tile's P @ V product (not with ``ws``
-  or ``lazy``).
+  or ``lazy``);
+- ``gluon``: the Hopper kernel written in Gluon (``128,BLOCK_N,4,STAGES,gluon``; no other flag).
 
 e.g. ``128,64,4,2,tma,qo,ws``, ``128,64,8,3,tma,qo,lazy`` or ``128,64,8,3,tma,ovl``.
 
@@ -35,7 +36,7 @@ CONFIG_ENV_VAR = "MLA_OPS_TRITON_CONFIG"
 #: Environment variable that lets the experimental ``ws`` variant launch on a GPU ("1").
 EXPERIMENTAL_WS_ENV_VAR = "MLA_OPS_TRITON_EXPERIMENTAL_WS"
 
-_FORMAT = "BLOCK_M,BLOCK_N,num_warps,num_stages[,tma][,qo][,ws][,lazy][,ovl]"
+_FORMAT = "BLOCK_M,BLOCK_N,num_warps,num_stages[,tma][,qo][,ws][,lazy][,ovl][,gluon]"
 
 #: Named flags of the configuration text and the fields they set (``0``/``ptr`` clear ``use_tma``).
 _FLAGS = {
@@ -45,6 +46,7 @@ _FLAGS = {
     "ws": "warp_specialize",
     "lazy": "lazy_rescale",
     "ovl": "overlap_softmax",
+    "gluon": "gluon",
 }
 _CLEAR_FLAGS = ("0", "ptr")
 
@@ -93,6 +95,16 @@ class AttentionConfig:
             of one tile stay in registers across a step. Not with ``warp_specialize`` (whose loop is
             a different one) or ``lazy_rescale`` (whose branch would sit between the overlapped
             products and serialise them).
+        gluon: run the Hopper kernel written in Gluon (:mod:`mla_ops.kernels.attention_sm90`:
+            a TMA producer warp and two consumer warpgroups of 64 query rows, FlashAttention-3's
+            structure) instead of the ``tl.dot`` kernel. SM90 only; it needs ``block_m=128``,
+            ``num_warps=4`` (one consumer warpgroup runs in the program's own warps, the other two
+            partitions in warps of their own: 12 per program), ``block_n`` of 64 or 128, and
+            ``num_stages`` K/V buffers in its ring; it always loads through TMA, so none of the flags
+            above combine with it. Inputs it does not cover
+            (:func:`mla_ops.kernels.attention_sm90.sm90_unsupported_reason`) are refused when the
+            configuration is requested explicitly, and left to the ``tl.dot`` kernel when it comes
+            from the table.
     """
 
     block_m: int
@@ -104,6 +116,7 @@ class AttentionConfig:
     warp_specialize: bool = False
     lazy_rescale: bool = False
     overlap_softmax: bool = False
+    gluon: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -130,6 +143,18 @@ class AttentionConfig:
                 "overlap_softmax combines with neither warp_specialize nor lazy_rescale (the 'ovl' flag with 'ws' "
                 "or 'lazy'): each replaces the same key loop"
             )
+        if self.gluon and (self.block_m != 128 or self.num_warps != 4 or self.block_n not in (64, 128)):
+            problems.append(
+                f"gluon (the Hopper Gluon kernel) needs block_m=128, num_warps=4 and block_n 64 or 128, got "
+                f"{self.block_m},{self.block_n},{self.num_warps}"
+            )
+        if self.gluon and (
+            self.use_tma or self.qo_tma or self.warp_specialize or self.lazy_rescale or self.overlap_softmax
+        ):
+            problems.append(
+                "gluon combines with none of 'tma', 'qo', 'ws', 'lazy' and 'ovl': its kernel always loads through "
+                "TMA in a warp-specialised producer, and has no lazy or overlapped loop"
+            )
         if self.warp_specialize and self.num_warps != 4:
             problems.append(
                 f"warp_specialize needs num_warps=4 (two consumer warp groups of 4 warps and a producer), "
@@ -145,7 +170,7 @@ class AttentionConfig:
     @classmethod
     def parse(cls, text: str, source: str = CONFIG_ENV_VAR) -> AttentionConfig:
         """Parse ``"BLOCK_M,BLOCK_N,num_warps,num_stages[,FLAG...]"`` (flags: ``tma``/``1``, ``ptr``/``0``,
-        ``qo``, ``ws``, ``lazy``, ``ovl``); raises ``ValueError`` saying what is wrong."""
+        ``qo``, ``ws``, ``lazy``, ``ovl``, ``gluon``); raises ``ValueError`` saying what is wrong."""
         fields = [f.strip() for f in text.split(",")]
         if len(fields) < 4:
             raise ValueError(f"{source} must be {_FORMAT!r} (e.g. '128,64,8,3'), got {text!r}")
@@ -165,7 +190,7 @@ class AttentionConfig:
             else:
                 raise ValueError(
                     f"{source}={text!r}: unknown flag {field!r}; after the four numbers come any of "
-                    f"'tma' (or 1), 'ptr' (or 0), 'qo', 'ws', 'lazy', 'ovl'"
+                    f"'tma' (or 1), 'ptr' (or 0), 'qo', 'ws', 'lazy', 'ovl', 'gluon'"
                 )
         try:
             return cls(*numbers, **flags)
@@ -212,6 +237,18 @@ GENERIC_ATTENTION: dict[tuple, AttentionConfig] = {
 }
 
 _ARCH_TABLES: dict[int, dict[tuple, AttentionConfig]] = {9: SM90_ATTENTION}
+
+#: Hopper, batches of at least ``TMA_MIN_KEY_ROWS`` key rows times heads (mla_ops.kernels.attention),
+#: where the Gluon kernel's host-built descriptors cost less than they save. (192, 128) from
+#: benchmarks/probe_gluon_attention.py on an H200 (2026-12-02 16:16 UTC, torch 2.11, triton 3.6,
+#: benchmarks/results/h200/gluon_attention/): 128-key tiles in 2 buffers, 559 / 650 / 492 TFLOP/s on
+#: causal 4x4096 H16, 2x8192 H128 and the mixed batch, 621 / 633 on 1k over 8k at H16 / H128, against
+#: 462 / 499 / 387 / 490 / 509 for the table above and 647 / 743 / 569 / 705 / 741 for FlashInfer's fa3
+#: in the same run; 64-key tiles 540 / 570 / 464 / 575 / 605.
+SM90_LARGE_BATCH_ATTENTION: dict[tuple, AttentionConfig] = {
+    (192, 128, True): AttentionConfig(128, 128, 4, 2, gluon=True),
+    (192, 128, False): AttentionConfig(128, 128, 4, 2, gluon=True),
+}
 
 #: Used for dimensions no table lists, scaled down by head size in :func:`default_attention_config`.
 _DEFAULT_LARGE_HEADS = AttentionConfig(128, 64, 8, 2)
@@ -322,6 +359,19 @@ def attention_config(device: torch.device, dqk: int, dv: int, causal: bool, dtyp
         return INTERPRETER_ATTENTION
     major, minor, smem = _device_traits(device.index if device.index is not None else torch.cuda.current_device())
     return table_attention_config((major, minor), dqk, dv, causal, dtype, smem)
+
+
+def large_batch_attention_config(
+    device: torch.device, dqk: int, dv: int, causal: bool, dtype: torch.dtype
+) -> AttentionConfig | None:
+    """The configuration for batches of at least ``TMA_MIN_KEY_ROWS`` key rows times heads on ``device``,
+    where one is tabled (Hopper: :data:`SM90_LARGE_BATCH_ATTENTION`), else ``None`` (the table of
+    :func:`attention_config` serves every batch). ``MLA_OPS_TRITON_CONFIG`` overrides it, as it does
+    the table."""
+    if device.type != "cuda" or env_attention_config() is not None:
+        return None
+    major, minor, _ = _device_traits(device.index if device.index is not None else torch.cuda.current_device())
+    return _lookup(SM90_LARGE_BATCH_ATTENTION, dqk, dv, causal, dtype) if (major, minor) == (9, 0) else None
 
 
 def merge_config(device: torch.device) -> MergeConfig:

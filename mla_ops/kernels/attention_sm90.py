@@ -1,0 +1,398 @@
+"""Varlen flash-attention forward for Hopper (SM90) in Gluon, with FlashAttention-3's structure.
+
+Gluon is Triton's explicit-layout language: a kernel states its own partitions, shared-memory buffers,
+mbarriers and tensor-core waits, where ``tl.dot`` code leaves them to compiler passes. Those passes
+are what :mod:`mla_ops.kernels.attention` cannot get past on Hopper with Triton 3.6 (the automatic warp
+specialisation hangs; a wait follows every non-accumulating product). Written out, one program per
+128 query rows of one head of one sequence is:
+
+- a **producer** warp that issues every TMA load: the block's Q once (its ``D_A``- and ``D_B``-channel
+  parts: DeepSeek's 192 = 128 + 64), then each key tile's K parts and V into a ring of ``STAGES``
+  buffers, each guarded by a *ready* mbarrier (the TMA completes it) and an *empty* one (both
+  consumers arrive on it when done with the buffer);
+- two **consumer** warpgroups of 64 query rows each, in partitions of their own, so that the warp
+  schedulers run one's softmax while the other's products occupy the tensor cores (FlashAttention-3's
+  ping-pong, left to the schedulers rather than ordered by barriers). A consumer issues both parts of
+  ``Q @ K^T`` before one wait, runs the online softmax in base 2, and ``P @ V`` from registers.
+
+Contract points, as in :mod:`mla_ops.kernels.attention` (whose module docstring has the reasons):
+programs are numbered in the same packed slot space (the grid does not grow with ``max_seqlen``), the
+last block of a sequence first and heads grouped for L2; a row without visible keys gets ``out = 0``,
+``lse = -inf``; extra programs write ``lse = -inf`` into padding rows past ``cu_seqlens_q[-1]`` and
+leave their ``out`` unwritten. Values come through a descriptor each program builds on the device over
+its own sequence's and head's rows, so the rows of a tile past the sequence read as zeros, never as a
+neighbour's NaN (``0 * NaN`` in ``P @ V`` is NaN); keys past it are masked in the scores, which a NaN
+there cannot cross (``where`` selects).
+
+Covers: bfloat16 and float16; ``Dqk = D_A + D_B`` with ``D_A > D_B`` both powers of two (192, 96, 80...;
+a lone power of two goes to the other kernel) and ``Dv`` a power of two, within the shared memory
+:func:`sm90_shared_memory` counts; a non-negative scale; tensors whose base, row and head strides are
+16-byte aligned with unit channel stride (:func:`sm90_unsupported_reason` says what else is refused).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..alloc import empty
+from .launch import TorchScratch
+
+__all__ = ["attention_sm90", "sm90_shared_memory", "sm90_unsupported_reason"]
+
+#: Query rows per consumer warpgroup; a program has two, so its block is 128 rows.
+_HALF = gl.constexpr(64)
+BLOCK_M = 2 * _HALF.value
+_LN2 = gl.constexpr(0.6931471805599453)
+_LOG2E = 1.4426950408889634
+#: Registers per thread of the consumer warpgroups and of the producer warp (``setmaxnreg``); the
+#: kernel's ``maxnreg`` (168) times its 12 warps is the register file, which these split as
+#: FlashAttention-3 does: 240 for each consumer, 24 for the producer.
+_MAXNREG = 168
+_CONSUMER_REGS = 240
+_PRODUCER_REGS = 24
+#: Shared memory per block on SM90 (227 KiB) that the ring and Q tiles may fill, and the barriers' slack.
+_SM90_SHARED_BYTES = 227 * 1024
+_SEQ_CHUNK = gl.constexpr(256)
+_PAD_FILL = gl.constexpr(1024)
+_MAX_PAD_PROGRAMS = 64
+#: L2 bytes one group of heads may fill with K/V (see mla_ops.kernels.attention).
+_L2_BUDGET_BYTES = 24 * 1024 * 1024
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+@gluon.jit
+def _producer(
+    qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, ready, empty_bars,
+    q_row, k_start, len_k, col_q, col_k, v_offset, stride_vt, num_tiles, V_LAYOUT: gl.constexpr,
+):  # fmt: skip
+    """The producer warp: Q once, then K (both parts) and V of every key tile into the ring."""
+    BN: gl.constexpr = ka_desc.block_type.shape[0]
+    D_A: gl.constexpr = ka_desc.block_type.shape[1]
+    D_V: gl.constexpr = v_smem.type.shape[2]
+    STAGES: gl.constexpr = k_smem_a.type.shape[0]
+    # Values through a descriptor over this sequence's and head's rows only: rows past them read as 0.
+    v_desc = tma.make_tensor_descriptor(
+        V + v_offset, shape=[gl.maximum(len_k, 1), D_V], strides=[stride_vt, 1], block_shape=[BN, D_V],
+        layout=V_LAYOUT,
+    )  # fmt: skip
+    kv_bytes: gl.constexpr = ka_desc.block_type.nbytes + kb_desc.block_type.nbytes + BN * D_V * 2  # 16-bit values
+    mbarrier.expect(q_bar, 2 * (qa_desc.block_type.nbytes + qb_desc.block_type.nbytes))
+    for c in gl.static_range(2):
+        tma.async_copy_global_to_shared(qa_desc, [q_row + c * _HALF, col_q], q_bar, q_smem_a.index(c))
+        tma.async_copy_global_to_shared(qb_desc, [q_row + c * _HALF, col_q + D_A], q_bar, q_smem_b.index(c))
+    for i in range(num_tiles):
+        stage = i % STAGES
+        # A fresh mbarrier counts as having completed the phase before phase 0: the first round passes.
+        mbarrier.wait(empty_bars.index(stage), ((i // STAGES) & 1) ^ 1)
+        bar = ready.index(stage)
+        mbarrier.expect(bar, kv_bytes)
+        row = k_start + i * BN
+        tma.async_copy_global_to_shared(ka_desc, [row, col_k], bar, k_smem_a.index(stage))
+        tma.async_copy_global_to_shared(kb_desc, [row, col_k + D_A], bar, k_smem_b.index(stage))
+        tma.async_copy_global_to_shared(v_desc, [i * BN, 0], bar, v_smem.index(stage))
+
+
+@gluon.jit
+def _scores(q_a, q_b, k_a, k_b, s_init):
+    """``q @ k^T`` of one tile, unscaled: both parts issued before one wait."""
+    s = warpgroup_mma(q_a, k_a.permute((1, 0)), s_init, use_acc=False, is_async=True)
+    s = warpgroup_mma(q_b, k_b.permute((1, 0)), s, is_async=True)
+    return warpgroup_mma_wait(0, deps=(s,))
+
+
+@gluon.jit
+def _consumer(
+    q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, ready, empty_bars, Out, Lse,
+    q_start, len_q, len_k, m0, h, num_tiles, stride_ot, stride_oh, stride_lse_h, qk_scale,
+    WG: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr,
+):  # fmt: skip
+    """Consumer warpgroup ``WG``: query rows ``m0 + 64 * WG`` onwards, over every tile of the ring."""
+    BN: gl.constexpr = k_smem_a.type.shape[1]
+    D_V: gl.constexpr = v_smem.type.shape[2]
+    STAGES: gl.constexpr = k_smem_a.type.shape[0]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_V, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    first = m0 + WG * _HALF  # this warpgroup's first query row in the sequence
+    rows = first + gl.arange(0, _HALF, row_layout)
+    # Key j is visible from row i when j < len_k and, causal, j <= i + len_k - len_q (bottom-right).
+    if CAUSAL:
+        shift = len_k - len_q
+        q_pos = rows + shift
+        full = gl.minimum(gl.maximum(gl.minimum(len_k, first + shift + 1), 0) // BN, num_tiles)
+        mine = gl.minimum(gl.cdiv(gl.maximum(gl.minimum(len_k, first + _HALF + shift), 0), BN), num_tiles)
+    else:
+        q_pos = rows
+        full = len_k // BN
+        mine = num_tiles
+    q_a = q_smem_a.index(WG)
+    q_b = q_smem_b.index(WG)
+    m_i = gl.full([_HALF], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([_HALF], gl.float32, row_layout)
+    acc = gl.zeros([_HALF, D_V], gl.float32, o_layout)
+    s_init = gl.zeros([_HALF, BN], gl.float32, s_layout)
+    mbarrier.wait(q_bar, 0)
+    for i in range(0, full):  # tiles every row of this warpgroup sees whole: no mask
+        stage = i % STAGES
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        s = _scores(q_a, q_b, k_smem_a.index(stage), k_smem_b.index(stage), s_init)
+        if SCALE_NONNEG:
+            # max(s) * scale == max(s * scale) for scale >= 0, and the subtraction below is one FMA.
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        else:
+            m_new = gl.maximum(m_i, gl.max(s * qk_scale, 1))
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+        acc = warpgroup_mma(p, v_smem.index(stage), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty_bars.index(stage), count=1)
+        m_i = m_new
+    for i in range(full, mine):  # tiles with the causal diagonal or the sequence's end
+        stage = i % STAGES
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        s = _scores(q_a, q_b, k_smem_a.index(stage), k_smem_b.index(stage), s_init)
+        keys = i * BN + gl.arange(0, BN, gl.SliceLayout(0, s_layout))
+        visible = (keys < len_k)[None, :]
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= q_pos[:, None])
+        s = gl.where(visible, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: exp2(-inf - 0), not NaN
+        p = gl.exp2(s - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+        acc = warpgroup_mma(p, v_smem.index(stage), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty_bars.index(stage), count=1)
+        m_i = m_new
+    for i in range(mine, num_tiles):  # tiles only the other warpgroup's rows see: hand them back
+        stage = i % STAGES
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        mbarrier.arrive(empty_bars.index(stage), count=1)
+
+    # Rows that saw no key have l = 0: out = 0 and lse = -inf instead of 0/0. m and log2(l) are base 2.
+    no_key = l_i == 0.0
+    lse = gl.where(no_key, float("-inf"), (m_i + gl.log2(gl.where(no_key, 1.0, l_i))) * _LN2)
+    inv_l = gl.convert_layout(1.0 / gl.where(no_key, 1.0, l_i), o_rows)
+    out = (acc * inv_l[:, None]).to(Out.dtype.element_ty)
+    rows_o = first + gl.arange(0, _HALF, o_rows)
+    cols = gl.arange(0, D_V, gl.SliceLayout(0, o_layout))
+    o_ptrs = Out + (q_start + rows_o).to(gl.int64)[:, None] * stride_ot + h * stride_oh + cols[None, :]
+    gl.store(o_ptrs, out, mask=(rows_o < len_q)[:, None])
+    gl.store(Lse + h.to(gl.int64) * stride_lse_h + q_start + rows, lse, mask=rows < len_q)
+
+
+@gluon.jit
+def _fill_padding_lse(Lse, cu_seqlens_q, num_seqs, num_tokens, num_heads, stride_lse_h, pad_pid, num_pad_programs):
+    """``lse = -inf`` in the rows past ``cu_seqlens_q[-1]``, spread over ``num_pad_programs`` programs."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    total = gl.load(cu_seqlens_q + num_seqs)
+    npad = gl.maximum(num_tokens - total, 1)  # the divisor below; no rows when total == num_tokens
+    count = gl.where(total < num_tokens, num_heads * npad, 0)
+    neg_inf = gl.full([_PAD_FILL], float("-inf"), gl.float32, layout)
+    for i in range(pad_pid, gl.cdiv(count, _PAD_FILL), num_pad_programs):
+        idx = i * _PAD_FILL + gl.arange(0, _PAD_FILL, layout)
+        hh = idx // npad
+        gl.store(Lse + hh.to(gl.int64) * stride_lse_h + total + idx - hh * npad, neg_inf, mask=idx < count)
+
+
+@gluon.jit
+def _sequence_of_slot(cu_seqlens_q, num_seqs, slot):
+    """The last sequence ``b`` whose first slot ``cu_seqlens_q[b] // BLOCK_M + b`` is ``<= slot``."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    hits = gl.zeros([_SEQ_CHUNK], gl.int32, layout)
+    for c in range(0, num_seqs, _SEQ_CHUNK):
+        idx = c + gl.arange(0, _SEQ_CHUNK, layout)
+        starts = gl.load(cu_seqlens_q + idx, mask=idx < num_seqs, other=0)
+        hits += ((starts // (2 * _HALF) + idx <= slot) & (idx < num_seqs)).to(gl.int32)
+    return gl.sum(hits, axis=0) - 1
+
+
+@gluon.jit(
+    do_not_specialize=[
+        "stride_lse_h", "num_tokens_q", "num_heads", "num_seqs", "num_slots", "heads_per_group", "num_pad_programs",
+    ]
+)  # fmt: skip
+def _attn_fwd_sm90(
+    qa_desc, qb_desc, ka_desc, kb_desc, V, Out, Lse, cu_seqlens_q, cu_seqlens_k,
+    stride_qh, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse_h,
+    num_tokens_q, num_heads, num_seqs, num_slots, heads_per_group, num_pad_programs, qk_scale,
+    D_V: gl.constexpr, V_LAYOUT: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    BN: gl.constexpr = ka_desc.block_type.shape[0]
+    D_A: gl.constexpr = ka_desc.block_type.shape[1]
+    D_B: gl.constexpr = kb_desc.block_type.shape[1]
+    pid = gl.program_id(0)
+    num_main = num_heads * num_slots
+    if pid >= num_main:
+        _fill_padding_lse(Lse, cu_seqlens_q, num_seqs, num_tokens_q, num_heads, stride_lse_h, pid - num_main,
+                          num_pad_programs)  # fmt: skip
+    else:
+        # Program -> (head, slot): heads grouped for L2, slots in order, heads fastest (as attention.py).
+        group_size = heads_per_group * num_slots
+        group = pid // group_size
+        r = pid - group * group_size
+        heads_here = gl.minimum(heads_per_group, num_heads - group * heads_per_group)
+        slot = r // heads_here
+        h = group * heads_per_group + (r - slot * heads_here)
+        b = _sequence_of_slot(cu_seqlens_q, num_seqs, slot)
+        q_start = gl.load(cu_seqlens_q + b)
+        q_end = gl.load(cu_seqlens_q + gl.minimum(b + 1, num_seqs))
+        len_q = q_end - q_start
+        num_own = q_end // (2 * _HALF) - q_start // (2 * _HALF) + 1  # slots of sequence b
+        j = slot - (q_start // (2 * _HALF) + b)
+        m0 = (num_own - 1 - j) * (2 * _HALF)  # last block first: under causal masking it has the most keys
+        if (j < num_own) & (m0 < len_q):
+            k_start = gl.load(cu_seqlens_k + b)
+            len_k = gl.load(cu_seqlens_k + gl.minimum(b + 1, num_seqs)) - k_start
+            if CAUSAL:
+                hi = gl.maximum(gl.minimum(len_k, m0 + 2 * _HALF + len_k - len_q), 0)
+            else:
+                hi = len_k
+            num_tiles = gl.cdiv(hi, BN)
+            q_smem_a = gl.allocate_shared_memory(qa_desc.dtype, [2, _HALF, D_A], qa_desc.layout)
+            q_smem_b = gl.allocate_shared_memory(qb_desc.dtype, [2, _HALF, D_B], qb_desc.layout)
+            k_smem_a = gl.allocate_shared_memory(ka_desc.dtype, [STAGES, BN, D_A], ka_desc.layout)
+            k_smem_b = gl.allocate_shared_memory(kb_desc.dtype, [STAGES, BN, D_B], kb_desc.layout)
+            v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BN, D_V], V_LAYOUT)
+            q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(q_bar, count=1)
+            for i in gl.static_range(STAGES):
+                mbarrier.init(ready.index(i), count=1)
+                mbarrier.init(empty_bars.index(i), count=2)  # both consumers hand each buffer back
+            v_offset = k_start.to(gl.int64) * stride_vt + h * stride_vh
+            gl.warp_specialize(
+                [
+                    (_consumer, (q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, ready, empty_bars, Out, Lse,
+                                 q_start, len_q, len_k, m0, h, num_tiles, stride_ot, stride_oh, stride_lse_h, qk_scale,
+                                 0, CAUSAL, SCALE_NONNEG)),
+                    (_consumer, (q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, ready, empty_bars, Out, Lse,
+                                 q_start, len_q, len_k, m0, h, num_tiles, stride_ot, stride_oh, stride_lse_h, qk_scale,
+                                 1, CAUSAL, SCALE_NONNEG)),
+                    (_producer, (qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b,
+                                 v_smem, q_bar, ready, empty_bars, q_start + m0, k_start, len_k, h * stride_qh,
+                                 h * stride_kh, v_offset, stride_vt, num_tiles, V_LAYOUT)),
+                ],
+                [4, 1],
+                [CONSUMER_REGS, PRODUCER_REGS],
+            )  # fmt: skip
+
+
+# --- launcher -------------------------------------------------------------------------------------
+
+
+def _split(dqk: int) -> tuple[int, int]:
+    first = 1 << (dqk.bit_length() - 1)
+    return first, dqk - first
+
+
+def sm90_shared_memory(dqk: int, dv: int, block_n: int, stages: int, elem_bytes: int = 2) -> int:
+    """Bytes of shared memory one program takes: the block's Q and ``stages`` K/V buffers (plus barriers)."""
+    return elem_bytes * (BLOCK_M * dqk + stages * block_n * (dqk + dv)) + 8 * (1 + 2 * stages)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    elem = t.element_size()
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * elem) % 16 == 0 and (t.stride(1) * elem) % 16 == 0
+
+
+def sm90_unsupported_reason(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, block_n: int, stages: int
+) -> str | None:
+    """Why :func:`attention_sm90` cannot take these inputs (a phrase for a message), or ``None``."""
+    dqk, dv = q.shape[-1], v.shape[-1]
+    d_b = _split(dqk)[1]
+    if q.dtype not in _GL_DTYPES:
+        return f"dtype {q.dtype} (it computes in bfloat16 or float16)"
+    if d_b == 0 or d_b & (d_b - 1) or dv & (dv - 1) or d_b * 8 < 16 or dv > 256:
+        return f"head sizes (Dqk, Dv) = ({dqk}, {dv}) (it needs Dqk = 2^a + 2^b with a > b >= 3 and Dv = 2^c <= 256)"
+    if sm90_shared_memory(dqk, dv, block_n, stages) > _SM90_SHARED_BYTES:
+        return f"head sizes ({dqk}, {dv}) with {stages} stages of {block_n} keys, which overflow shared memory"
+    if softmax_scale < 0:
+        return "a negative softmax scale"
+    if not (q.is_cuda and k.device == q.device and v.device == q.device):
+        return "tensors that are not all on one CUDA device"
+    if not (_aligned(q) and _aligned(k) and _aligned(v)):
+        return "tensors whose data, token or head strides are not 16-byte aligned (TMA needs them)"
+    return None
+
+
+def _descriptor(t: torch.Tensor, rows: int, width: int) -> TensorDescriptor:
+    """``t`` ``[T, H, D]`` as 2-D ``[T, columns]`` rows (head ``h`` from column ``h * stride_h``), in blocks of
+    ``[rows, width]``."""
+    cols = (t.shape[1] - 1) * t.stride(1) + t.shape[2]
+    layout = gl.NVMMASharedLayout.get_default_for([rows, width], _GL_DTYPES[t.dtype])
+    return TensorDescriptor(t, [t.shape[0], cols], [t.stride(0), 1], [rows, width], layout)
+
+
+def attention_sm90(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    *,
+    block_n: int = 128,
+    stages: int = 2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged attention forward on Hopper; arguments and results as
+    :func:`mla_ops.kernels.attention.attention_triton` (which calls this for the inputs and
+    configurations it covers: :func:`sm90_unsupported_reason` is ``None``), with the device of ``q``
+    current.
+
+    ``out`` (``[Tq, H, Dv]`` contiguous, q's dtype) and ``lse`` (float32 ``[H, Tq]`` contiguous) are
+    written if given, else allocated. ``block_n`` keys per tile and ``stages`` K/V buffers in the ring.
+    Launched through Triton's own dispatch (host descriptors hold the tensors' addresses, so nothing of
+    a launch can be reused), with the device-side descriptors' global scratch from PyTorch's allocator.
+    """
+    num_tokens, num_heads, dqk = q.shape
+    dv = v.shape[-1]
+    if out is None:
+        out = empty((num_tokens, num_heads, dv), q.dtype, q.device)
+    if lse is None:
+        lse = empty((num_heads, num_tokens), torch.float32, q.device)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if num_tokens == 0 or num_heads == 0:
+        return out, lse
+    d_a, d_b = _split(dqk)
+    # Slots and head groups exactly as attention.launch_plan: see mla_ops.kernels.attention.
+    num_slots = num_tokens // BLOCK_M + num_seqs if num_seqs > 0 and max_seqlen_q > 0 else 0
+    kv_bytes = max(int(max_seqlen_k), 1) * (dqk + dv) * q.element_size()
+    heads_per_group = max(1, min(num_heads, _L2_BUDGET_BYTES // kv_bytes))
+    num_pad_programs = min(_MAX_PAD_PROGRAMS, triton.cdiv(num_tokens, 256))
+    grid = (num_heads * num_slots + num_pad_programs,)
+    v_layout = gl.NVMMASharedLayout.get_default_for([block_n, dv], _GL_DTYPES[v.dtype])
+    with TorchScratch():
+        _attn_fwd_sm90[grid](
+            _descriptor(q, _HALF.value, d_a), _descriptor(q, _HALF.value, d_b), _descriptor(k, block_n, d_a),
+            _descriptor(k, block_n, d_b), v, out, lse, cu_seqlens_q, cu_seqlens_k,
+            q.stride(1), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+            num_tokens, num_heads, num_seqs, num_slots, heads_per_group, num_pad_programs,
+            float(softmax_scale) * _LOG2E,
+            dv, v_layout, bool(causal), softmax_scale >= 0, stages, _CONSUMER_REGS, _PRODUCER_REGS,
+            num_warps=4, maxnreg=_MAXNREG,
+        )  # fmt: skip
+    return out, lse
