@@ -1,21 +1,22 @@
 #!/usr/bin/env python
-"""Compile the Triton attention kernel's variants for Hopper (sm_90a) ahead of time, on any machine.
+"""Compile the Triton attention kernels' variants for Hopper (sm_90a) ahead of time, on any machine.
 
 No GPU is needed: Triton's NVIDIA backend ships ``ptxas``, and each variant is built from the exact
 arguments, constexprs and options that ``attention_triton`` would launch it with
-(:func:`mla_ops.kernels.attention.launch_plan`, over CPU stand-ins with the GPU tensors' shapes,
-strides and alignment). For each configuration and path it prints whether it compiled, the registers
-per thread and spilled bytes (from ``ptxas -v``), the shared memory per program, the global scratch
-bytes per program (where the kernel builds TMA descriptors on the device, ``(device)`` in the last
-column), the warps per program (warp specialisation adds a producer warp group), and what the TTGIR
-holds: ``ttg.warp_specialize`` regions and TMA (``async_tma_copy``) operations. A configuration that
-does not compile, spills, has its wgmma instructions serialised by ptxas (its warnings C7514/C7515:
-the tensor cores then finish each product before the next starts), or asks for warp specialisation
-the compiler did not apply is reported as a failure (exit status 1).
+(:func:`mla_ops.kernels.attention.launch_plan`, or :func:`mla_ops.kernels.attention_sm90.sm90_launch`
+for a ``gluon`` configuration, over CPU stand-ins with the GPU tensors' shapes, strides and alignment).
+For each configuration and path it prints whether it compiled, the registers per thread and spilled
+bytes (from ``ptxas -v``), the shared memory per program, the global scratch bytes per program (where
+the kernel builds TMA descriptors on the device, ``(device)`` in the last column), the warps per program
+(warp specialisation adds a producer warp group), and what the TTGIR holds: ``ttg.warp_specialize``
+regions and TMA (``async_tma_copy``) operations. A configuration that does not compile, spills, has its
+wgmma instructions serialised by ptxas (its warnings C7514/C7515: the tensor cores then finish each
+product before the next starts), or asks for warp specialisation (``ws``, or the Gluon kernel, which
+states its partitions) that did not happen is reported as a failure (exit status 1).
 
 Usage::
 
-    python benchmarks/compile_sm90.py                     # the SM90 table and the tuning candidates
+    python benchmarks/compile_sm90.py                     # the SM90 tables and the tuning candidates
     python benchmarks/compile_sm90.py --configs "128,64,4,2,tma,qo,ws;128,64,8,3,lazy" --dims 192,128
 """
 
@@ -120,26 +121,39 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool) -> Variant:
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    from mla_ops.kernels.attention import _attn_fwd_kernel as kernel
-    from mla_ops.kernels.attention import launch_plan
-
     variant = Variant(str(config), causal)
     try:
         q, k, v, out, lse, cu_q, cu_k = _stand_ins(dqk, dv, causal)
-        plan = launch_plan(
-            q, k, v, out, lse, cu_q, cu_k, TOKENS, TOKENS, dqk**-0.5, causal, config, descriptors_anywhere=True
-        )
-        variant.descriptors = (*plan.descriptors, *(f"{name}(device)" for name in plan.device_descriptors))
+        if config.gluon:
+            # The Hopper kernel written in Gluon, as attention_sm90 launches it.
+            from triton.experimental.gluon._runtime import GluonASTSource as source
+
+            from mla_ops.kernels.attention_sm90 import _attn_fwd_sm90 as kernel
+            from mla_ops.kernels.attention_sm90 import sm90_launch
+
+            _, args, launch_options = sm90_launch(
+                q, k, v, out, lse, cu_q, cu_k, TOKENS, TOKENS, dqk**-0.5, causal, config.block_n, config.num_stages
+            )
+            keywords = launch_options
+            variant.descriptors = ("q", "k", "v(device)")
+        else:
+            from mla_ops.kernels.attention import _attn_fwd_kernel as kernel
+            from mla_ops.kernels.attention import launch_plan
+
+            source = ASTSource
+            plan = launch_plan(
+                q, k, v, out, lse, cu_q, cu_k, TOKENS, TOKENS, dqk**-0.5, causal, config, descriptors_anywhere=True
+            )
+            args, launch_options, keywords = plan.args, plan.options, {**plan.constexprs, **plan.options}
+            variant.descriptors = (*plan.descriptors, *(f"{name}(device)" for name in plan.device_descriptors))
         target = GPUTarget("cuda", CAPABILITY, 32)
         backend = make_backend(target)
         binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-        bound, specialization, options = binder(*plan.args, **plan.constexprs, **plan.options)
+        bound, specialization, options = binder(*args, **keywords)
         options, signature, constexprs, attrs = kernel._pack_args(
-            backend, dict(plan.options), bound, specialization, options
+            backend, dict(launch_options), bound, specialization, options
         )
-        compiled = triton.compile(
-            ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__
-        )
+        compiled = triton.compile(source(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
         ttgir = compiled.asm["ttgir"]
         variant.registers, variant.spill_bytes, variant.serialized = _ptxas_usage(compiled.asm["ptx"])
         variant.shared_bytes = compiled.metadata.shared
@@ -156,9 +170,10 @@ def default_configs() -> list[str]:
     """The SM90 table's (192, 128) entries and the tuning script's default and warp-specialised candidates."""
     from tune_triton import DEFAULT_CANDIDATES, WS_CANDIDATES
 
-    from mla_ops.kernels.configs import SM90_ATTENTION
+    from mla_ops.kernels.configs import SM90_ATTENTION, SM90_LARGE_BATCH_ATTENTION
 
-    table = [str(c) for key, c in SM90_ATTENTION.items() if key[:2] == (192, 128)]
+    tables = (*SM90_ATTENTION.items(), *SM90_LARGE_BATCH_ATTENTION.items())
+    table = [str(c) for key, c in tables if key[:2] == (192, 128)]
     return list(dict.fromkeys([*table, *DEFAULT_CANDIDATES, *WS_CANDIDATES]))
 
 
@@ -198,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for causal in paths:
             v = compile_variant(config, dqk, dv, causal)
             path = "causal" if causal else "chunk"
-            problems = v.problems(config.warp_specialize)
+            problems = v.problems(config.warp_specialize or config.gluon)
             if v.error is None:
                 print(
                     f"{v.config:<28} {path:<6} {v.registers:>4} {v.spill_bytes:>5} {v.shared_bytes / 1024:>8.1f} "

@@ -211,15 +211,12 @@ def test_warp_specialised_variants_isolate_sequences(text, causal):
     _check_padding(lse, sum(lengths_q))
 
 
-@_WS_OPT_IN
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
-def test_warp_specialised_variant_in_a_cuda_graph(causal):
-    """The ``ws`` variant captured in a CUDA graph (its descriptors' scratch then comes from the graph's
+def _check_graph_replays(config, causal: bool) -> None:
+    """``config`` captured in a CUDA graph (device-side descriptors' scratch then comes from the graph's
     pool) and replayed with other batches in the same buffers, a poisoned sequence among them: the
     replays equal eager calls and the clean sequences match the reference."""
     from mla_ops.kernels.attention import attention_triton
 
-    config = _variant_config(WS_VARIANTS[0])
     heads, scale = 16, _scale(192)
     bufs = GraphBuffers(heads, 192, 128, torch.bfloat16, budget=1024, budget_k=1536, max_batch=4, seed=5)
     k, v, cu_k = (bufs.k, bufs.v, bufs.cu) if causal else (bufs.kc, bufs.vc, bufs.cu_k)
@@ -243,6 +240,13 @@ def test_warp_specialised_variant_in_a_cuda_graph(causal):
             assert torch.equal(graph_out[rows], eager_out[rows]) and torch.equal(graph_lse[:, rows], eager_lse[:, rows])
         assert_sequences_close(graph_out, graph_lse, bufs.q, k, v, bufs.cu, cu_k, scale, causal, (0, 2, 3))
         _check_padding(graph_lse, sum(lengths))
+
+
+@_WS_OPT_IN
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
+def test_warp_specialised_variant_in_a_cuda_graph(causal):
+    """The ``ws`` variant in a CUDA graph (:func:`_check_graph_replays`)."""
+    _check_graph_replays(_variant_config(WS_VARIANTS[0]), causal)
 
 
 def test_warp_specialised_variant_is_refused_without_the_opt_in(monkeypatch):
@@ -317,35 +321,9 @@ def test_gluon_kernel_isolates_sequences(causal):
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
 def test_gluon_kernel_in_a_cuda_graph(causal):
-    """The Gluon kernel captured in a CUDA graph (its value descriptors' scratch then comes from the graph's
-    pool) and replayed with other batches in the same buffers, a poisoned sequence among them: the replays
-    equal eager calls and the clean sequences match the reference."""
-    from mla_ops.kernels.attention import attention_triton
-
-    config = _gluon_config(GLUON_VARIANTS[0])
-    heads, scale = 16, _scale(192)
-    bufs = GraphBuffers(heads, 192, 128, torch.bfloat16, budget=1024, budget_k=1536, max_batch=4, seed=5)
-    k, v, cu_k = (bufs.k, bufs.v, bufs.cu) if causal else (bufs.kc, bufs.vc, bufs.cu_k)
-
-    def step():
-        return attention_triton(bufs.q, k, v, bufs.cu, cu_k, bufs.budget, k.shape[0], scale, causal, config=config)
-
-    batches = [([1000, 3, 0, 21], [1400, 3, 0, 61]), ([5, 300, 7, 600], [9, 1000, 2, 500]), ([0] * 4, [0] * 4)]
-
-    def load(lengths, ctx_lengths):
-        bufs.load(lengths, ctx_lengths)
-        poison_sequences(k, v, cu_k, [1, bufs.max_batch])
-
-    graph, (graph_out, graph_lse) = _capture_after_warmup(step, load, batches[0])
-    for lengths, ctx_lengths in batches:
-        load(lengths, ctx_lengths)
-        graph.replay()
-        eager_out, eager_lse = step()
-        for b in (0, 2, 3):
-            rows = slice(int(bufs.cu[b]), int(bufs.cu[b + 1]))
-            assert torch.equal(graph_out[rows], eager_out[rows]) and torch.equal(graph_lse[:, rows], eager_lse[:, rows])
-        assert_sequences_close(graph_out, graph_lse, bufs.q, k, v, bufs.cu, cu_k, scale, causal, (0, 2, 3))
-        _check_padding(graph_lse, sum(lengths))
+    """The Gluon kernel in a CUDA graph (:func:`_check_graph_replays`): its value descriptors are built on
+    the device, in scratch from the graph's pool."""
+    _check_graph_replays(_gluon_config(GLUON_VARIANTS[0]), causal)
 
 
 def test_large_batches_take_the_gluon_kernel(monkeypatch):

@@ -547,6 +547,18 @@ def test_gluon_kernel_is_refused_where_it_cannot_run(monkeypatch):
         assert entry.gluon
 
 
+def test_program_layout():
+    """Slots cover any batch of the query rows (one extra per sequence), heads are grouped so that a group's
+    K/V fits the L2 budget, and the padding fill gets one program per 256 rows, at most 64."""
+    from mla_ops.kernels.programs import L2_BUDGET_BYTES, program_layout
+
+    layout = program_layout(1000, 16, 3, 900, 8192, 640, 128)
+    assert layout == (1000 // 128 + 3, L2_BUDGET_BYTES // (8192 * 640), 4)
+    assert layout.grid(16) == (16 * layout.num_slots + 4,)
+    assert program_layout(1000, 16, 3, 0, 8192, 640, 128).num_slots == 0  # no query: no attention programs
+    assert program_layout(1 << 20, 2, 1, 1, 1, 640, 64) == ((1 << 20) // 64 + 1, 2, 64)
+
+
 def test_gluon_kernel_scope():
     """What the Gluon kernel covers, checked on the host before any launch."""
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")

@@ -1,5 +1,9 @@
 """Varlen flash-attention forward for MLA prefill, in Triton.
 
+:func:`attention_triton` is the entry point for every GPU and Triton's interpreter. On Hopper it hands
+large batches to :mod:`mla_ops.kernels.attention_sm90` (written in Gluon) where that kernel covers the
+inputs; everything else runs the ``tl.dot`` kernel below.
+
 One program computes ``BLOCK_M`` query rows of one head of one sequence against all the keys that
 those rows see, with an online softmax in base 2 (``log2(e)`` is folded into the scale so the inner
 loop calls ``exp2``) and fp32 accumulators. Design points:
@@ -56,6 +60,7 @@ from .configs import (
     shrink,
 )
 from .launch import CachedLaunch, pointer_alignment
+from .programs import program_layout
 
 try:  # Triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -66,15 +71,10 @@ __all__ = ["LaunchPlan", "attention_triton", "head_dim_split", "launch_plan", "t
 
 _LOG2E = 1.4426950408889634
 
-#: L2 bytes one group of heads may fill with K/V; H100/H200 have 50 MiB of L2, shared with Q/out
-#: traffic and split in two partitions, so about half of it is a safe working set.
-_L2_BUDGET_BYTES = 24 * 1024 * 1024
-
 #: Sequences scanned per vector pass when a program looks up its sequence.
 _SEQ_CHUNK = 256
 
-#: Extra programs that write lse = -inf into the padding rows past cu_seqlens_q[-1].
-_MAX_PAD_PROGRAMS = 64
+#: Lanes of one pass of the padding rows' LSE fill.
 _PAD_FILL_BLOCK = 1024
 
 #: Lazy rescaling (``AttentionConfig.lazy_rescale``) keeps a row's running max until the max grew
@@ -937,7 +937,12 @@ def attention_triton(
         causal: mask key ``j`` from query ``i`` of a sequence when ``j > i + len_k - len_q``; with
             ``cu_seqlens_k is cu_seqlens_q`` that is plain causal self-attention.
         config: launch configuration; by default ``MLA_OPS_TRITON_CONFIG`` or the table in
-            :mod:`mla_ops.kernels.configs` for this device and ``(Dqk, Dv, causal, dtype)``.
+            :mod:`mla_ops.kernels.configs` for this device and ``(Dqk, Dv, causal, dtype)``, and for a
+            call of at least :data:`TMA_MIN_KEY_ROWS` key rows times heads the large-batch table's
+            entry (:func:`~mla_ops.kernels.configs.large_batch_attention_config`: the Gluon kernel on
+            SM90) where the inputs suit it. A configuration with ``gluon`` runs
+            :func:`mla_ops.kernels.attention_sm90.attention_sm90`; given explicitly, it raises
+            ``ValueError`` with the reason where that kernel cannot run.
 
     Returns:
         ``out`` ``[Tq, H, Dv]`` contiguous in q's dtype and ``lse`` float32 ``[H, Tq]`` contiguous,
@@ -1123,14 +1128,12 @@ def launch_plan(
     d_v = 1 << (dv - 1).bit_length()
     block_m, block_n = config.block_m, config.block_n
     num_seqs = cu_seqlens_q.shape[0] - 1
-    # Slots per head: sequence b's blocks live in slots from cu_seqlens_q[b] // BLOCK_M + b on, so
-    # Tq // BLOCK_M + B of them cover any batch (see the module docstring). max_seqlen_q only
-    # bounds the work, it does not size the grid.
-    num_slots = num_tokens // block_m + num_seqs if num_seqs > 0 and max_seqlen_q > 0 else 0
-    kv_bytes = max(int(max_seqlen_k), 1) * (dqk + dv) * q.element_size()
-    heads_per_group = max(1, min(num_heads, _L2_BUDGET_BYTES // kv_bytes))
-    num_pad_programs = min(_MAX_PAD_PROGRAMS, triton.cdiv(num_tokens, 256))
-    grid = (num_heads * num_slots + num_pad_programs,)
+    # max_seqlen_q only bounds the work, it does not size the grid (see the module docstring).
+    programs = program_layout(
+        num_tokens, num_heads, num_seqs, max_seqlen_q, max_seqlen_k, (dqk + dv) * q.element_size(), block_m
+    )
+    num_slots, heads_per_group, num_pad_programs = programs
+    grid = programs.grid(num_heads)
 
     kv_descs = _split_descriptors(k, v, d_a, d_b, block_n, descriptors_anywhere) if config.use_tma else None
     qo_descs = _split_descriptors(q, out, d_a, d_b, block_m, descriptors_anywhere) if config.qo_tma else None

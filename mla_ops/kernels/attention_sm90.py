@@ -33,7 +33,6 @@ a lone power of two goes to the other kernel) and ``Dv`` a power of two, within 
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -41,8 +40,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..alloc import empty
 from .launch import TorchScratch
+from .programs import program_layout
 
-__all__ = ["attention_sm90", "sm90_shared_memory", "sm90_unsupported_reason"]
+__all__ = ["attention_sm90", "sm90_launch", "sm90_shared_memory", "sm90_unsupported_reason"]
 
 #: Query rows per consumer warpgroup; a program has two, so its block is 128 rows.
 _HALF = gl.constexpr(64)
@@ -59,9 +59,6 @@ _PRODUCER_REGS = 24
 _SM90_SHARED_BYTES = 227 * 1024
 _SEQ_CHUNK = gl.constexpr(256)
 _PAD_FILL = gl.constexpr(1024)
-_MAX_PAD_PROGRAMS = 64
-#: L2 bytes one group of heads may fill with K/V (see mla_ops.kernels.attention).
-_L2_BUDGET_BYTES = 24 * 1024 * 1024
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -107,6 +104,20 @@ def _scores(q_a, q_b, k_a, k_b, s_init):
 
 
 @gluon.jit
+def _accumulate(p, alpha, l_i, acc, v_buf, empty_bar):
+    """One tile's online-softmax update after its probabilities ``p`` (fp32) and the factor ``alpha`` that
+    rescales the running sum and output: ``(l_i, acc + p @ v)``; then hands the buffer back."""
+    o_layout: gl.constexpr = acc.type.layout
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p = gl.convert_layout(p.to(v_buf.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    acc = warpgroup_mma(p, v_buf, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(empty_bar, count=1)
+    return l_i, acc
+
+
+@gluon.jit
 def _consumer(
     q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, ready, empty_bars, Out, Lse,
     q_start, len_q, len_k, m0, h, num_tiles, stride_ot, stride_oh, stride_lse_h, qk_scale,
@@ -118,7 +129,6 @@ def _consumer(
     STAGES: gl.constexpr = k_smem_a.type.shape[0]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_V, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
@@ -152,12 +162,7 @@ def _consumer(
             m_new = gl.maximum(m_i, gl.max(s * qk_scale, 1))
         p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-        acc = warpgroup_mma(p, v_smem.index(stage), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty_bars.index(stage), count=1)
+        l_i, acc = _accumulate(p, alpha, l_i, acc, v_smem.index(stage), empty_bars.index(stage))
         m_i = m_new
     for i in range(full, mine):  # tiles with the causal diagonal or the sequence's end
         stage = i % STAGES
@@ -172,12 +177,7 @@ def _consumer(
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: exp2(-inf - 0), not NaN
         p = gl.exp2(s - m_use[:, None])
         alpha = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-        acc = warpgroup_mma(p, v_smem.index(stage), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty_bars.index(stage), count=1)
+        l_i, acc = _accumulate(p, alpha, l_i, acc, v_smem.index(stage), empty_bars.index(stage))
         m_i = m_new
     for i in range(mine, num_tiles):  # tiles only the other warpgroup's rows see: hand them back
         stage = i % STAGES
@@ -342,6 +342,47 @@ def _descriptor(t: torch.Tensor, rows: int, width: int) -> TensorDescriptor:
     return TensorDescriptor(t, [t.shape[0], cols], [t.stride(0), 1], [rows, width], layout)
 
 
+def sm90_launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    block_n: int,
+    stages: int,
+) -> tuple[tuple[int], tuple, dict]:
+    """``(grid, args, options)`` of one launch of the kernel: ``_attn_fwd_sm90[grid](*args, **options)``.
+
+    The tensors may be CPU stand-ins with the GPU tensors' shapes, strides and alignment (for compiling
+    ahead of time: ``benchmarks/compile_sm90.py``); ``args`` holds host descriptors over them.
+    """
+    num_tokens, num_heads, dqk = q.shape
+    dv = v.shape[-1]
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    d_a, d_b = _split(dqk)
+    programs = program_layout(
+        num_tokens, num_heads, num_seqs, max_seqlen_q, max_seqlen_k, (dqk + dv) * q.element_size(), BLOCK_M
+    )
+    num_slots, heads_per_group, num_pad_programs = programs
+    grid = programs.grid(num_heads)
+    v_layout = gl.NVMMASharedLayout.get_default_for([block_n, dv], _GL_DTYPES[v.dtype])
+    args = (
+        _descriptor(q, _HALF.value, d_a), _descriptor(q, _HALF.value, d_b), _descriptor(k, block_n, d_a),
+        _descriptor(k, block_n, d_b), v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        q.stride(1), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+        num_tokens, num_heads, num_seqs, num_slots, heads_per_group, num_pad_programs,
+        float(softmax_scale) * _LOG2E,
+        dv, v_layout, bool(causal), softmax_scale >= 0, stages, _CONSUMER_REGS, _PRODUCER_REGS,
+    )  # fmt: skip
+    return grid, args, dict(num_warps=4, maxnreg=_MAXNREG)
+
+
 def attention_sm90(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -368,31 +409,17 @@ def attention_sm90(
     Launched through Triton's own dispatch (host descriptors hold the tensors' addresses, so nothing of
     a launch can be reused), with the device-side descriptors' global scratch from PyTorch's allocator.
     """
-    num_tokens, num_heads, dqk = q.shape
-    dv = v.shape[-1]
+    num_tokens, num_heads, dv = q.shape[0], q.shape[1], v.shape[-1]
     if out is None:
         out = empty((num_tokens, num_heads, dv), q.dtype, q.device)
     if lse is None:
         lse = empty((num_heads, num_tokens), torch.float32, q.device)
-    num_seqs = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or num_heads == 0:
         return out, lse
-    d_a, d_b = _split(dqk)
-    # Slots and head groups exactly as attention.launch_plan: see mla_ops.kernels.attention.
-    num_slots = num_tokens // BLOCK_M + num_seqs if num_seqs > 0 and max_seqlen_q > 0 else 0
-    kv_bytes = max(int(max_seqlen_k), 1) * (dqk + dv) * q.element_size()
-    heads_per_group = max(1, min(num_heads, _L2_BUDGET_BYTES // kv_bytes))
-    num_pad_programs = min(_MAX_PAD_PROGRAMS, triton.cdiv(num_tokens, 256))
-    grid = (num_heads * num_slots + num_pad_programs,)
-    v_layout = gl.NVMMASharedLayout.get_default_for([block_n, dv], _GL_DTYPES[v.dtype])
+    grid, args, options = sm90_launch(
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, block_n,
+        stages,
+    )  # fmt: skip
     with TorchScratch():
-        _attn_fwd_sm90[grid](
-            _descriptor(q, _HALF.value, d_a), _descriptor(q, _HALF.value, d_b), _descriptor(k, block_n, d_a),
-            _descriptor(k, block_n, d_b), v, out, lse, cu_seqlens_q, cu_seqlens_k,
-            q.stride(1), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-            num_tokens, num_heads, num_seqs, num_slots, heads_per_group, num_pad_programs,
-            float(softmax_scale) * _LOG2E,
-            dv, v_layout, bool(causal), softmax_scale >= 0, stages, _CONSUMER_REGS, _PRODUCER_REGS,
-            num_warps=4, maxnreg=_MAXNREG,
-        )  # fmt: skip
+        _attn_fwd_sm90[grid](*args, **options)
     return out, lse
