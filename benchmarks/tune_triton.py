@@ -79,6 +79,10 @@ DEFAULT_CANDIDATES = [
     "128,64,8,3,tma,ovl",
     "128,64,8,4,tma,ovl",
     "128,64,8,3,tma,qo,ovl",
+    # The Hopper kernel written in Gluon (mla_ops.kernels.attention_sm90): SM90 only, elsewhere rejected.
+    "128,128,4,2,gluon",
+    "128,64,4,2,gluon",
+    "128,64,4,3,gluon",
 ]
 #: The experimental warp-specialised loop ("ws": a TMA producer warp group and two consumer groups of
 #: 4 warps): compiled and checked by compile_sm90.py, but not swept by default, since its launches
@@ -320,20 +324,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "ratio_vs_fa3": f"{tflops / fa3[name]:.3f}" if name in fa3 else "",
                 }
             )
-        # One entry per path: the configuration with the best geometric mean over that path's shapes.
+        # One entry per path and table: the configuration with the best geometric mean over that path's
+        # shapes. Gluon configurations go only into the large-batch table (every tuning shape is a large
+        # batch), the others into the table that serves every batch.
         for causal in (True, False):
             names = [label(s) for s in SHAPES if (s.suite == "causal") == causal]
-            scored = [
-                (math.exp(sum(math.log(r[n]) for n in names) / len(names)), c)
-                for c, r in results.items()
-                if all(n in r for n in names)
-            ]
-            if scored:
-                score, config = max(scored, key=lambda t: t[0])
-                log(
-                    f"  -> SM90_ATTENTION[({P.DQK}, {P.DV}, {causal})] = {config!r}  # geomean {score:.1f} TFLOP/s"
-                    f" ({CONFIG_ENV_VAR}={config})"
-                )
+            for table, gluon in (("SM90_ATTENTION", False), ("SM90_LARGE_BATCH_ATTENTION", True)):
+                scored = [
+                    (math.exp(sum(math.log(r[n]) for n in names) / len(names)), c)
+                    for c, r in results.items()
+                    if c.gluon == gluon and all(n in r for n in names)
+                ]
+                if scored:
+                    score, config = max(scored, key=lambda t: t[0])
+                    log(
+                        f"  -> {table}[({P.DQK}, {P.DV}, {causal})] = {config!r}  # geomean {score:.1f} TFLOP/s"
+                        f" ({CONFIG_ENV_VAR}={config})"
+                    )
     R.write_json(args.out.with_name(args.out.name.removesuffix(".csv") + ".env.json"), env)
     log(f"wrote {args.out} in {time.time() - started:.0f} s")
     return 0

@@ -46,7 +46,6 @@ SCRIPTS = [
     "bench_transformers.py",
     "tune_triton.py",
     "probe_warp_specialize.py",
-    "probe_gluon_attention.py",
 ]
 #: The scripts whose result rows one ``FIELDS`` list (``benchlib.report.Fields``) describes.
 FIELD_SCRIPTS = [
@@ -88,7 +87,6 @@ def test_help(script):
         ("bench_graphs.py", []),
         ("tune_triton.py", ["--out", "unused.csv", "--quick"]),
         ("probe_warp_specialize.py", ["--probes", "plain"]),
-        ("probe_gluon_attention.py", ["--out", "unused.csv"]),
     ],
 )
 def test_gpu_only_scripts_exit_cleanly_without_cuda(script, args, tmp_path):
