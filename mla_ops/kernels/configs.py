@@ -239,12 +239,13 @@ GENERIC_ATTENTION: dict[tuple, AttentionConfig] = {
 _ARCH_TABLES: dict[int, dict[tuple, AttentionConfig]] = {9: SM90_ATTENTION}
 
 #: Hopper, batches of at least ``TMA_MIN_KEY_ROWS`` key rows times heads (mla_ops.kernels.attention),
-#: where the Gluon kernel's host-built descriptors cost less than they save. (192, 128) from
-#: benchmarks/probe_gluon_attention.py on an H200 (2026-12-02 16:16 UTC, torch 2.11, triton 3.6,
-#: benchmarks/results/h200/gluon_attention/): 128-key tiles in 2 buffers, 559 / 650 / 492 TFLOP/s on
-#: causal 4x4096 H16, 2x8192 H128 and the mixed batch, 621 / 633 on 1k over 8k at H16 / H128, against
-#: 462 / 499 / 387 / 490 / 509 for the table above and 647 / 743 / 569 / 705 / 741 for FlashInfer's fa3
-#: in the same run; 64-key tiles 540 / 570 / 464 / 575 / 605.
+#: where the Gluon kernel's host-built descriptors cost less than they save. (192, 128): 128-key tiles in
+#: 2 buffers. benchmarks/bench_prefill.py on an H200 (2026-12-02 16:33 UTC, torch 2.11, triton 3.6,
+#: benchmarks/results/h200/prefill_gluon/): 555 / 594 / 448 TFLOP/s through the op on causal 4x4096 H16,
+#: 2x8192 H128 and the mixed batch, 620 / 601 on 1k over 8k at H16 / H128, against 647 / 726 / 558 / 701 /
+#: 694 for FlashInfer's fa3 in the same run (the tl.dot table above: 449 / 493 / 391 / 497 / 518 on
+#: 2026-12-02 15:34 UTC). 64-key tiles ran 3-12 % slower in the kernel's first form
+#: (benchmarks/results/h200/gluon_attention/).
 SM90_LARGE_BATCH_ATTENTION: dict[tuple, AttentionConfig] = {
     (192, 128, True): AttentionConfig(128, 128, 4, 2, gluon=True),
     (192, 128, False): AttentionConfig(128, 128, 4, 2, gluon=True),
