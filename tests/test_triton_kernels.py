@@ -603,6 +603,17 @@ def test_backend_dimension_reasons():
     ]
 
 
+def test_backend_describes_the_hopper_kernel_where_it_applies():
+    """``info`` names the Gluon kernel for Hopper and the dims its table lists, not elsewhere."""
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
+    describe = TritonBackend().describe
+    deepseek = SelectorConfig(torch.bfloat16, DEEPSEEK_V3)
+    assert "the Hopper kernel written in Gluon" in describe(DeviceCapability(9, 0), deepseek)
+    assert "Gluon" not in describe(DeviceCapability(10, 0), deepseek)
+    assert "Gluon" not in describe(DeviceCapability(9, 0), SelectorConfig(torch.float16, MLADimensions(64, 0, 64)))
+    assert "Gluon" not in describe(None, deepseek)
+
+
 def test_backend_capability_and_device():
     backend, config = TritonBackend(), SelectorConfig(torch.bfloat16, DEEPSEEK_V3)
     assert backend.capability_reasons(DeviceCapability(8, 0)) == []

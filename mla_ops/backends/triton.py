@@ -9,10 +9,12 @@ the kernels are first used, so this module imports (and reports why it is unavai
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 import torch
 
 from ..config import DeviceCapability, SelectorConfig
+from ..kernels.configs import table_large_batch_config
 from .base import PrefillBackend
 
 #: Head sizes the kernel is built for: the QK split and the Dv tile are powers of two up to 256.
@@ -55,7 +57,15 @@ class TritonBackend(PrefillBackend):
     def describe(self, capability: DeviceCapability | None, config: SelectorConfig) -> str:
         version = _triton_version()
         where = f"Triton {version}" if version else "Triton (not installed)"
-        return f"{where}: mla_ops varlen flash-attention forward, QK split into power-of-two dots (192 = 128 + 64)"
+        text = f"{where}: mla_ops varlen flash-attention forward, QK split into power-of-two dots (192 = 128 + 64)"
+        dims = config.mla_dimensions
+        large = capability is not None and any(
+            table_large_batch_config(tuple(capability), dims.qk_head_dim, dims.v_head_dim, causal, config.dtype)
+            for causal in (True, False)
+        )
+        if large and version is not None and importlib.util.find_spec("triton.experimental.gluon") is not None:
+            text += "; large batches: the Hopper kernel written in Gluon (TMA producer warp, two consumer warpgroups)"
+        return text
 
     def attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
         kernel = self._kernel

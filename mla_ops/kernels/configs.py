@@ -372,7 +372,15 @@ def large_batch_attention_config(
     if device.type != "cuda" or env_attention_config() is not None:
         return None
     major, minor, _ = _device_traits(device.index if device.index is not None else torch.cuda.current_device())
-    return _lookup(SM90_LARGE_BATCH_ATTENTION, dqk, dv, causal, dtype) if (major, minor) == (9, 0) else None
+    return table_large_batch_config((major, minor), dqk, dv, causal, dtype)
+
+
+def table_large_batch_config(
+    capability: tuple[int, int], dqk: int, dv: int, causal: bool, dtype: torch.dtype
+) -> AttentionConfig | None:
+    """The large-batch table's configuration for a device of ``capability`` (no environment override), or
+    ``None``: SM90 only, since the Gluon kernel is built from Hopper's wgmma and TMA instructions."""
+    return _lookup(SM90_LARGE_BATCH_ATTENTION, dqk, dv, causal, dtype) if tuple(capability) == (9, 0) else None
 
 
 def merge_config(device: torch.device) -> MergeConfig:
