@@ -272,6 +272,13 @@ def _gluon_config(text: str):
     if torch.cuda.get_device_capability(DEVICE) != (9, 0):
         pytest.skip("the Gluon kernel runs on SM90 (Hopper) GPUs only")
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
+    import triton
+
+    from mla_ops.kernels.attention import gluon_triton_reason
+
+    reason = gluon_triton_reason(triton.__version__)
+    if reason is not None:
+        pytest.skip(f"the Gluon kernel: {reason}")
     return AttentionConfig.parse(text, "variant")
 
 

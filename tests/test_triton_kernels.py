@@ -547,6 +547,15 @@ def test_gluon_kernel_is_refused_where_it_cannot_run(monkeypatch):
         assert entry.gluon
 
 
+def test_gluon_kernel_needs_a_triton_release_it_was_written_for():
+    from mla_ops.kernels.attention import gluon_triton_reason
+
+    assert gluon_triton_reason("3.6.0") is None
+    assert gluon_triton_reason("3.6.1+git123") is None
+    reason = gluon_triton_reason("3.9.0")
+    assert reason == "it is written for the Gluon of Triton 3.6, whose API later releases changed (installed: 3.9.0)"
+
+
 def test_program_layout():
     """Slots cover any batch of the query rows (one extra per sequence), heads are grouped so that a group's
     K/V fits the L2 budget, and the padding fill gets one program per 256 rows, at most 64."""
@@ -603,11 +612,17 @@ def test_backend_dimension_reasons():
     ]
 
 
-def test_backend_describes_the_hopper_kernel_where_it_applies():
-    """``info`` names the Gluon kernel for Hopper and the dims its table lists, not elsewhere."""
+def test_backend_describes_the_hopper_kernel_where_it_applies(monkeypatch):
+    """``info`` names the Gluon kernel for Hopper, the dims its table lists and the Triton releases it is
+    written for, not elsewhere."""
+    from mla_ops.backends import triton as triton_backend
+
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
     describe = TritonBackend().describe
     deepseek = SelectorConfig(torch.bfloat16, DEEPSEEK_V3)
+    monkeypatch.setattr(triton_backend, "_triton_version", lambda: "3.9.0")
+    assert "Gluon" not in describe(DeviceCapability(9, 0), deepseek)
+    monkeypatch.setattr(triton_backend, "_triton_version", lambda: "3.6.0")
     assert "the Hopper kernel written in Gluon" in describe(DeviceCapability(9, 0), deepseek)
     assert "Gluon" not in describe(DeviceCapability(10, 0), deepseek)
     assert "Gluon" not in describe(DeviceCapability(9, 0), SelectorConfig(torch.float16, MLADimensions(64, 0, 64)))

@@ -52,6 +52,7 @@ from ..alloc import empty
 from ..capture import on_device
 from .configs import (
     CONFIG_ENV_VAR,
+    GLUON_TRITON_RELEASES,
     AttentionConfig,
     attention_config,
     env_attention_config,
@@ -885,6 +886,17 @@ def _sm90_module():
     return attention_sm90
 
 
+def gluon_triton_reason(version: str) -> str | None:
+    """Why the Gluon kernel does not run with Triton ``version``, or ``None`` for the releases it is written
+    and checked against (:data:`~mla_ops.kernels.configs.GLUON_TRITON_RELEASES`): Gluon is experimental and
+    its API changes between releases (Triton 3.9 removed the TMA copy the kernel issues)."""
+    release = ".".join(version.split(".")[:2])
+    if release in GLUON_TRITON_RELEASES:
+        return None
+    checked = ", ".join(GLUON_TRITON_RELEASES)
+    return f"it is written for the Gluon of Triton {checked}, whose API later releases changed (installed: {version})"
+
+
 def gluon_unsupported_reason(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, config: AttentionConfig
 ) -> str | None:
@@ -893,6 +905,9 @@ def gluon_unsupported_reason(
         return "it runs on CUDA devices only (not in Triton's interpreter)"
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return f"it runs on SM90 (Hopper) GPUs only, not on {torch.cuda.get_device_name(q.device)}"
+    reason = gluon_triton_reason(triton.__version__)
+    if reason is not None:
+        return reason
     module = _sm90_module()
     if module is None:
         return f"Triton {triton.__version__} has no Gluon (triton.experimental.gluon)"

@@ -246,6 +246,10 @@ _ARCH_TABLES: dict[int, dict[tuple, AttentionConfig]] = {9: SM90_ATTENTION}
 #: 694 for FlashInfer's fa3 in the same run (the tl.dot table above: 449 / 493 / 391 / 497 / 518 on
 #: 2026-12-02 15:34 UTC). 64-key tiles ran 3-12 % slower in the kernel's first form
 #: (benchmarks/results/h200/gluon_attention/).
+#: Triton releases (major.minor) whose Gluon the Hopper kernel is written for and was checked with on an
+#: H200; with any other the kernel is not chosen and an explicit ``gluon`` configuration is refused.
+GLUON_TRITON_RELEASES = ("3.6",)
+
 SM90_LARGE_BATCH_ATTENTION: dict[tuple, AttentionConfig] = {
     (192, 128, True): AttentionConfig(128, 128, 4, 2, gluon=True),
     (192, 128, False): AttentionConfig(128, 128, 4, 2, gluon=True),
