@@ -55,7 +55,7 @@ _LOG2E = 1.4426950408889634
 _MAXNREG = 168
 _CONSUMER_REGS = 240
 _PRODUCER_REGS = 24
-#: Shared memory per block on SM90 (227 KiB) that the ring and Q tiles may fill, and the barriers' slack.
+#: Shared memory one block may use on SM90 (227 KiB): the Q tiles, the K/V ring and the mbarriers.
 _SM90_SHARED_BYTES = 227 * 1024
 _SEQ_CHUNK = gl.constexpr(256)
 _PAD_FILL = gl.constexpr(1024)
