@@ -14,7 +14,7 @@ import importlib.util
 import torch
 
 from ..config import DeviceCapability, SelectorConfig
-from ..kernels.configs import GLUON_TRITON_RELEASES, table_large_batch_config
+from ..kernels.configs import gluon_triton_reason, table_large_batch_config
 from .base import PrefillBackend
 
 #: Head sizes the kernel is built for: the QK split and the Dv tile are powers of two up to 256.
@@ -63,8 +63,8 @@ class TritonBackend(PrefillBackend):
             table_large_batch_config(tuple(capability), dims.qk_head_dim, dims.v_head_dim, causal, config.dtype)
             for causal in (True, False)
         )
-        release = ".".join((version or "").split(".")[:2])
-        if large and release in GLUON_TRITON_RELEASES and importlib.util.find_spec("triton.experimental.gluon"):
+        gluon = version is not None and gluon_triton_reason(version) is None
+        if large and gluon and importlib.util.find_spec("triton.experimental.gluon"):
             text += "; large batches: the Hopper kernel written in Gluon (TMA producer warp, two consumer warpgroups)"
         return text
 

@@ -52,10 +52,11 @@ from ..alloc import empty
 from ..capture import on_device
 from .configs import (
     CONFIG_ENV_VAR,
-    GLUON_TRITON_RELEASES,
     AttentionConfig,
     attention_config,
     env_attention_config,
+    gluon_triton_reason,
+    head_dim_split,
     large_batch_attention_config,
     refuse_unproven_warp_specialization,
     shrink,
@@ -81,17 +82,6 @@ _PAD_FILL_BLOCK = 1024
 #: Lazy rescaling (``AttentionConfig.lazy_rescale``) keeps a row's running max until the max grew
 #: by more than this, in base 2: p stays <= 2^8, as in FlashAttention-4.
 _RESCALE_THRESHOLD = tl.constexpr(8.0)
-
-
-def head_dim_split(dqk: int) -> tuple[int, int]:
-    """How the QK product of a ``dqk``-channel head is split: ``(first, second)`` dot widths.
-
-    ``first`` is the largest power of two <= ``dqk``; ``second`` is the remainder rounded up to a power
-    of two (its padding is masked), or 0. DeepSeek's 192 gives ``(128, 64)``: no wasted work.
-    """
-    first = 1 << (dqk.bit_length() - 1)
-    rest = dqk - first
-    return first, (1 << (rest - 1).bit_length()) if rest else 0
 
 
 def _interpreting() -> bool:
@@ -886,17 +876,6 @@ def _sm90_module():
     return attention_sm90
 
 
-def gluon_triton_reason(version: str) -> str | None:
-    """Why the Gluon kernel does not run with Triton ``version``, or ``None`` for the releases it is written
-    and checked against (:data:`~mla_ops.kernels.configs.GLUON_TRITON_RELEASES`): Gluon is experimental and
-    its API changes between releases (Triton 3.9 removed the TMA copy the kernel issues)."""
-    release = ".".join(version.split(".")[:2])
-    if release in GLUON_TRITON_RELEASES:
-        return None
-    checked = ", ".join(GLUON_TRITON_RELEASES)
-    return f"it is written for the Gluon of Triton {checked}, whose API later releases changed (installed: {version})"
-
-
 def gluon_unsupported_reason(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, config: AttentionConfig
 ) -> str | None:
@@ -1027,9 +1006,9 @@ def attention_triton(
             if config is None:
                 config = _table_configs[key] = attention_config(device, dqk, dv, causal, dtype)
             if k.shape[0] * num_heads >= TMA_MIN_KEY_ROWS:
-                large = _large_configs.get(key, config)
-                if large is config:
-                    large = _large_configs[key] = large_batch_attention_config(device, dqk, dv, causal, dtype)
+                if key not in _large_configs:
+                    _large_configs[key] = large_batch_attention_config(device, dqk, dv, causal, dtype)
+                large = _large_configs[key]
                 if large is not None and gluon_unsupported_reason(q, k, v, softmax_scale, large) is None:
                     config = large
     if config.gluon:

@@ -39,6 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..alloc import empty
+from .configs import head_dim_split
 from .launch import TorchScratch
 from .programs import program_layout
 
@@ -298,11 +299,6 @@ def _attn_fwd_sm90(
 # --- launcher -------------------------------------------------------------------------------------
 
 
-def _split(dqk: int) -> tuple[int, int]:
-    first = 1 << (dqk.bit_length() - 1)
-    return first, dqk - first
-
-
 def sm90_shared_memory(dqk: int, dv: int, block_n: int, stages: int, elem_bytes: int = 2) -> int:
     """Bytes of shared memory one program takes: the block's Q and ``stages`` K/V buffers (plus barriers)."""
     return elem_bytes * (BLOCK_M * dqk + stages * block_n * (dqk + dv)) + 8 * (1 + 2 * stages)
@@ -318,11 +314,13 @@ def sm90_unsupported_reason(
 ) -> str | None:
     """Why :func:`attention_sm90` cannot take these inputs (a phrase for a message), or ``None``."""
     dqk, dv = q.shape[-1], v.shape[-1]
-    d_b = _split(dqk)[1]
+    d_a, d_b = head_dim_split(dqk)
     if q.dtype not in _GL_DTYPES:
         return f"dtype {q.dtype} (it computes in bfloat16 or float16)"
-    if d_b == 0 or d_b & (d_b - 1) or dv & (dv - 1) or d_b * 8 < 16 or dv > 256:
-        return f"head sizes (Dqk, Dv) = ({dqk}, {dv}) (it needs Dqk = 2^a + 2^b with a > b >= 3 and Dv = 2^c <= 256)"
+    # Both parts load as whole TMA blocks (no padding: a padded part would read the next head) and each
+    # is a wgmma K dimension, a multiple of 16 for 16-bit operands.
+    if d_a + d_b != dqk or d_b < 16 or dv & (dv - 1) or dv > 256:
+        return f"head sizes (Dqk, Dv) = ({dqk}, {dv}) (it needs Dqk = 2^a + 2^b with a > b >= 4 and Dv = 2^c <= 256)"
     if sm90_shared_memory(dqk, dv, block_n, stages) > _SM90_SHARED_BYTES:
         return f"head sizes ({dqk}, {dv}) with {stages} stages of {block_n} keys, which overflow shared memory"
     if softmax_scale < 0:
@@ -365,7 +363,7 @@ def sm90_launch(
     num_tokens, num_heads, dqk = q.shape
     dv = v.shape[-1]
     num_seqs = cu_seqlens_q.shape[0] - 1
-    d_a, d_b = _split(dqk)
+    d_a, d_b = head_dim_split(dqk)
     programs = program_layout(
         num_tokens, num_heads, num_seqs, max_seqlen_q, max_seqlen_k, (dqk + dv) * q.element_size(), BLOCK_M
     )

@@ -250,6 +250,18 @@ _ARCH_TABLES: dict[int, dict[tuple, AttentionConfig]] = {9: SM90_ATTENTION}
 #: H200; with any other the kernel is not chosen and an explicit ``gluon`` configuration is refused.
 GLUON_TRITON_RELEASES = ("3.6",)
 
+
+def gluon_triton_reason(version: str) -> str | None:
+    """Why the Gluon kernel does not run with Triton ``version``, or ``None`` for the releases it is written
+    and checked against (:data:`GLUON_TRITON_RELEASES`): Gluon is experimental and its API changes
+    between releases (Triton 3.9 removed the TMA copy the kernel issues)."""
+    release = ".".join(version.split(".")[:2])
+    if release in GLUON_TRITON_RELEASES:
+        return None
+    checked = ", ".join(GLUON_TRITON_RELEASES)
+    return f"it is written for the Gluon of Triton {checked}, whose API later releases changed (installed: {version})"
+
+
 SM90_LARGE_BATCH_ATTENTION: dict[tuple, AttentionConfig] = {
     (192, 128, True): AttentionConfig(128, 128, 4, 2, gluon=True),
     (192, 128, False): AttentionConfig(128, 128, 4, 2, gluon=True),
@@ -267,16 +279,20 @@ SM90_MERGE = MergeConfig(block_t=32, num_warps=4)
 GENERIC_MERGE = MergeConfig(block_t=32, num_warps=4)
 
 
-def _padded(d: int) -> int:
-    """The channels the kernel computes for a head of ``d``: a power of two, or 2^a + 2^b for Dqk."""
-    first = 1 << (d.bit_length() - 1)
-    rest = d - first
-    return first + (1 << (rest - 1).bit_length() if rest else 0)
+def head_dim_split(dqk: int) -> tuple[int, int]:
+    """How the QK product of a ``dqk``-channel head is split: ``(first, second)`` dot widths.
+
+    ``first`` is the largest power of two <= ``dqk``; ``second`` is the remainder rounded up to a power
+    of two (its padding is masked), or 0. DeepSeek's 192 gives ``(128, 64)``: no wasted work.
+    """
+    first = 1 << (dqk.bit_length() - 1)
+    rest = dqk - first
+    return first, (1 << (rest - 1).bit_length()) if rest else 0
 
 
 def shared_memory_estimate(config: AttentionConfig, dqk: int, dv: int, elem_bytes: int = 2) -> int:
     """Bytes of shared memory the attention kernel needs, roughly: the Q tile plus the K/V stages."""
-    dqk_p, dv_p = _padded(dqk), 1 << (dv - 1).bit_length()
+    dqk_p, dv_p = sum(head_dim_split(dqk)), 1 << (dv - 1).bit_length()
     return elem_bytes * (config.block_m * dqk_p + config.num_stages * config.block_n * (dqk_p + dv_p))
 
 
