@@ -132,8 +132,9 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool) -> Variant:
             from mla_ops.kernels.attention_sm90 import sm90_launch
 
             _, args, launch_options = sm90_launch(
-                q, k, v, out, lse, cu_q, cu_k, TOKENS, TOKENS, dqk**-0.5, causal, config.block_n, config.num_stages
-            )
+                q, k, v, out, lse, cu_q, cu_k, TOKENS, TOKENS, dqk**-0.5, causal, config.block_n, config.num_stages,
+                config.overlap_softmax, config.pingpong,
+            )  # fmt: skip
             keywords = launch_options
             variant.descriptors = ("q", "k", "v(device)")
         else:

@@ -83,6 +83,11 @@ DEFAULT_CANDIDATES = [
     "128,128,4,2,gluon",
     "128,64,4,2,gluon",
     "128,64,4,3,gluon",
+    # ... with each tile's softmax under the previous tile's P @ V, and the warpgroups taking turns.
+    "128,128,4,2,gluon,ovl",
+    "128,64,4,3,gluon,ovl",
+    "128,128,4,2,gluon,ovl,pp",
+    "128,64,4,3,gluon,ovl,pp",
 ]
 #: The experimental warp-specialised loop ("ws": a TMA producer warp group and two consumer groups of
 #: 4 warps): compiled and checked by compile_sm90.py, but not swept by default, since its launches

@@ -261,8 +261,15 @@ def test_warp_specialised_variant_is_refused_without_the_opt_in(monkeypatch):
 
 
 #: The Hopper kernel written in Gluon (mla_ops.kernels.attention_sm90): tabled for large batches on SM90,
-#: selectable for any batch there.
-GLUON_VARIANTS = ["128,128,4,2,gluon", "128,64,4,3,gluon"]
+#: selectable for any batch there. Its consumer loops: serial, overlapped ('ovl'), overlapped with the two
+#: warpgroups taking turns ('ovl,pp').
+GLUON_VARIANTS = [
+    "128,128,4,2,gluon",
+    "128,64,4,3,gluon",
+    "128,128,4,2,gluon,ovl",
+    "128,64,4,3,gluon,ovl",
+    "128,128,4,2,gluon,ovl,pp",
+]
 
 
 def _gluon_config(text: str):
@@ -288,14 +295,17 @@ def _gluon_config(text: str):
 def test_gluon_kernel(text, dtype, causal):
     """The Gluon kernel against the reference: ragged and empty sequences, blocks that end mid-block next
     to whole ones, padding rows holding NaN, strided v, H = 16 and 128; causal with its own keys and,
-    bottom-right aligned, with more keys than queries; chunks longer and shorter than the queries."""
+    bottom-right aligned, with more keys than queries and with fewer (the first rows then see no key, and
+    so do whole warpgroups of them); chunks longer and shorter than the queries."""
     from mla_ops.kernels.attention import attention_triton
 
     config = _gluon_config(text)
     lengths_q = [1000, 0, 17, 256, 127, 1]
     for heads in (16, 128):
         for lengths_k in (
-            ([1000, 0, 17, 256, 127, 1], [1037, 5, 17, 300, 127, 200]) if causal else ([4097, 5, 0, 300, 1, 129],)
+            ([1000, 0, 17, 256, 127, 1], [1037, 5, 17, 300, 127, 200], [700, 0, 3, 100, 127, 1])
+            if causal
+            else ([4097, 5, 0, 300, 1, 129],)
         ):
             q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, heads, 192, 128, dtype, strided_v=True)
             q = torch.cat([q, torch.full_like(q[:7], math.nan)])  # padding rows of a token budget
@@ -306,13 +316,14 @@ def test_gluon_kernel(text, dtype, causal):
             _check_padding(lse, sum(lengths_q))
 
 
+@pytest.mark.parametrize("text", GLUON_VARIANTS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
-def test_gluon_kernel_isolates_sequences(causal):
+def test_gluon_kernel_isolates_sequences(text, causal):
     """NaN and inf in a sequence's neighbours' keys and values, and past ``cu_seqlens_k[-1]``, never reach
     its output (values come through a descriptor over the sequence's own rows; keys past it are masked)."""
     from mla_ops.kernels.attention import attention_triton
 
-    config = _gluon_config(GLUON_VARIANTS[0])
+    config = _gluon_config(text)
     poisoned = {1, 3, 6}
     lengths_q = [5, 300, 3, 1000, 64, 0, 129, 11]
     lengths_k = lengths_q if causal else [9, 300, 3, 1200, 128, 0, 129, 70]
@@ -326,11 +337,12 @@ def test_gluon_kernel_isolates_sequences(causal):
     _check_padding(lse, sum(lengths_q))
 
 
+@pytest.mark.parametrize("text", GLUON_VARIANTS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
-def test_gluon_kernel_in_a_cuda_graph(causal):
+def test_gluon_kernel_in_a_cuda_graph(text, causal):
     """The Gluon kernel in a CUDA graph (:func:`_check_graph_replays`): its value descriptors are built on
     the device, in scratch from the graph's pool."""
-    _check_graph_replays(_gluon_config(GLUON_VARIANTS[0]), causal)
+    _check_graph_replays(_gluon_config(text), causal)
 
 
 def test_large_batches_take_the_gluon_kernel(monkeypatch):

@@ -16,6 +16,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -457,9 +458,12 @@ def test_config_env_var(monkeypatch):
     lazy_tma = AttentionConfig(128, 64, 8, 3, use_tma=True, lazy_rescale=True)
     overlap = AttentionConfig(128, 64, 8, 3, use_tma=True, overlap_softmax=True)
     gluon = AttentionConfig(128, 128, 4, 2, gluon=True)
-    for config in (hopper, AttentionConfig(64, 32, 4, 2), lazy_tma, overlap, gluon):
+    pingpong = AttentionConfig(128, 128, 4, 2, overlap_softmax=True, gluon=True, pingpong=True)
+    for config in (hopper, AttentionConfig(64, 32, 4, 2), lazy_tma, overlap, gluon, pingpong):
         assert AttentionConfig.parse(str(config)) == config
     assert str(gluon) == "128,128,4,2,gluon"
+    assert str(pingpong) == "128,128,4,2,ovl,gluon,pp"
+    assert AttentionConfig.parse("128,128,4,2,gluon,ovl") == replace(pingpong, pingpong=False)
     assert AttentionConfig.parse("128,64,8,3,tma,0") == AttentionConfig(128, 64, 8, 3)
 
 
@@ -501,7 +505,9 @@ def test_ws_launch_on_cuda_needs_the_experimental_opt_in(monkeypatch):
         ("64,64,4,2,gluon", "needs block_m=128"),
         ("128,32,4,2,gluon", "block_n 64 or 128, got 128,32,4"),
         ("128,128,4,2,tma,gluon", "gluon combines with none of"),
-        ("128,128,4,2,ovl,gluon", "gluon combines with none of"),
+        ("128,128,4,2,lazy,gluon", "gluon combines with none of"),
+        ("128,128,4,2,gluon,pp", "pingpong (the 'pp' flag) needs gluon and overlap_softmax"),
+        ("128,64,8,3,ovl,pp", "pingpong (the 'pp' flag) needs gluon and overlap_softmax"),
     ],
 )
 def test_config_env_var_errors(monkeypatch, text, message):

@@ -71,7 +71,8 @@ def add_attention_configs(parser: argparse.ArgumentParser, flag: str, default: s
     parser.add_argument(
         flag,
         default="",
-        help="';'-separated attention configs 'BLOCK_M,BLOCK_N,num_warps,num_stages[,tma][,qo][,ws][,lazy][,ovl]'\n"
+        help="';'-separated attention configs "
+        "'BLOCK_M,BLOCK_N,num_warps,num_stages[,tma][,qo][,ws][,lazy][,ovl][,gluon][,pp]'\n"
         f"(default: {default})",
     )
 

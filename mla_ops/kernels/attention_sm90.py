@@ -66,10 +66,11 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 @gluon.jit
 def _producer(
-    qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, ready, empty_bars,
-    q_row, k_start, len_k, col_q, col_k, v_offset, stride_vt, num_tiles, V_LAYOUT: gl.constexpr,
+    qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar,
+    k_ready, k_empty, v_ready, v_empty, q_row, k_start, len_k, col_q, col_k, v_offset, stride_vt, num_tiles,
+    V_LAYOUT: gl.constexpr,
 ):  # fmt: skip
-    """The producer warp: Q once, then K (both parts) and V of every key tile into the ring."""
+    """The producer warp: Q once, then every key tile's K (both parts) and V, each into its own ring."""
     BN: gl.constexpr = ka_desc.block_type.shape[0]
     D_A: gl.constexpr = ka_desc.block_type.shape[1]
     D_V: gl.constexpr = v_smem.type.shape[2]
@@ -79,7 +80,8 @@ def _producer(
         V + v_offset, shape=[gl.maximum(len_k, 1), D_V], strides=[stride_vt, 1], block_shape=[BN, D_V],
         layout=V_LAYOUT,
     )  # fmt: skip
-    kv_bytes: gl.constexpr = ka_desc.block_type.nbytes + kb_desc.block_type.nbytes + BN * D_V * 2  # 16-bit values
+    k_bytes: gl.constexpr = ka_desc.block_type.nbytes + kb_desc.block_type.nbytes
+    v_bytes: gl.constexpr = BN * D_V * 2  # 16-bit values
     mbarrier.expect(q_bar, 2 * (qa_desc.block_type.nbytes + qb_desc.block_type.nbytes))
     for c in gl.static_range(2):
         tma.async_copy_global_to_shared(qa_desc, [q_row + c * _HALF, col_q], q_bar, q_smem_a.index(c))
@@ -87,44 +89,138 @@ def _producer(
     for i in range(num_tiles):
         stage = i % STAGES
         # A fresh mbarrier counts as having completed the phase before phase 0: the first round passes.
-        mbarrier.wait(empty_bars.index(stage), ((i // STAGES) & 1) ^ 1)
-        bar = ready.index(stage)
-        mbarrier.expect(bar, kv_bytes)
+        phase = ((i // STAGES) & 1) ^ 1
         row = k_start + i * BN
-        tma.async_copy_global_to_shared(ka_desc, [row, col_k], bar, k_smem_a.index(stage))
-        tma.async_copy_global_to_shared(kb_desc, [row, col_k + D_A], bar, k_smem_b.index(stage))
-        tma.async_copy_global_to_shared(v_desc, [i * BN, 0], bar, v_smem.index(stage))
+        mbarrier.wait(k_empty.index(stage), phase)
+        mbarrier.expect(k_ready.index(stage), k_bytes)
+        tma.async_copy_global_to_shared(ka_desc, [row, col_k], k_ready.index(stage), k_smem_a.index(stage))
+        tma.async_copy_global_to_shared(kb_desc, [row, col_k + D_A], k_ready.index(stage), k_smem_b.index(stage))
+        # Keys and values have rings of their own because they are let go at different times: a tile's
+        # keys once its scores are in, its values once P @ V is (a step later where the two overlap).
+        mbarrier.wait(v_empty.index(stage), phase)
+        mbarrier.expect(v_ready.index(stage), v_bytes)
+        tma.async_copy_global_to_shared(v_desc, [i * BN, 0], v_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit
-def _scores(q_a, q_b, k_a, k_b, s_init):
-    """``q @ k^T`` of one tile, unscaled: both parts issued before one wait."""
+def _issue_scores(q_a, q_b, k_a, k_b, s_init):
+    """Start ``q @ k^T`` of one tile, unscaled, as two asynchronous products (both parts of the head)."""
     s = warpgroup_mma(q_a, k_a.permute((1, 0)), s_init, use_acc=False, is_async=True)
-    s = warpgroup_mma(q_b, k_b.permute((1, 0)), s, is_async=True)
-    return warpgroup_mma_wait(0, deps=(s,))
+    return warpgroup_mma(q_b, k_b.permute((1, 0)), s, is_async=True)
 
 
 @gluon.jit
-def _accumulate(p, alpha, l_i, acc, v_buf, empty_bar):
-    """One tile's online-softmax update after its probabilities ``p`` (fp32) and the factor ``alpha`` that
-    rescales the running sum and output: ``(l_i, acc + p @ v)``; then hands the buffer back."""
+def _softmax(s, m_i, l_i, keys, len_k, q_pos, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+             SCALE_NONNEG: gl.constexpr):  # fmt: skip
+    """One tile's online-softmax step on its raw scores ``s``: ``(p, alpha, m_new, l_new)``, ``p`` the
+    tile's probabilities (fp32, base 2) and ``alpha`` the factor that rescales the running output.
+
+    ``MASKED`` tiles hide keys past ``len_k`` and, causal, those after each row's diagonal (``keys`` the
+    tile's key positions, ``q_pos`` the rows' positions among the keys); a row with no visible key yet
+    keeps ``m = -inf`` and gets ``p = 0``, ``alpha = 0`` instead of NaN."""
+    if MASKED:
+        visible = (keys < len_k)[None, :]
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= q_pos[:, None])
+        s = gl.where(visible, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: exp2(-inf - 0), not NaN
+        p = gl.exp2(s - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+    else:
+        if SCALE_NONNEG:
+            # max(s) * scale == max(s * scale) for scale >= 0, and the subtraction below is one FMA.
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        else:
+            m_new = gl.maximum(m_i, gl.max(s * qk_scale, 1))
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _rescale(acc, alpha):
+    """``acc * alpha`` row by row (``alpha`` in the scores' row layout)."""
+    return acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+
+
+@gluon.jit
+def _operand(p, dtype: gl.constexpr, o_layout: gl.constexpr):
+    """Probabilities as the register operand of ``P @ V``."""
+    return gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+
+
+@gluon.jit
+def _wait_turn(turns, i, WG: gl.constexpr):
+    """Ping-pong: wait until the other warpgroup has issued its products of tile ``i - 1`` (``WG == 1``:
+    of tile ``i``). Warpgroup 0 passes its first turn on the fresh barrier (phase -1 counts as done)."""
+    mbarrier.wait(turns.index(WG), (i & 1) ^ (1 - WG))
+
+
+@gluon.jit
+def _serial_step(
+    i, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty, s_init, m_i, l_i, acc, keys0,
+    len_k, q_pos, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr,
+):  # fmt: skip
+    """Tile ``i`` one product at a time: its scores, its softmax, then its ``P @ V``; returns ``(m, l, O)``."""
+    BN: gl.constexpr = k_smem_a.type.shape[1]
+    STAGES: gl.constexpr = k_smem_a.type.shape[0]
+    stage = i % STAGES
+    phase = (i // STAGES) & 1
+    mbarrier.wait(k_ready.index(stage), phase)
+    s = warpgroup_mma_wait(0, deps=(_issue_scores(q_a, q_b, k_smem_a.index(stage), k_smem_b.index(stage), s_init),))
+    mbarrier.arrive(k_empty.index(stage), count=1)
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, keys0 + i * BN, len_k, q_pos, qk_scale, MASKED, CAUSAL, SCALE_NONNEG)
+    acc = _rescale(acc, alpha)
+    mbarrier.wait(v_ready.index(stage), phase)
     o_layout: gl.constexpr = acc.type.layout
-    l_i = l_i * alpha + gl.sum(p, 1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p = gl.convert_layout(p.to(v_buf.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-    acc = warpgroup_mma(p, v_buf, acc, is_async=True)
+    acc = warpgroup_mma(_operand(p, v_smem.dtype, o_layout), v_smem.index(stage), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(empty_bar, count=1)
-    return l_i, acc
+    mbarrier.arrive(v_empty.index(stage), count=1)
+    return m_i, l_i, acc
+
+
+@gluon.jit
+def _step(
+    i, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty, turns, s_init,
+    p, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale,
+    WG: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr,
+    PINGPONG: gl.constexpr,
+):  # fmt: skip
+    """Tile ``i`` with the previous tile's ``P @ V`` in flight (FlashAttention-3's intra-warpgroup
+    overlap): issue ``S_i = Q K_i^T`` and ``O += P_{i-1} V_{i-1}``, wait for ``S_i`` alone, run its softmax
+    while the tensor cores finish ``P_{i-1} V_{i-1}``, then rescale ``O``. ``p`` holds ``P_{i-1}`` as the
+    product's operand; returns ``(P_i, m, l, O)``."""
+    BN: gl.constexpr = k_smem_a.type.shape[1]
+    STAGES: gl.constexpr = k_smem_a.type.shape[0]
+    stage = i % STAGES
+    prev = (i - 1) % STAGES
+    mbarrier.wait(k_ready.index(stage), (i // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
+    if PINGPONG:
+        _wait_turn(turns, i, WG)
+    s_tok = _issue_scores(q_a, q_b, k_smem_a.index(stage), k_smem_b.index(stage), s_init)
+    acc_tok = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turns.index(1 - WG), count=1)
+    s = warpgroup_mma_wait(1, deps=(s_tok,))  # products retire in order: both parts of S_i are done
+    mbarrier.arrive(k_empty.index(stage), count=1)
+    p_i, alpha, m_i, l_i = _softmax(s, m_i, l_i, keys0 + i * BN, len_k, q_pos, qk_scale, MASKED, CAUSAL, SCALE_NONNEG)
+    o_layout: gl.constexpr = acc.type.layout
+    p_i = _operand(p_i, v_smem.dtype, o_layout)
+    acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
+    mbarrier.arrive(v_empty.index(prev), count=1)
+    return p_i, m_i, l_i, _rescale(acc, alpha)
 
 
 @gluon.jit
 def _consumer(
-    q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, ready, empty_bars, Out, Lse,
+    q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turns, Out, Lse,
     q_start, len_q, len_k, m0, h, num_tiles, stride_ot, stride_oh, stride_lse_h, qk_scale,
-    WG: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr,
+    WG: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr, OVERLAP: gl.constexpr,
+    PINGPONG: gl.constexpr,
 ):  # fmt: skip
-    """Consumer warpgroup ``WG``: query rows ``m0 + 64 * WG`` onwards, over every tile of the ring."""
+    """Consumer warpgroup ``WG``: query rows ``m0 + 64 * WG`` onwards, over every tile of the rings."""
     BN: gl.constexpr = k_smem_a.type.shape[1]
     D_V: gl.constexpr = v_smem.type.shape[2]
     STAGES: gl.constexpr = k_smem_a.type.shape[0]
@@ -145,6 +241,7 @@ def _consumer(
         q_pos = rows
         full = len_k // BN
         mine = num_tiles
+    keys0 = gl.arange(0, BN, gl.SliceLayout(0, s_layout))
     q_a = q_smem_a.index(WG)
     q_b = q_smem_b.index(WG)
     m_i = gl.full([_HALF], float("-inf"), gl.float32, row_layout)
@@ -152,38 +249,54 @@ def _consumer(
     acc = gl.zeros([_HALF, D_V], gl.float32, o_layout)
     s_init = gl.zeros([_HALF, BN], gl.float32, s_layout)
     mbarrier.wait(q_bar, 0)
-    for i in range(0, full):  # tiles every row of this warpgroup sees whole: no mask
-        stage = i % STAGES
-        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-        s = _scores(q_a, q_b, k_smem_a.index(stage), k_smem_b.index(stage), s_init)
-        if SCALE_NONNEG:
-            # max(s) * scale == max(s * scale) for scale >= 0, and the subtraction below is one FMA.
-            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        else:
-            m_new = gl.maximum(m_i, gl.max(s * qk_scale, 1))
-        p = gl.exp2(s * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i, acc = _accumulate(p, alpha, l_i, acc, v_smem.index(stage), empty_bars.index(stage))
-        m_i = m_new
-    for i in range(full, mine):  # tiles with the causal diagonal or the sequence's end
-        stage = i % STAGES
-        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-        s = _scores(q_a, q_b, k_smem_a.index(stage), k_smem_b.index(stage), s_init)
-        keys = i * BN + gl.arange(0, BN, gl.SliceLayout(0, s_layout))
-        visible = (keys < len_k)[None, :]
-        if CAUSAL:
-            visible = visible & (keys[None, :] <= q_pos[:, None])
-        s = gl.where(visible, s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: exp2(-inf - 0), not NaN
-        p = gl.exp2(s - m_use[:, None])
-        alpha = gl.exp2(m_i - m_use)
-        l_i, acc = _accumulate(p, alpha, l_i, acc, v_smem.index(stage), empty_bars.index(stage))
-        m_i = m_new
+    if OVERLAP:
+        p = _operand(s_init, v_smem.dtype, o_layout)
+        if mine > 0:  # the first tile alone: its scores and softmax, no product in flight yet
+            mbarrier.wait(k_ready.index(0), 0)
+            if PINGPONG:
+                _wait_turn(turns, 0, WG)
+            s_tok = _issue_scores(q_a, q_b, k_smem_a.index(0), k_smem_b.index(0), s_init)
+            if PINGPONG:
+                mbarrier.arrive(turns.index(1 - WG), count=1)
+            s = warpgroup_mma_wait(0, deps=(s_tok,))
+            mbarrier.arrive(k_empty.index(0), count=1)
+            # The output is still zero: nothing to rescale.
+            p0, _, m_i, l_i = _softmax(s, m_i, l_i, keys0, len_k, q_pos, qk_scale, True, CAUSAL, SCALE_NONNEG)
+            p = _operand(p0, v_smem.dtype, o_layout)
+        for i in range(1, full):  # tiles every row of this warpgroup sees whole: no mask
+            p, m_i, l_i, acc = _step(
+                i, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty, turns, s_init,
+                p, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale, WG, False, CAUSAL, SCALE_NONNEG, PINGPONG,
+            )  # fmt: skip
+        for i in range(gl.maximum(full, 1), mine):  # tiles with the causal diagonal or the sequence's end
+            p, m_i, l_i, acc = _step(
+                i, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty, turns, s_init,
+                p, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale, WG, True, CAUSAL, SCALE_NONNEG, PINGPONG,
+            )  # fmt: skip
+        if mine > 0:  # the last tile's P @ V
+            last = mine - 1
+            mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+            acc_tok = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
+            acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
+            mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+    else:
+        for i in range(0, full):  # tiles every row of this warpgroup sees whole: no mask
+            m_i, l_i, acc = _serial_step(i, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty,
+                                         s_init, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale, False, CAUSAL,
+                                         SCALE_NONNEG)  # fmt: skip
+        for i in range(full, mine):  # tiles with the causal diagonal or the sequence's end
+            m_i, l_i, acc = _serial_step(i, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty,
+                                         s_init, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale, True, CAUSAL,
+                                         SCALE_NONNEG)  # fmt: skip
     for i in range(mine, num_tiles):  # tiles only the other warpgroup's rows see: hand them back
         stage = i % STAGES
-        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-        mbarrier.arrive(empty_bars.index(stage), count=1)
+        if PINGPONG:  # and keep taking turns, one per tile, so that the other is never left waiting
+            _wait_turn(turns, i, WG)
+            mbarrier.arrive(turns.index(1 - WG), count=1)
+        mbarrier.wait(k_ready.index(stage), (i // STAGES) & 1)
+        mbarrier.arrive(k_empty.index(stage), count=1)
+        mbarrier.wait(v_ready.index(stage), (i // STAGES) & 1)
+        mbarrier.arrive(v_empty.index(stage), count=1)
 
     # Rows that saw no key have l = 0: out = 0 and lse = -inf instead of 0/0. m and log2(l) are base 2.
     no_key = l_i == 0.0
@@ -233,8 +346,11 @@ def _attn_fwd_sm90(
     stride_qh, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse_h,
     num_tokens_q, num_heads, num_seqs, num_slots, heads_per_group, num_pad_programs, qk_scale,
     D_V: gl.constexpr, V_LAYOUT: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr,
-    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
+    # Turns are taken once per tile in the overlapped loop; the serial one would leave the other waiting.
+    gl.static_assert(OVERLAP or not PINGPONG, "ping-pong needs the overlapped consumer loop")
     BN: gl.constexpr = ka_desc.block_type.shape[0]
     D_A: gl.constexpr = ka_desc.block_type.shape[1]
     D_B: gl.constexpr = kb_desc.block_type.shape[1]
@@ -272,24 +388,31 @@ def _attn_fwd_sm90(
             k_smem_b = gl.allocate_shared_memory(kb_desc.dtype, [STAGES, BN, D_B], kb_desc.layout)
             v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BN, D_V], V_LAYOUT)
             q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             mbarrier.init(q_bar, count=1)
             for i in gl.static_range(STAGES):
-                mbarrier.init(ready.index(i), count=1)
-                mbarrier.init(empty_bars.index(i), count=2)  # both consumers hand each buffer back
+                mbarrier.init(k_ready.index(i), count=1)
+                mbarrier.init(v_ready.index(i), count=1)
+                mbarrier.init(k_empty.index(i), count=2)  # both consumers hand each buffer back
+                mbarrier.init(v_empty.index(i), count=2)
+            for i in gl.static_range(2):
+                mbarrier.init(turns.index(i), count=1)  # warpgroup i's turn: the other one arrives
             v_offset = k_start.to(gl.int64) * stride_vt + h * stride_vh
             gl.warp_specialize(
                 [
-                    (_consumer, (q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, ready, empty_bars, Out, Lse,
-                                 q_start, len_q, len_k, m0, h, num_tiles, stride_ot, stride_oh, stride_lse_h, qk_scale,
-                                 0, CAUSAL, SCALE_NONNEG)),
-                    (_consumer, (q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, ready, empty_bars, Out, Lse,
-                                 q_start, len_q, len_k, m0, h, num_tiles, stride_ot, stride_oh, stride_lse_h, qk_scale,
-                                 1, CAUSAL, SCALE_NONNEG)),
+                    (_consumer, (q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, k_ready, k_empty, v_ready,
+                                 v_empty, turns, Out, Lse, q_start, len_q, len_k, m0, h, num_tiles, stride_ot,
+                                 stride_oh, stride_lse_h, qk_scale, 0, CAUSAL, SCALE_NONNEG, OVERLAP, PINGPONG)),
+                    (_consumer, (q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, k_ready, k_empty, v_ready,
+                                 v_empty, turns, Out, Lse, q_start, len_q, len_k, m0, h, num_tiles, stride_ot,
+                                 stride_oh, stride_lse_h, qk_scale, 1, CAUSAL, SCALE_NONNEG, OVERLAP, PINGPONG)),
                     (_producer, (qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b,
-                                 v_smem, q_bar, ready, empty_bars, q_start + m0, k_start, len_k, h * stride_qh,
-                                 h * stride_kh, v_offset, stride_vt, num_tiles, V_LAYOUT)),
+                                 v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, q_start + m0, k_start, len_k,
+                                 h * stride_qh, h * stride_kh, v_offset, stride_vt, num_tiles, V_LAYOUT)),
                 ],
                 [4, 1],
                 [CONSUMER_REGS, PRODUCER_REGS],
@@ -301,7 +424,7 @@ def _attn_fwd_sm90(
 
 def sm90_shared_memory(dqk: int, dv: int, block_n: int, stages: int, elem_bytes: int = 2) -> int:
     """Bytes of shared memory one program takes: the block's Q and ``stages`` K/V buffers (plus barriers)."""
-    return elem_bytes * (BLOCK_M * dqk + stages * block_n * (dqk + dv)) + 8 * (1 + 2 * stages)
+    return elem_bytes * (BLOCK_M * dqk + stages * block_n * (dqk + dv)) + 8 * (3 + 4 * stages)
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -354,6 +477,8 @@ def sm90_launch(
     causal: bool,
     block_n: int,
     stages: int,
+    overlap: bool = False,
+    pingpong: bool = False,
 ) -> tuple[tuple[int], tuple, dict]:
     """``(grid, args, options)`` of one launch of the kernel: ``_attn_fwd_sm90[grid](*args, **options)``.
 
@@ -376,7 +501,8 @@ def sm90_launch(
         q.stride(1), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0),
         num_tokens, num_heads, num_seqs, num_slots, heads_per_group, num_pad_programs,
         float(softmax_scale) * _LOG2E,
-        dv, v_layout, bool(causal), softmax_scale >= 0, stages, _CONSUMER_REGS, _PRODUCER_REGS,
+        dv, v_layout, bool(causal), softmax_scale >= 0, stages, bool(overlap), bool(pingpong), _CONSUMER_REGS,
+        _PRODUCER_REGS,
     )  # fmt: skip
     return grid, args, dict(num_warps=4, maxnreg=_MAXNREG)
 
@@ -396,6 +522,8 @@ def attention_sm90(
     *,
     block_n: int = 128,
     stages: int = 2,
+    overlap: bool = False,
+    pingpong: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged attention forward on Hopper; arguments and results as
     :func:`mla_ops.kernels.attention.attention_triton` (which calls this for the inputs and
@@ -403,7 +531,10 @@ def attention_sm90(
     current.
 
     ``out`` (``[Tq, H, Dv]`` contiguous, q's dtype) and ``lse`` (float32 ``[H, Tq]`` contiguous) are
-    written if given, else allocated. ``block_n`` keys per tile and ``stages`` K/V buffers in the ring.
+    written if given, else allocated. ``block_n`` keys per tile and ``stages`` buffers in each of the K and
+    V rings; ``overlap`` runs each tile's softmax while the previous tile's ``P @ V`` is on the tensor
+    cores, and ``pingpong`` (with ``overlap`` only) has the two consumer warpgroups take turns issuing
+    their products, so that one's softmax runs under the other's.
     Launched through Triton's own dispatch (host descriptors hold the tensors' addresses, so nothing of
     a launch can be reused), with the device-side descriptors' global scratch from PyTorch's allocator.
     """
@@ -416,7 +547,7 @@ def attention_sm90(
         return out, lse
     grid, args, options = sm90_launch(
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, block_n,
-        stages,
+        stages, overlap, pingpong,
     )  # fmt: skip
     with TorchScratch():
         _attn_fwd_sm90[grid](*args, **options)

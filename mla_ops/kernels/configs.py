@@ -16,9 +16,11 @@ the attention table for every call. The flags, in any order (see :class:`Attenti
 - ``lazy``: rescale the accumulator only when a row's max grew by more than 2^8;
 - ``ovl``: overlap each key tile's softmax with the previous tile's P @ V product (not with ``ws``
   or ``lazy``);
-- ``gluon``: the Hopper kernel written in Gluon (``128,BLOCK_N,4,STAGES,gluon``; no other flag).
+- ``gluon``: the Hopper kernel written in Gluon (``128,BLOCK_N,4,STAGES,gluon``; of the other flags only
+  ``ovl`` and ``pp``);
+- ``pp``: with ``gluon,ovl``, the Gluon kernel's two consumer warpgroups take turns issuing their products.
 
-e.g. ``128,64,4,2,tma,qo,ws``, ``128,64,8,3,tma,qo,lazy`` or ``128,64,8,3,tma,ovl``.
+e.g. ``128,64,4,2,tma,qo,ws``, ``128,64,8,3,tma,qo,lazy``, ``128,64,8,3,tma,ovl`` or ``128,128,4,2,gluon,ovl,pp``.
 
 This module does not import Triton, so the tables can be read (and tested) without it.
 """
@@ -36,7 +38,7 @@ CONFIG_ENV_VAR = "MLA_OPS_TRITON_CONFIG"
 #: Environment variable that lets the experimental ``ws`` variant launch on a GPU ("1").
 EXPERIMENTAL_WS_ENV_VAR = "MLA_OPS_TRITON_EXPERIMENTAL_WS"
 
-_FORMAT = "BLOCK_M,BLOCK_N,num_warps,num_stages[,tma][,qo][,ws][,lazy][,ovl][,gluon]"
+_FORMAT = "BLOCK_M,BLOCK_N,num_warps,num_stages[,tma][,qo][,ws][,lazy][,ovl][,gluon][,pp]"
 
 #: Named flags of the configuration text and the fields they set (``0``/``ptr`` clear ``use_tma``).
 _FLAGS = {
@@ -47,6 +49,7 @@ _FLAGS = {
     "lazy": "lazy_rescale",
     "ovl": "overlap_softmax",
     "gluon": "gluon",
+    "pp": "pingpong",
 }
 _CLEAR_FLAGS = ("0", "ptr")
 
@@ -100,11 +103,16 @@ class AttentionConfig:
             structure) instead of the ``tl.dot`` kernel. SM90 only; it needs ``block_m=128``,
             ``num_warps=4`` (one consumer warpgroup runs in the program's own warps, the other two
             partitions in warps of their own: 12 per program), ``block_n`` of 64 or 128, and
-            ``num_stages`` K/V buffers in its ring; it always loads through TMA, so none of the flags
-            above combine with it. Inputs it does not cover
+            ``num_stages`` buffers in each of its K and V rings; it always loads through TMA, so of the
+            flags above only ``overlap_softmax`` combines with it (the same overlap, in each consumer
+            warpgroup). Inputs it does not cover
             (:func:`mla_ops.kernels.attention_sm90.sm90_unsupported_reason`) are refused when the
             configuration is requested explicitly, and left to the ``tl.dot`` kernel when it comes
             from the table.
+        pingpong: with ``gluon`` and ``overlap_softmax``, the two consumer warpgroups take turns issuing
+            their products, one tile each, through a pair of mbarriers (FlashAttention-3's ping-pong
+            schedule): one warpgroup's softmax then runs while the other's products hold the tensor
+            cores, instead of leaving that order to the warp schedulers.
     """
 
     block_m: int
@@ -117,6 +125,7 @@ class AttentionConfig:
     lazy_rescale: bool = False
     overlap_softmax: bool = False
     gluon: bool = False
+    pingpong: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -148,12 +157,15 @@ class AttentionConfig:
                 f"gluon (the Hopper Gluon kernel) needs block_m=128, num_warps=4 and block_n 64 or 128, got "
                 f"{self.block_m},{self.block_n},{self.num_warps}"
             )
-        if self.gluon and (
-            self.use_tma or self.qo_tma or self.warp_specialize or self.lazy_rescale or self.overlap_softmax
-        ):
+        if self.gluon and (self.use_tma or self.qo_tma or self.warp_specialize or self.lazy_rescale):
             problems.append(
-                "gluon combines with none of 'tma', 'qo', 'ws', 'lazy' and 'ovl': its kernel always loads through "
-                "TMA in a warp-specialised producer, and has no lazy or overlapped loop"
+                "gluon combines with none of 'tma', 'qo', 'ws' and 'lazy': its kernel always loads through TMA in a "
+                "warp-specialised producer, and has no lazy rescale"
+            )
+        if self.pingpong and not (self.gluon and self.overlap_softmax):
+            problems.append(
+                "pingpong (the 'pp' flag) needs gluon and overlap_softmax ('gluon,ovl'): the turns are taken in the "
+                "Gluon kernel's overlapped loop"
             )
         if self.warp_specialize and self.num_warps != 4:
             problems.append(
@@ -170,7 +182,7 @@ class AttentionConfig:
     @classmethod
     def parse(cls, text: str, source: str = CONFIG_ENV_VAR) -> AttentionConfig:
         """Parse ``"BLOCK_M,BLOCK_N,num_warps,num_stages[,FLAG...]"`` (flags: ``tma``/``1``, ``ptr``/``0``,
-        ``qo``, ``ws``, ``lazy``, ``ovl``, ``gluon``); raises ``ValueError`` saying what is wrong."""
+        ``qo``, ``ws``, ``lazy``, ``ovl``, ``gluon``, ``pp``); raises ``ValueError`` saying what is wrong."""
         fields = [f.strip() for f in text.split(",")]
         if len(fields) < 4:
             raise ValueError(f"{source} must be {_FORMAT!r} (e.g. '128,64,8,3'), got {text!r}")
@@ -190,7 +202,7 @@ class AttentionConfig:
             else:
                 raise ValueError(
                     f"{source}={text!r}: unknown flag {field!r}; after the four numbers come any of "
-                    f"'tma' (or 1), 'ptr' (or 0), 'qo', 'ws', 'lazy', 'ovl', 'gluon'"
+                    f"'tma' (or 1), 'ptr' (or 0), 'qo', 'ws', 'lazy', 'ovl', 'gluon', 'pp'"
                 )
         try:
             return cls(*numbers, **flags)
@@ -240,12 +252,13 @@ _ARCH_TABLES: dict[int, dict[tuple, AttentionConfig]] = {9: SM90_ATTENTION}
 
 #: Hopper, batches of at least ``TMA_MIN_KEY_ROWS`` key rows times heads (mla_ops.kernels.attention),
 #: where the Gluon kernel's host-built descriptors cost less than they save. (192, 128): 128-key tiles in
-#: 2 buffers. benchmarks/bench_prefill.py on an H200 (2026-12-02 16:33 UTC, torch 2.11, triton 3.6,
-#: benchmarks/results/h200/prefill_gluon/): 555 / 594 / 448 TFLOP/s through the op on causal 4x4096 H16,
-#: 2x8192 H128 and the mixed batch, 620 / 601 on 1k over 8k at H16 / H128, against 647 / 726 / 558 / 701 /
-#: 694 for FlashInfer's fa3 in the same run (the tl.dot table above: 449 / 493 / 391 / 497 / 518 on
-#: 2026-12-02 15:34 UTC). 64-key tiles ran 3-12 % slower in the kernel's first form
-#: (benchmarks/results/h200/gluon_attention/).
+#: 2 buffers per ring, each tile's softmax under the previous tile's P @ V ('ovl').
+#: benchmarks/tune_triton.py on an H200 (2026-12-02 20:31 UTC, torch 2.11, triton 3.6,
+#: benchmarks/results/h200/tune_gluon_ovl.log), TFLOP/s on causal 4x4096 H16, 2x8192 H128, the mixed
+#: batch, 1k over 8k at H16 / H128: 597 / 640 / 472 / 672 / 696, against 642 / 684 / 559 / 700 / 730 for
+#: FlashInfer's fa3 in the same run; the serial loop (the former entry) 559 / 575 / 457 / 326 / 656; with
+#: the warpgroups taking turns ('pp') 581 / 683 / 450 / 664 / 697; 64-key tiles in 3 buffers 526 / 615 /
+#: 456 / 595 / 616 ('ovl') and 513 / 569 / 431 / 590 / 577 ('ovl,pp').
 #: Triton releases (major.minor) whose Gluon the Hopper kernel is written for and was checked with on an
 #: H200; with any other the kernel is not chosen and an explicit ``gluon`` configuration is refused.
 GLUON_TRITON_RELEASES = ("3.6",)
@@ -263,8 +276,8 @@ def gluon_triton_reason(version: str) -> str | None:
 
 
 SM90_LARGE_BATCH_ATTENTION: dict[tuple, AttentionConfig] = {
-    (192, 128, True): AttentionConfig(128, 128, 4, 2, gluon=True),
-    (192, 128, False): AttentionConfig(128, 128, 4, 2, gluon=True),
+    (192, 128, True): AttentionConfig(128, 128, 4, 2, overlap_softmax=True, gluon=True),
+    (192, 128, False): AttentionConfig(128, 128, 4, 2, overlap_softmax=True, gluon=True),
 }
 
 #: Used for dimensions no table lists, scaled down by head size in :func:`default_attention_config`.
