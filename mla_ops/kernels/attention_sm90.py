@@ -7,13 +7,17 @@ specialisation hangs; a wait follows every non-accumulating product). Written ou
 128 query rows of one head of one sequence is:
 
 - a **producer** warp that issues every TMA load: the block's Q once (its ``D_A``- and ``D_B``-channel
-  parts: DeepSeek's 192 = 128 + 64), then each key tile's K parts and V into a ring of ``STAGES``
-  buffers, each guarded by a *ready* mbarrier (the TMA completes it) and an *empty* one (both
-  consumers arrive on it when done with the buffer);
+  parts: DeepSeek's 192 = 128 + 64), then each key tile's K parts and its V, into two rings (keys,
+  values) of ``STAGES`` buffers, each buffer guarded by a *ready* mbarrier (the TMA completes it) and
+  an *empty* one (both consumers arrive on it when done with the buffer);
 - two **consumer** warpgroups of 64 query rows each, in partitions of their own, so that the warp
-  schedulers run one's softmax while the other's products occupy the tensor cores (FlashAttention-3's
-  ping-pong, left to the schedulers rather than ordered by barriers). A consumer issues both parts of
-  ``Q @ K^T`` before one wait, runs the online softmax in base 2, and ``P @ V`` from registers.
+  schedulers run one's softmax while the other's products occupy the tensor cores. A consumer issues
+  both parts of ``Q @ K^T`` before one wait, runs the online softmax in base 2, and ``P @ V`` from
+  registers: one product after the other (``OVERLAP`` off), or with the previous tile's ``P @ V`` in
+  flight while it waits for a tile's scores and runs their softmax (``OVERLAP``, FlashAttention-3's
+  intra-warpgroup overlap). With ``PINGPONG`` the two consumers also take turns issuing their products
+  through a pair of mbarriers (FlashAttention-3's ping-pong) instead of leaving the order to the
+  schedulers.
 
 Contract points, as in :mod:`mla_ops.kernels.attention` (whose module docstring has the reasons):
 programs are numbered in the same packed slot space (the grid does not grow with ``max_seqlen``), the
