@@ -133,7 +133,7 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool) -> Variant:
 
             _, args, launch_options = sm90_launch(
                 q, k, v, out, lse, cu_q, cu_k, TOKENS, TOKENS, dqk**-0.5, causal, config.block_n, config.num_stages,
-                config.overlap_softmax, config.pingpong,
+                config.overlap_softmax, config.pingpong, config.persistent, num_sms=132,
             )  # fmt: skip
             keywords = launch_options
             variant.descriptors = ("q", "k", "v(device)")

@@ -88,6 +88,10 @@ DEFAULT_CANDIDATES = [
     "128,64,4,3,gluon,ovl",
     "128,128,4,2,gluon,ovl,pp",
     "128,64,4,3,gluon,ovl,pp",
+    # ... and as persistent programs, one per multiprocessor, taking work items from a counter.
+    "128,128,4,2,gluon,ovl,pers",
+    "128,64,4,3,gluon,ovl,pers",
+    "128,128,4,2,gluon,ovl,pp,pers",
 ]
 #: The experimental warp-specialised loop ("ws": a TMA producer warp group and two consumer groups of
 #: 4 warps): compiled and checked by compile_sm90.py, but not swept by default, since its launches

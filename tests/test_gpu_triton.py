@@ -262,13 +262,17 @@ def test_warp_specialised_variant_is_refused_without_the_opt_in(monkeypatch):
 
 #: The Hopper kernel written in Gluon (mla_ops.kernels.attention_sm90): tabled for large batches on SM90,
 #: selectable for any batch there. Its consumer loops: serial, overlapped ('ovl'), overlapped with the two
-#: warpgroups taking turns ('ovl,pp').
+#: warpgroups taking turns ('ovl,pp'); each with one program per work item or persistent programs ('pers').
 GLUON_VARIANTS = [
     "128,128,4,2,gluon",
     "128,64,4,3,gluon",
     "128,128,4,2,gluon,ovl",
     "128,64,4,3,gluon,ovl",
     "128,128,4,2,gluon,ovl,pp",
+    "128,128,4,2,gluon,pers",
+    "128,128,4,2,gluon,ovl,pers",
+    "128,64,4,3,gluon,ovl,pers",
+    "128,128,4,2,gluon,ovl,pp,pers",
 ]
 
 
@@ -343,6 +347,34 @@ def test_gluon_kernel_in_a_cuda_graph(text, causal):
     """The Gluon kernel in a CUDA graph (:func:`_check_graph_replays`): its value descriptors are built on
     the device, in scratch from the graph's pool."""
     _check_graph_replays(_gluon_config(text), causal)
+
+
+@pytest.mark.parametrize("text", [t for t in GLUON_VARIANTS if t.endswith(",pers")])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
+@pytest.mark.parametrize("programs", [1, 3, 7])
+def test_gluon_persistent_programs_carry_their_rings(monkeypatch, text, causal, programs):
+    """Persistent programs on a few multiprocessors, so that each takes dozens of work items of every kind
+    in turn: whole and partial blocks, slots no block fills, blocks with no visible key (causal, fewer keys
+    than queries), empty key sets, poisoned neighbours. The rings' phases, the Q handover and the value
+    descriptor each item rewrites must carry from item to item."""
+    from mla_ops.kernels import attention_sm90
+
+    config = _gluon_config(text)
+    monkeypatch.setattr(attention_sm90, "_multiprocessors", lambda index: programs)
+    lengths_q = [300, 1, 0, 129, 1000, 64, 7]
+    lengths_k = [200, 1, 0, 129, 1300, 0, 400] if causal else [513, 40, 9, 0, 1000, 128, 3]
+    poisoned = {1, 4}
+    q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, [*lengths_k, 40], 8, 192, 128, torch.bfloat16, strided_v=True)
+    cu_k = cu_k[:-1].contiguous()
+    poison_sequences(k, v, cu_k, [*poisoned, len(lengths_k)])
+    q = torch.cat([q, torch.full_like(q[:9], math.nan)])
+    out, lse = attention_sm90.attention_sm90(
+        q, k, v, cu_q, cu_k, 1000, max(lengths_k), _scale(192), causal, block_n=config.block_n,
+        stages=config.num_stages, overlap=config.overlap_softmax, pingpong=config.pingpong, persistent=True,
+    )  # fmt: skip
+    clean = sorted(set(range(len(lengths_q))) - poisoned)
+    assert_sequences_close(out, lse, q, k, v, cu_q, cu_k, _scale(192), causal, clean)
+    _check_padding(lse, sum(lengths_q))
 
 
 def test_large_batches_take_the_gluon_kernel(monkeypatch):

@@ -459,10 +459,13 @@ def test_config_env_var(monkeypatch):
     overlap = AttentionConfig(128, 64, 8, 3, use_tma=True, overlap_softmax=True)
     gluon = AttentionConfig(128, 128, 4, 2, gluon=True)
     pingpong = AttentionConfig(128, 128, 4, 2, overlap_softmax=True, gluon=True, pingpong=True)
-    for config in (hopper, AttentionConfig(64, 32, 4, 2), lazy_tma, overlap, gluon, pingpong):
+    persistent = replace(pingpong, persistent=True)
+    for config in (hopper, AttentionConfig(64, 32, 4, 2), lazy_tma, overlap, gluon, pingpong, persistent):
         assert AttentionConfig.parse(str(config)) == config
     assert str(gluon) == "128,128,4,2,gluon"
     assert str(pingpong) == "128,128,4,2,ovl,gluon,pp"
+    assert str(persistent) == "128,128,4,2,ovl,gluon,pp,pers"
+    assert AttentionConfig.parse("128,128,4,2,pers,gluon") == replace(gluon, persistent=True)
     assert AttentionConfig.parse("128,128,4,2,gluon,ovl") == replace(pingpong, pingpong=False)
     assert AttentionConfig.parse("128,64,8,3,tma,0") == AttentionConfig(128, 64, 8, 3)
 
@@ -508,6 +511,7 @@ def test_ws_launch_on_cuda_needs_the_experimental_opt_in(monkeypatch):
         ("128,128,4,2,lazy,gluon", "gluon combines with none of"),
         ("128,128,4,2,gluon,pp", "pingpong (the 'pp' flag) needs gluon and overlap_softmax"),
         ("128,64,8,3,ovl,pp", "pingpong (the 'pp' flag) needs gluon and overlap_softmax"),
+        ("128,64,8,3,ovl,pers", "persistent (the 'pers' flag) needs gluon"),
     ],
 )
 def test_config_env_var_errors(monkeypatch, text, message):

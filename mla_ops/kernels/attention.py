@@ -1023,7 +1023,7 @@ def attention_triton(
             _sm90_module().attention_sm90(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, out, lse,
                 block_n=config.block_n, stages=config.num_stages, overlap=config.overlap_softmax,
-                pingpong=config.pingpong,
+                pingpong=config.pingpong, persistent=config.persistent,
             )  # fmt: skip
         return out, lse
     while True:

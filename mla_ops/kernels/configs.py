@@ -17,8 +17,9 @@ the attention table for every call. The flags, in any order (see :class:`Attenti
 - ``ovl``: overlap each key tile's softmax with the previous tile's P @ V product (not with ``ws``
   or ``lazy``);
 - ``gluon``: the Hopper kernel written in Gluon (``128,BLOCK_N,4,STAGES,gluon``; of the other flags only
-  ``ovl`` and ``pp``);
-- ``pp``: with ``gluon,ovl``, the Gluon kernel's two consumer warpgroups take turns issuing their products.
+  ``ovl``, ``pp`` and ``pers``);
+- ``pp``: with ``gluon,ovl``, the Gluon kernel's two consumer warpgroups take turns issuing their products;
+- ``pers``: with ``gluon``, persistent programs: one per multiprocessor, each taking work items until none is left.
 
 e.g. ``128,64,4,2,tma,qo,ws``, ``128,64,8,3,tma,qo,lazy``, ``128,64,8,3,tma,ovl`` or ``128,128,4,2,gluon,ovl,pp``.
 
@@ -38,7 +39,7 @@ CONFIG_ENV_VAR = "MLA_OPS_TRITON_CONFIG"
 #: Environment variable that lets the experimental ``ws`` variant launch on a GPU ("1").
 EXPERIMENTAL_WS_ENV_VAR = "MLA_OPS_TRITON_EXPERIMENTAL_WS"
 
-_FORMAT = "BLOCK_M,BLOCK_N,num_warps,num_stages[,tma][,qo][,ws][,lazy][,ovl][,gluon][,pp]"
+_FORMAT = "BLOCK_M,BLOCK_N,num_warps,num_stages[,tma][,qo][,ws][,lazy][,ovl][,gluon][,pp][,pers]"
 
 #: Named flags of the configuration text and the fields they set (``0``/``ptr`` clear ``use_tma``).
 _FLAGS = {
@@ -50,6 +51,7 @@ _FLAGS = {
     "ovl": "overlap_softmax",
     "gluon": "gluon",
     "pp": "pingpong",
+    "pers": "persistent",
 }
 _CLEAR_FLAGS = ("0", "ptr")
 
@@ -113,6 +115,10 @@ class AttentionConfig:
             their products, one tile each, through a pair of mbarriers (FlashAttention-3's ping-pong
             schedule): one warpgroup's softmax then runs while the other's products hold the tensor
             cores, instead of leaving that order to the warp schedulers.
+        persistent: with ``gluon``, one program per multiprocessor, each taking work items (blocks of
+            128 query rows of one head) from a global counter until none is left, instead of one program
+            per item: an item's Q and first key tiles load while the previous item's last products and
+            stores finish, which matters where items have few key tiles (short sequences).
     """
 
     block_m: int
@@ -126,6 +132,7 @@ class AttentionConfig:
     overlap_softmax: bool = False
     gluon: bool = False
     pingpong: bool = False
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -167,6 +174,8 @@ class AttentionConfig:
                 "pingpong (the 'pp' flag) needs gluon and overlap_softmax ('gluon,ovl'): the turns are taken in the "
                 "Gluon kernel's overlapped loop"
             )
+        if self.persistent and not self.gluon:
+            problems.append("persistent (the 'pers' flag) needs gluon: only the Gluon kernel has persistent programs")
         if self.warp_specialize and self.num_warps != 4:
             problems.append(
                 f"warp_specialize needs num_warps=4 (two consumer warp groups of 4 warps and a producer), "
@@ -182,7 +191,7 @@ class AttentionConfig:
     @classmethod
     def parse(cls, text: str, source: str = CONFIG_ENV_VAR) -> AttentionConfig:
         """Parse ``"BLOCK_M,BLOCK_N,num_warps,num_stages[,FLAG...]"`` (flags: ``tma``/``1``, ``ptr``/``0``,
-        ``qo``, ``ws``, ``lazy``, ``ovl``, ``gluon``, ``pp``); raises ``ValueError`` saying what is wrong."""
+        ``qo``, ``ws``, ``lazy``, ``ovl``, ``gluon``, ``pp``, ``pers``); raises ``ValueError`` saying what is wrong."""
         fields = [f.strip() for f in text.split(",")]
         if len(fields) < 4:
             raise ValueError(f"{source} must be {_FORMAT!r} (e.g. '128,64,8,3'), got {text!r}")
@@ -202,7 +211,7 @@ class AttentionConfig:
             else:
                 raise ValueError(
                     f"{source}={text!r}: unknown flag {field!r}; after the four numbers come any of "
-                    f"'tma' (or 1), 'ptr' (or 0), 'qo', 'ws', 'lazy', 'ovl', 'gluon', 'pp'"
+                    f"'tma' (or 1), 'ptr' (or 0), 'qo', 'ws', 'lazy', 'ovl', 'gluon', 'pp', 'pers'"
                 )
         try:
             return cls(*numbers, **flags)
@@ -252,13 +261,16 @@ _ARCH_TABLES: dict[int, dict[tuple, AttentionConfig]] = {9: SM90_ATTENTION}
 
 #: Hopper, batches of at least ``TMA_MIN_KEY_ROWS`` key rows times heads (mla_ops.kernels.attention),
 #: where the Gluon kernel's host-built descriptors cost less than they save. (192, 128): 128-key tiles in
-#: 2 buffers per ring, each tile's softmax under the previous tile's P @ V ('ovl').
-#: benchmarks/tune_triton.py on an H200 (2026-12-02 20:31 UTC, torch 2.11, triton 3.6,
-#: benchmarks/results/h200/tune_gluon_ovl.log), TFLOP/s on causal 4x4096 H16, 2x8192 H128, the mixed
-#: batch, 1k over 8k at H16 / H128: 597 / 640 / 472 / 672 / 696, against 642 / 684 / 559 / 700 / 730 for
-#: FlashInfer's fa3 in the same run; the serial loop (the former entry) 559 / 575 / 457 / 326 / 656; with
-#: the warpgroups taking turns ('pp') 581 / 683 / 450 / 664 / 697; 64-key tiles in 3 buffers 526 / 615 /
-#: 456 / 595 / 616 ('ovl') and 513 / 569 / 431 / 590 / 577 ('ovl,pp').
+#: 2 buffers per ring, each tile's softmax under the previous tile's P @ V ('ovl'), persistent programs
+#: that take work items from a counter ('pers'). benchmarks/tune_triton.py on an H200 (2026-12-03 09:20
+#: UTC, torch 2.11, triton 3.6, benchmarks/results/h200/tune_gluon_pers.log), TFLOP/s on causal 4x4096
+#: H16, 2x8192 H128, the mixed batch, 1k over 8k at H16 / H128: 644 / 652 / 506 / 454 / 726, against
+#: 665 / 712 / 601 / 706 / 709 for FlashInfer's fa3 in the same run; a program per work item (the former
+#: entry, 'ovl') 573 / 659 / 469 / 516 / 658; persistent with ping-pong turns ('ovl,pp,pers') 604 / 672 /
+#: 503 / 477 / 719. Earlier (2026-12-02 20:31 UTC, tune_gluon_ovl.log): the serial loop 559 / 575 / 457 /
+#: 326 / 656; 64-key tiles in 3 buffers 526 / 615 / 456 / 595 / 616 ('ovl') and 513 / 569 / 431 / 590 /
+#: 577 ('ovl,pp'). The H16 chunk (128 programs, one wave) moves between runs: 317-666 for 'ovl,pers' and
+#: 516-687 for 'ovl' in the runs of 2026-12-02/03, fa3 692-716 (README, Known limitations).
 #: Triton releases (major.minor) whose Gluon the Hopper kernel is written for and was checked with on an
 #: H200; with any other the kernel is not chosen and an explicit ``gluon`` configuration is refused.
 GLUON_TRITON_RELEASES = ("3.6",)
@@ -276,8 +288,8 @@ def gluon_triton_reason(version: str) -> str | None:
 
 
 SM90_LARGE_BATCH_ATTENTION: dict[tuple, AttentionConfig] = {
-    (192, 128, True): AttentionConfig(128, 128, 4, 2, overlap_softmax=True, gluon=True),
-    (192, 128, False): AttentionConfig(128, 128, 4, 2, overlap_softmax=True, gluon=True),
+    (192, 128, True): AttentionConfig(128, 128, 4, 2, overlap_softmax=True, gluon=True, persistent=True),
+    (192, 128, False): AttentionConfig(128, 128, 4, 2, overlap_softmax=True, gluon=True, persistent=True),
 }
 
 #: Used for dimensions no table lists, scaled down by head size in :func:`default_attention_config`.
