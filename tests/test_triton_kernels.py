@@ -596,6 +596,35 @@ def test_gluon_kernel_scope():
     assert sm90_shared_memory(192, 128, 128, 2) <= 227 * 1024 < sm90_shared_memory(192, 128, 128, 3)
 
 
+def test_gluon_launch_arguments_on_host_stand_ins():
+    """``sm90_launch`` on CPU stand-ins: one program per work item, or (persistent) one per multiprocessor
+    with a zeroed item counter, each followed by the padding programs; the TMA blocks' shared-memory
+    layouts are built once, not per launch."""
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
+    from triton.experimental.gluon import language as gl
+
+    from mla_ops.kernels import attention_sm90
+    from mla_ops.kernels.programs import program_layout
+
+    q, k, v = make_qkv(300, 4, 192, 128, torch.bfloat16, strided_v=True)
+    out, lse = torch.empty(300, 4, 128, dtype=torch.bfloat16), torch.empty(4, 300)
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+
+    def launch(**kwargs):
+        return attention_sm90.sm90_launch(q, k, v, out, lse, cu, cu, 200, 200, 0.1, True, 128, 2, True, **kwargs)
+
+    slots, _, pad = program_layout(300, 4, 2, 200, 200, 320 * 2, attention_sm90.BLOCK_M)
+    (grid,), args, _ = launch()
+    (grid_p,), args_p, _ = launch(persistent=True, num_sms=3)
+    counter, num_workers = 9, 22  # positions in the kernel's arguments
+    assert (grid, args[num_workers]) == (4 * slots + pad, 4 * slots)
+    assert args[counter] is cu  # not read without persistent programs
+    assert (grid_p, args_p[num_workers]) == (3 + pad, 3)
+    assert args_p[counter].dtype == torch.int32 and args_p[counter].tolist() == [0]
+    assert args_p[0].layout is args[0].layout and args[0].layout is not args[2].layout
+    assert args[0].layout == gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)  # Q's 128 channels
+
+
 def test_shrink_steps_down_to_smallest():
     config, seen = AttentionConfig(128, 128, 8, 3), []
     while config is not None:

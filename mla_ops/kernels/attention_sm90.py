@@ -638,11 +638,18 @@ def sm90_unsupported_reason(
     return None
 
 
+@functools.cache
+def _shared_layout(rows: int, width: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a ``[rows, width]`` TMA block; cached, since building one per launch is a
+    good part of the launch's host time and the layout depends on nothing else."""
+    return gl.NVMMASharedLayout.get_default_for([rows, width], _GL_DTYPES[dtype])
+
+
 def _descriptor(t: torch.Tensor, rows: int, width: int) -> TensorDescriptor:
     """``t`` ``[T, H, D]`` as 2-D ``[T, columns]`` rows (head ``h`` from column ``h * stride_h``), in blocks of
     ``[rows, width]``."""
     cols = (t.shape[1] - 1) * t.stride(1) + t.shape[2]
-    layout = gl.NVMMASharedLayout.get_default_for([rows, width], _GL_DTYPES[t.dtype])
+    layout = _shared_layout(rows, width, t.dtype)
     return TensorDescriptor(t, [t.shape[0], cols], [t.stride(0), 1], [rows, width], layout)
 
 
@@ -694,7 +701,7 @@ def sm90_launch(
         num_workers = min(num_items, num_sms or _multiprocessors(q.device.index))
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     grid = (num_workers + num_pad_programs,)
-    v_layout = gl.NVMMASharedLayout.get_default_for([block_n, dv], _GL_DTYPES[v.dtype])
+    v_layout = _shared_layout(block_n, dv, v.dtype)
     args = (
         _descriptor(q, _HALF.value, d_a), _descriptor(q, _HALF.value, d_b), _descriptor(k, block_n, d_a),
         _descriptor(k, block_n, d_b), v, out, lse, cu_seqlens_q, cu_seqlens_k, counter,

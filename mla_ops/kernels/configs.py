@@ -269,8 +269,8 @@ _ARCH_TABLES: dict[int, dict[tuple, AttentionConfig]] = {9: SM90_ATTENTION}
 #: entry, 'ovl') 573 / 659 / 469 / 516 / 658; persistent with ping-pong turns ('ovl,pp,pers') 604 / 672 /
 #: 503 / 477 / 719. Earlier (2026-12-02 20:31 UTC, tune_gluon_ovl.log): the serial loop 559 / 575 / 457 /
 #: 326 / 656; 64-key tiles in 3 buffers 526 / 615 / 456 / 595 / 616 ('ovl') and 513 / 569 / 431 / 590 /
-#: 577 ('ovl,pp'). The H16 chunk (128 programs, one wave) moves between runs: 317-666 for 'ovl,pers' and
-#: 516-687 for 'ovl' in the runs of 2026-12-02/03, fa3 692-716 (README, Known limitations).
+#: 577 ('ovl,pp'). The H16 chunk (a 0.13 ms kernel) is timed with part of its launch's host time: 317-666
+#: for 'ovl,pers' and 516-687 for 'ovl' in the runs of 2026-12-02/03 (README, Known limitations).
 #: Triton releases (major.minor) whose Gluon the Hopper kernel is written for and was checked with on an
 #: H200; with any other the kernel is not chosen and an explicit ``gluon`` configuration is refused.
 GLUON_TRITON_RELEASES = ("3.6",)
