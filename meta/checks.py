@@ -204,8 +204,8 @@ def check_attention_inputs(op: str, inputs: AttentionInputs, self_attention: boo
 
 def merge_tensors_are_valid(prefix_out, prefix_lse, suffix_out, suffix_lse) -> bool:
     """Whether :func:`check_merge_inputs` would accept these four *tensors*, in one expression, as
-    :func:`attention_inputs_are_valid` for the attention inputs. The op's kernel calls it directly (the
-    dispatcher has made sure they are tensors), and :func:`check_merge_inputs` only when it says no."""
+    :func:`attention_inputs_are_valid` for the attention inputs: :func:`check_merge_inputs` asks it first,
+    and looks for the problem to report only when it says no."""
     shape, dt, dev = prefix_out.shape, prefix_out.dtype, prefix_out.device
     return (
         len(shape) == 3

@@ -21,7 +21,7 @@ import torch
 
 from .capture import is_capturing
 
-__all__ = ["empty"]
+__all__ = ["empty", "template"]
 
 #: Templates kept per (shape, dtype, device); past this many (a serving loop meets a new token count
 #: per batch) the table starts over, which costs one ``torch.empty`` per shape.
@@ -30,21 +30,32 @@ MAX_TEMPLATES = 4096
 _templates: dict[tuple, torch.Tensor] = {}
 
 
+def template(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """The template whose ``torch.empty_like`` is ``torch.empty(shape, dtype=dtype, device=device)``, or
+    ``None`` where there is none: one element or none (``empty_like`` would keep the template's zero
+    strides), or during CUDA-graph capture (a template made there would hold on to the graph's private
+    memory pool after the graph is gone). A caller that allocates one shape again and again may keep it."""
+    key = (shape, dtype, device)
+    found = _templates.get(key)
+    if found is None:
+        if math.prod(shape) <= 1 or is_capturing():
+            return None
+        if len(_templates) >= MAX_TEMPLATES:
+            _templates.clear()
+        # Made in whichever mode: empty_like's result follows the mode of each call, not the template's.
+        found = _templates[key] = torch.empty((), dtype=dtype, device=device).expand(shape)
+    return found
+
+
 def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.empty(shape, dtype=dtype, device=device)``: a new contiguous tensor, uninitialised.
 
     ``shape`` is a tuple of ints. The result is the same as ``torch.empty``'s in shape, strides, dtype
     and device, and, like it, an inference tensor exactly when called under ``torch.inference_mode``.
     """
-    key = (shape, dtype, device)
-    template = _templates.get(key)
-    if template is None:
-        # Not during CUDA-graph capture: a template made there would hold on to the graph's private
-        # memory pool after the graph is gone.
-        if math.prod(shape) <= 1 or is_capturing():
+    found = _templates.get((shape, dtype, device))
+    if found is None:
+        found = template(shape, dtype, device)
+        if found is None:
             return torch.empty(shape, dtype=dtype, device=device)
-        if len(_templates) >= MAX_TEMPLATES:
-            _templates.clear()
-        # Made in whichever mode: empty_like's result follows the mode of each call, not the template's.
-        template = _templates[key] = torch.empty((), dtype=dtype, device=device).expand(shape)
-    return torch.empty_like(template)
+    return torch.empty_like(found)

@@ -12,8 +12,9 @@ import torch
 
 from .backends.reference import merge_attn_states_reference
 
-#: ``(prefix_out, prefix_lse, suffix_out, suffix_lse, *, prefix_lse_base2=False, suffix_lse_base2=False)
-#: -> (out, lse)``: both merge functions take the keywords that mark a side's LSE as base 2.
+#: ``(prefix_out, prefix_lse, suffix_out, suffix_lse, *, prefix_lse_base2=False, suffix_lse_base2=False,
+#: check=None) -> (out, lse)``: both merge functions take the keywords that mark a side's LSE as base 2, and
+#: an input check to call first (the Triton kernel calls it once per layout of its inputs).
 MergeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 _cuda_merge: MergeFn | None = None
@@ -21,7 +22,8 @@ _cuda_merge: MergeFn | None = None
 
 def merge_kernel(device: torch.device) -> MergeFn:
     """The merge function for tensors on ``device``: ``(prefix_out, prefix_lse, suffix_out, suffix_lse)``, with
-    the keywords ``prefix_lse_base2`` and ``suffix_lse_base2`` for a side whose LSE is in base 2."""
+    the keywords ``prefix_lse_base2`` and ``suffix_lse_base2`` for a side whose LSE is in base 2 and ``check``
+    for an input check (see :data:`MergeFn`)."""
     global _cuda_merge
     if device.type != "cuda":
         return merge_attn_states_reference

@@ -40,7 +40,6 @@ from .meta.checks import (
     check_attention_inputs,
     check_chunk_values,
     check_merge_inputs,
-    merge_tensors_are_valid,
 )
 from .selector import route
 
@@ -143,10 +142,11 @@ _prefill_in_graph, _prefill_context_chunk_in_graph = _attention_kernels(in_graph
 
 
 def _merge(prefix_out, prefix_lse, suffix_out, suffix_lse):
-    if not merge_tensors_are_valid(prefix_out, prefix_lse, suffix_out, suffix_lse):
-        check_merge_inputs(prefix_out, prefix_lse, suffix_out, suffix_lse)
-    # No device switch here: each merge function runs on its tensors' device whichever is current.
-    return merge_kernel(prefix_out.device)(prefix_out, prefix_lse, suffix_out, suffix_lse)
+    # The merge function checks the inputs with the op's check, and the Triton kernel only once per layout of
+    # them (shapes, strides, dtypes, devices, grad recording: all the check reads), since it builds that
+    # layout for its launch anyway. No device switch here: each merge function runs on its tensors' device
+    # whichever is current.
+    return merge_kernel(prefix_out.device)(prefix_out, prefix_lse, suffix_out, suffix_lse, check=check_merge_inputs)
 
 
 #: The public ops' eager kernels by op name, as registered for CPU and CUDA: what a call runs after the

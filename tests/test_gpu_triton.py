@@ -532,7 +532,7 @@ def test_merge_matches_reference(shape, dtype):
 def test_merge_relaunches_its_layout_on_new_tensors():
     """From a layout's second launch on, the kernel is relaunched with only the tensors replaced: every
     call must read its own inputs and write its own outputs, whatever the layout remembered."""
-    from mla_ops.kernels.merge import _launcher, merge_attn_states_triton
+    from mla_ops.kernels.merge import _known, merge_attn_states_triton
 
     gen = torch.Generator().manual_seed(4)
     kv = torch.randn(64, 8, 192, generator=gen).to(DEVICE, torch.bfloat16)
@@ -551,7 +551,7 @@ def test_merge_relaunches_its_layout_on_new_tensors():
         torch.testing.assert_close(out.float(), ref_out.float(), rtol=1e-2, atol=1e-2)
         results.append(out)
     assert len({t.data_ptr() for t in results}) == len(results)  # fresh outputs each call
-    assert _launcher.layouts, "the merge remembers its layouts"
+    assert _known, "the merge remembers its layouts"
 
 
 def test_relaunches_call_the_c_launcher_where_its_forwarding_is_known():
@@ -565,12 +565,55 @@ def test_relaunches_call_the_c_launcher_where_its_forwarding_is_known():
     for _ in range(2):
         out, lse = mla_ops.prefill(batch.q, batch.k, batch.v, batch.cu_seqlens, 40)
         mla_ops.merge_attn_states(out, lse, out, lse)
-    natives = [
-        f.native is not None for launcher in (attention._launcher, merge._launcher) for f in launcher.layouts.values()
-    ]
+    fixed = [known.launch for table in (attention._known, merge._known) for known in table.values()]
+    natives = [f.native is not None for f in fixed]
     if not triton.__version__.startswith("3.6."):
         pytest.skip(f"Triton {triton.__version__}: its launcher's forwarding is not one this package knows")
     assert natives and all(natives)
+
+
+def test_merge_op_checks_a_known_layout_changed_in_any_way():
+    """The merge op checks each layout of its inputs once: after good calls, inputs that differ in one
+    property its check reads (an LSE shape, a dtype, a device, grad recording) are still refused with the
+    check's error, and the good layout still merges what the reference merges."""
+    gen = torch.Generator().manual_seed(5)
+    prefix_out, suffix_out = (torch.randn(33, 8, 128, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2))
+    prefix_lse, suffix_lse = (torch.randn(8, 33, generator=gen).to(DEVICE) for _ in range(2))
+    good = (prefix_out, prefix_lse, suffix_out, suffix_lse)
+    for _ in range(3):
+        out, lse = torch.ops.mla.merge_attn_states(*good)
+    ref_out, ref_lse = merge_attn_states_reference(*good)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="prefix_lse"):
+        torch.ops.mla.merge_attn_states(prefix_out, prefix_lse[:, :32], suffix_out, suffix_lse)
+    with pytest.raises(TypeError):
+        torch.ops.mla.merge_attn_states(prefix_out, prefix_lse, suffix_out.half(), suffix_lse)
+    with pytest.raises(ValueError, match="cpu"):
+        torch.ops.mla.merge_attn_states(prefix_out, prefix_lse, suffix_out, suffix_lse.cpu())
+    with torch.enable_grad(), pytest.raises(RuntimeError, match="inference-only"):
+        torch.ops.mla.merge_attn_states(prefix_out.clone().requires_grad_(), prefix_lse, suffix_out, suffix_lse)
+    again, _ = torch.ops.mla.merge_attn_states(*good)
+    assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("heads", [16, 128, 7])
+def test_lse_conversion_kernel_is_torch_mul_bit_for_bit(heads):
+    """The FLASHINFER backend's LSE conversion on the device: torch.mul(lse.t(), ln 2) exactly, into a
+    contiguous [H, n] and a padded batch's [H, n] view, on repeated (relaunched) calls of one layout."""
+    from mla_ops.kernels.lse import lse_base2_to_natural_triton
+
+    gen = torch.Generator().manual_seed(heads)
+    for num_rows in (16, 16, 1000, 1000):
+        lse = (torch.randn(num_rows, heads, generator=gen) * 30).to(DEVICE)
+        lse[0, 0], lse[-1, -1], lse[1, 0] = -math.inf, math.inf, math.nan
+        want = torch.mul(lse.t(), math.log(2.0))
+        out = lse_base2_to_natural_triton(lse, torch.empty(heads, num_rows, device=DEVICE))
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+        wide = torch.full((heads, num_rows + 3), 7.0, device=DEVICE)
+        lse_base2_to_natural_triton(lse, wide[:, :num_rows])
+        assert torch.equal(wide[:, :num_rows].contiguous().view(torch.int32), want.view(torch.int32))
+        assert (wide[:, num_rows:] == 7.0).all()
 
 
 def test_merge_uses_triton_and_handles_zero_tokens():
@@ -609,7 +652,7 @@ def test_table_tma_config_uses_pointers_for_small_eager_chunks_and_tma_otherwise
     monkeypatch.setattr(attention, "large_batch_attention_config", lambda *args: None)
     monkeypatch.setattr(attention, "_large_configs", {})
     plans = record_results(monkeypatch, attention, "launch_plan")
-    monkeypatch.setattr(attention._launcher, "layouts", {})
+    monkeypatch.setattr(attention, "_known", {})
     heads, scale = 16, _scale(192)
     batch = make_batch([40, 24], heads, 192, 128, torch.bfloat16, device=DEVICE, strided_v=True, seed=8)
     small, large = 1024, attention.TMA_MIN_KEY_ROWS // heads

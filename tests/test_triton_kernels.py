@@ -383,6 +383,10 @@ def test_merge_strided_inputs():
     assert not prefix_lse.is_contiguous()
     got = merge_attn_states_triton(prefix_out, prefix_lse, suffix_out, suffix_lse)
     _assert_merge_close(got, merge_attn_states_reference(prefix_out, prefix_lse, suffix_out, suffix_lse))
+    # Contiguous copies take the kernel without stride arguments: the same bits.
+    dense = merge_attn_states_triton(*(t.contiguous() for t in (prefix_out, prefix_lse, suffix_out, suffix_lse)))
+    assert torch.equal(dense[0].view(torch.int16), got[0].view(torch.int16))
+    assert torch.equal(dense[1].view(torch.int32), got[1].view(torch.int32))
 
 
 @interpreted
@@ -412,12 +416,94 @@ def test_merge_reads_a_base2_lse_as_if_converted_first(merge):
     assert not torch.equal(plain[1].nan_to_num(), want[1].nan_to_num())
 
 
+def test_merge_checks_each_layout_once_on_host_stand_ins(monkeypatch):
+    """``check=``: called before a layout's first launch and not again for it; called again for any change of
+    shape, stride, dtype, device or grad recording (all that mla.merge_attn_states' check reads), and for a
+    layout known only from calls without a check. The launches are stand-ins, so this runs on CPU tensors."""
+    from mla_ops.meta.checks import check_merge_inputs
+
+    from mla_ops.kernels import merge
+
+    launches, checks = [], []
+
+    class Launch:  # what a FixedLaunch is called with
+        native = None
+
+        def __call__(self, leading):
+            launches.append(leading)
+
+    def fake_launch(prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse, *rest):
+        launches.append("first")
+        return Launch()
+
+    def check(*tensors):
+        checks.append(len(tensors))
+        check_merge_inputs(*tensors)
+
+    monkeypatch.setattr(merge, "_launch", fake_launch)
+    monkeypatch.setattr(merge, "_known", {})
+    monkeypatch.setattr(merge, "current_cuda_device", lambda: -1)  # a CPU tensor's get_device()
+    gen = torch.Generator().manual_seed(3)
+    po, so = (torch.randn(8, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    pl, sl = torch.randn(2, 8, generator=gen), torch.randn(2, 8, generator=gen)
+    out, lse = merge.merge_attn_states_triton(po, pl, so, sl, check=check)
+    assert (checks, launches) == ([4], ["first"]) and out.shape == (8, 2, 64) and lse.shape == (2, 8)
+    out2, _ = merge.merge_attn_states_triton(po.clone(), pl, so, sl, check=check)
+    assert checks == [4] and len(launches) == 2 and launches[-1][4] == out2.data_ptr()  # no check, relaunched
+    bad = [
+        (po, torch.randn(2, 9), so, sl, ValueError),  # an LSE of another shape
+        (po, pl.double(), so, sl, TypeError),  # another dtype
+        (po, pl, so.half(), sl, TypeError),
+        (po, pl, so, sl.t().contiguous().t(), None),  # other strides, same values: checked, accepted
+    ]
+    for prefix_out, prefix_lse, suffix_out, suffix_lse, error in bad:
+        before = len(checks)
+        if error is None:
+            merge.merge_attn_states_triton(prefix_out, prefix_lse, suffix_out, suffix_lse, check=check)
+        else:
+            with pytest.raises(error):
+                merge.merge_attn_states_triton(prefix_out, prefix_lse, suffix_out, suffix_lse, check=check)
+        assert len(checks) == before + 1
+    with torch.enable_grad(), pytest.raises(RuntimeError, match="inference-only"):
+        merge.merge_attn_states_triton(po.requires_grad_(), pl, so, sl, check=check)
+    po.requires_grad_(False)
+    # Known from a call without a check: the first call with one checks it.
+    other = torch.randn(4, 2, 64).to(torch.bfloat16), torch.randn(2, 4)
+    merge.merge_attn_states_triton(*other, *other)
+    before = len(checks)
+    merge.merge_attn_states_triton(*other, *other, check=check)
+    merge.merge_attn_states_triton(*other, *other, check=check)
+    assert len(checks) == before + 1
+
+
 def test_merge_zero_tokens():
     out, lse = merge_attn_states_triton(
         torch.empty(0, 2, 64, dtype=torch.float16), torch.empty(2, 0),
         torch.empty(0, 2, 64, dtype=torch.float16), torch.empty(2, 0),
     )  # fmt: skip
     assert out.shape == (0, 2, 64) and lse.shape == (2, 0)
+
+
+@interpreted
+@pytest.mark.parametrize("heads", [16, 3, 80])
+def test_lse_conversion_kernel_is_torch_mul_bit_for_bit(heads):
+    """The FLASHINFER backend's LSE conversion kernel writes ``torch.mul(lse.t(), ln 2, out=out)`` exactly:
+    into a contiguous [H, n] and into the [H, n] view of a padded batch's wider buffer, -inf, +inf and NaN
+    kept; a token count over one block of tokens, heads over one block of heads where there are more."""
+    from mla_ops.kernels.lse import lse_base2_to_natural_triton
+
+    num_rows = 70
+    lse = torch.randn(num_rows, heads, generator=torch.Generator().manual_seed(heads)) * 30
+    lse[0, 0], lse[3, -1], lse[-1, 1] = -math.inf, math.inf, math.nan
+    want = torch.mul(lse.t(), math.log(2.0))
+    out = lse_base2_to_natural_triton(lse, torch.empty(heads, num_rows))
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+    wide = torch.full((heads, num_rows + 5), 7.0)
+    lse_base2_to_natural_triton(lse, wide[:, :num_rows])
+    assert torch.equal(wide[:, :num_rows].contiguous().view(torch.int32), want.view(torch.int32))
+    assert (wide[:, num_rows:] == 7.0).all()
+    with pytest.raises(ValueError, match=r"out \[H, n\]"):
+        lse_base2_to_natural_triton(lse, torch.empty(num_rows, heads + 1))
 
 
 @interpreted
@@ -727,19 +813,22 @@ def test_out_of_resources_steps_down_unless_explicit(monkeypatch):
 
     from mla_ops.kernels import attention
 
-    real_launch, tried = attention._launch, []
+    real_launch, tried, layouts = attention._launch, [], []
 
-    def launch(plan_args, layout):
+    def launch(plan_args):
         config = plan_args[-1]
-        # The layout names what chose the configuration: an explicit one (or MLA_OPS_TRITON_CONFIG's text),
-        # else None for the table, whose entry a step-down changes before any layout of it is remembered.
-        assert layout[-2] in (None, config), "the layout names what chose the configuration"
         tried.append(config)
         if config.block_n > 16:
             raise OutOfResources(config.block_n * 1024, 16 * 1024, "shared memory")
-        return real_launch(plan_args, layout)
+        return real_launch(plan_args)
+
+    class Known(dict):  # the table of known layouts, recording what each call looks up
+        def get(self, layout, default=None):
+            layouts.append(layout)
+            return super().get(layout, default)
 
     monkeypatch.setattr(attention, "_launch", launch)
+    monkeypatch.setattr(attention, "_known", Known())
     monkeypatch.setattr(attention, "_table_configs", {})
     monkeypatch.setattr(attention, "attention_config", lambda *a: AttentionConfig(16, 64, 4, 2))
     batch = make_batch([20], HEADS, 64, 64, torch.float16, seed=16)
@@ -753,6 +842,9 @@ def test_out_of_resources_steps_down_unless_explicit(monkeypatch):
     assert tried == [AttentionConfig(16, 16, 4, 1)], "the working config is remembered"
     with pytest.raises(RuntimeError, match="does not fit this GPU"):
         attention_triton(*args, config=AttentionConfig(16, 64, 4, 1))
+    # The layout names what chose the configuration: an explicit one (or MLA_OPS_TRITON_CONFIG's text), else
+    # None for the table, whose entry a step-down changes before any layout of it is remembered.
+    assert [layout[-2] for layout in layouts] == [None, None, AttentionConfig(16, 64, 4, 1)]
 
 
 def test_cached_launch_skips_the_jit_after_the_first_launch(monkeypatch):
@@ -852,21 +944,21 @@ def test_a_known_launcher_is_called_through_its_c_launch_and_any_other_through_c
     monkeypatch.setattr(launch, "_current_stream", lambda index: "stream")
     monkeypatch.setattr(launch, "_hooks", lambda: (None, None))
     launch._forwarding_known.cache_clear()
-    fixed = launch._Fixed(compiled, (3,), ("tail",))
+    fixed = launch.FixedLaunch(compiled, 0, (3,), ("tail",))
     assert fixed.native is None  # an unknown __call__
-    launch.CachedLaunch._run(fixed, 0, ("lead",))
+    fixed(("lead",))
     assert calls.pop() == ("call", (3, 1, 1, "stream", "fn", "meta", None, None, None, "lead", "tail"))
     source = textwrap.dedent(inspect.getsource(CudaLauncher.__call__))
     monkeypatch.setattr(launch, "KNOWN_LAUNCHER_CALLS", {hashlib.sha256(source.encode()).hexdigest()})
     launch._forwarding_known.cache_clear()
-    fixed = launch._Fixed(compiled, (3,), ("tail",))
-    launch.CachedLaunch._run(fixed, 0, ("lead",))
+    fixed = launch.FixedLaunch(compiled, 0, (3,), ("tail",))
+    fixed(("lead",))
     assert calls.pop() == (
         "c",
         (3, 1, 1, "stream", "fn", False, True, None, None, "meta", None, None, None, "lead", "tail"),
     )
     compiled.run.global_scratch_size = 128  # a kernel that needs scratch goes through __call__, which allocates it
-    assert launch._Fixed(compiled, (3,), ("tail",)).native is None
+    assert launch.FixedLaunch(compiled, 0, (3,), ("tail",)).native is None
     launch._forwarding_known.cache_clear()
 
 

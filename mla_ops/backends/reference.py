@@ -7,6 +7,7 @@ host, so on CUDA it synchronises and cannot be captured in a CUDA graph; use it 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -96,6 +97,7 @@ def merge_attn_states_reference(
     *,
     prefix_lse_base2: bool = False,
     suffix_lse_base2: bool = False,
+    check: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two partial attention results through their log-sum-exp, in fp32.
 
@@ -105,12 +107,16 @@ def merge_attn_states_reference(
             "this side attended to no key" and give it zero weight.
         prefix_lse_base2, suffix_lse_base2: that side's LSE is in base 2 (``log2`` of the sum);
             it is converted (``lse * ln 2``) before the merge.
+        check: an input check called with the four tensors first (it raises for inputs it refuses), as
+            :func:`mla_ops.kernels.merge.merge_attn_states_triton` takes it.
 
     Returns:
         ``out`` ``[T, H, Dv]`` in the dtype of ``prefix_out`` and ``lse`` float32 ``[H, T]``. When
         both sides are empty the row is ``out = 0``, ``lse = -inf``: never NaN. A NaN LSE on either
         side makes the row NaN in ``out`` and ``lse``.
     """
+    if check is not None:
+        check(prefix_out, prefix_lse, suffix_out, suffix_lse)
     if prefix_lse_base2:
         prefix_lse = prefix_lse * _LN2
     if suffix_lse_base2:

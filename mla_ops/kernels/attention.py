@@ -48,8 +48,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ..alloc import empty
-from ..capture import on_device
+from ..alloc import empty, template
+from ..capture import current_cuda_device, on_device
 from .configs import (
     CONFIG_ENV_VAR,
     AttentionConfig,
@@ -61,7 +61,7 @@ from .configs import (
     refuse_unproven_warp_specialization,
     shrink,
 )
-from .launch import CachedLaunch, pointer_alignment
+from .launch import CachedLaunch, FixedLaunch, KnownLayout, pointer_alignment, remember
 from .programs import program_layout
 
 try:  # Triton >= 3.3
@@ -969,13 +969,11 @@ def attention_triton(
                 raise ValueError(f"attention_triton: {name} must have stride 1 in its last dimension, got {t.stride()}")
 
     device = q.device
-    out = empty((num_tokens, num_heads, dv), dtype, device)
-    lse = empty((num_heads, num_tokens), torch.float32, device)
     if num_tokens == 0 or num_heads == 0:
-        return out, lse
+        return empty((num_tokens, num_heads, dv), dtype, device), empty((num_heads, num_tokens), torch.float32, device)
 
-    # The inputs' addresses: a relaunch passes them as integers (see CachedLaunch.relaunch), and the
-    # layout records what Triton specialises on or checks in them, their 16-byte alignment and devices.
+    # The inputs' addresses: a known layout's launch passes them as integers (see CachedLaunch.relaunch), and
+    # the layout records what Triton specialises on or checks in them, their 16-byte alignment and devices.
     p_q, p_k, p_v = q.data_ptr(), k.data_ptr(), v.data_ptr()
     p_cu_q, p_cu_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
     inputs = (
@@ -986,15 +984,24 @@ def attention_triton(
     # alignment and devices (the outputs are fresh, contiguous and aligned, on q's device), the scalars,
     # and what chooses the configuration: an explicit one, else MLA_OPS_TRITON_CONFIG's text, else the
     # table for these shapes (whose entry changes only when a launch fails, before any layout is
-    # remembered). A layout seen before is relaunched with only the addresses replaced, and without
+    # remembered). A layout seen before is launched again with only the addresses replaced, and without
     # resolving the configuration again.
     chooser = os.environ.get(CONFIG_ENV_VAR) if config is None else config
     layout = (
         q.shape, q_stride, k.shape[0], k_stride, dv, v_stride, cu_seqlens_q.shape[0], max_seqlen_q > 0,
         max_seqlen_k, softmax_scale, causal, dtype, device, chooser, inputs,
     )  # fmt: skip
+    known = _known.get(layout)
+    if known is not None and device.index == current_cuda_device():  # launches go to the current device
+        out, lse = torch.empty_like(known.out_template), torch.empty_like(known.lse_template)
+        known.launch(_pointer_addresses(p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k))
+        return out, lse
+    out = empty((num_tokens, num_heads, dv), dtype, device)
+    lse = empty((num_heads, num_tokens), torch.float32, device)
     addresses = _pointer_addresses(p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k)
-    if _launcher.relaunch(layout, device, addresses):  # only when q's device is the current one
+    if known is not None:  # q's device is not the current one
+        with on_device(device):
+            known.launch(addresses)
         return out, lse
 
     key = None
@@ -1033,12 +1040,13 @@ def attention_triton(
         try:
             # Triton launches on the current device and its current stream, not on q's device.
             with on_device(device):
-                if not _launcher.relaunch(layout, device, addresses):
-                    _launch(
-                        (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                         causal, launched),
-                        layout,
-                    )  # fmt: skip
+                fixed = _launch(
+                    (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                     launched),
+                )  # fmt: skip
+            out_template, lse_template = template(out.shape, dtype, device), template(lse.shape, torch.float32, device)
+            if fixed is not None and out_template is not None and lse_template is not None:
+                remember(_known, layout, KnownLayout(fixed, out_template, lse_template, False))
             return out, lse
         except OutOfResources as exc:
             # The table is tuned for one GPU; on a smaller one, step down instead of failing. An
@@ -1053,16 +1061,15 @@ def attention_triton(
             config = _table_configs[key] = smaller
 
 
-def _launch(plan_args: tuple, layout: tuple) -> None:
-    """Launch the kernel for :func:`launch_plan`'s arguments (q, k, v, out, lse, ..., config), and let
-    :class:`CachedLaunch` remember ``layout`` when the plan has no TMA descriptors: those hold the
-    tensors' addresses, so a plan that uses them is built again for every call."""
+def _launch(plan_args: tuple) -> FixedLaunch | None:
+    """Launch the kernel for :func:`launch_plan`'s arguments (q, k, v, out, lse, ..., config); returns the
+    :class:`FixedLaunch` to launch the same layout with new addresses, or ``None`` where there is none: the
+    launch went through the JIT function, or the plan has TMA descriptors, which hold the tensors'
+    addresses, so that a plan that uses them is built again for every call."""
     plan = launch_plan(*plan_args)
-    remember = layout if not plan.descriptors else None
-    _launcher(
-        plan.key, plan_args[0].device, plan.grid, plan.args, plan.constexprs, layout=remember, leading=_LEADING,
-        **plan.options,
-    )  # fmt: skip
+    device = plan_args[0].device
+    fixed = _launcher(plan.key, device, plan.grid, plan.args, plan.constexprs, leading=_LEADING, **plan.options)
+    return None if plan.descriptors else fixed
 
 
 def _pointer_addresses(q: int, k: int, v: int, out: int, lse: int, cu_seqlens_q: int, cu_seqlens_k: int) -> tuple:
@@ -1179,3 +1186,5 @@ def launch_plan(
 
 
 _launcher = CachedLaunch(_attn_fwd_kernel)
+#: Layouts launched before (see attention_triton); past MAX_LAYOUTS the table starts over.
+_known: dict[tuple, KnownLayout] = {}

@@ -19,7 +19,10 @@ every argument but the leading, per-call ones, and fixes the grid) when it launc
 :meth:`CachedLaunch.relaunch` with only the leading arguments. That skips rebuilding the scalar
 arguments, the constexpr dictionary and the specialisation key, which is most of what is left of the
 Python cost per launch. Passing the leading tensors as device addresses skips, per pointer, the
-launcher's call of ``data_ptr()`` and its driver query (``cuPointerGetAttribute``). Where the installed
+launcher's call of ``data_ptr()`` and its driver query (``cuPointerGetAttribute``). A caller may also
+keep the :class:`FixedLaunch` that a launch returns in a table of its own, with templates of its outputs
+(:class:`KnownLayout`), as the attention and merge kernels do: a call of a known layout then costs one
+lookup, its outputs' ``torch.empty_like`` and the launch. Where the installed
 Triton's ``CudaLauncher.__call__`` is one this module knows (:data:`KNOWN_LAUNCHER_CALLS`), a launch calls
 the compiled kernel's C ``launch`` directly, with what that ``__call__`` would pass.
 
@@ -68,7 +71,7 @@ try:
 except ImportError:  # pragma: no cover - a CPU-only build of torch
     _current_stream = None
 
-__all__ = ["CachedLaunch"]
+__all__ = ["CachedLaunch", "FixedLaunch", "KnownLayout", "remember"]
 
 
 #: Layouts remembered per kernel; past this many (a serving loop sees a new token count per batch) the
@@ -129,7 +132,7 @@ def _needs_scratch(compiled: Any) -> bool:
     return getattr(getattr(compiled, "metadata", None), "global_scratch_size", 0) > 0
 
 
-#: SHA-256 of the dedented source of each ``CudaLauncher.__call__`` whose forwarding :meth:`CachedLaunch._run`
+#: SHA-256 of the dedented source of each ``CudaLauncher.__call__`` whose forwarding :meth:`FixedLaunch.__call__`
 #: reproduces (Triton 3.6's). The launcher's C ``launch`` takes its arguments positionally, in an order
 #: that changes between Triton releases, so any other source is called through ``__call__``.
 KNOWN_LAUNCHER_CALLS = frozenset({"ead77febd3d441d474bb8bc0126006c821d25c5ba32235acd60673c9cb83cc78"})
@@ -163,17 +166,68 @@ def _native_launch(compiled: Any) -> tuple | None:
     return (launch, coop, pdl) if callable(launch) and scratch == (0, 0) else None
 
 
-class _Fixed:
-    """A compiled variant with its grid and every argument after the leading ones fixed."""
+class FixedLaunch:
+    """A compiled variant with its device, its grid and every argument after the leading ones fixed.
 
-    __slots__ = ("compiled", "grid", "native", "needs_scratch", "tail")
+    Calling it with the leading arguments launches the variant on the current stream of its device,
+    which must be the current device (:meth:`CachedLaunch.relaunch` checks that; a caller that keeps a
+    ``FixedLaunch`` of its own checks it before each call).
+    """
 
-    def __init__(self, compiled: Any, grid: tuple[int, ...], tail: tuple) -> None:
+    __slots__ = ("compiled", "device_index", "grid", "middle", "native", "needs_scratch", "tail")
+
+    def __init__(self, compiled: Any, device_index: int, grid: tuple[int, ...], tail: tuple) -> None:
         self.compiled = compiled
+        self.device_index = device_index
         self.grid = (*grid, 1, 1)[:3]
         self.tail = tail
         self.needs_scratch = _needs_scratch(compiled)
         self.native = _native_launch(compiled)
+        # What CudaLauncher.__call__ would pass on between the stream and the kernel's arguments: no
+        # scratch buffers, no launch metadata, no hooks (built once: this runs on every launch).
+        self.middle = None
+        if self.native is not None:
+            _, coop, pdl = self.native
+            self.middle = (compiled.function, coop, pdl, None, None, compiled.packed_metadata, None, None, None)
+
+    def __call__(self, leading: tuple) -> None:
+        stream = _current_stream(self.device_index)
+        enter, leave = _hooks()
+        grid_0, grid_1, grid_2 = self.grid
+        if enter is None and self.native is not None:
+            self.native[0](grid_0, grid_1, grid_2, stream, *self.middle, *leading, *self.tail)
+            return
+        compiled = self.compiled
+        if enter is None:
+            metadata = None
+        else:
+            metadata = compiled.launch_metadata(self.grid, stream, *leading, *self.tail)
+        with TorchScratch() if self.needs_scratch else _NO_SCRATCH:
+            compiled.run(
+                grid_0, grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave,
+                *leading, *self.tail,
+            )  # fmt: skip
+
+
+class KnownLayout:
+    """What a kernel function keeps of a layout it launched before, for its next call of that layout: the
+    :class:`FixedLaunch`, templates of its two outputs (``torch.empty_like`` of each gives a fresh output,
+    see :func:`mla_ops.alloc.template`) and whether the caller's input check has accepted the layout."""
+
+    __slots__ = ("checked", "launch", "lse_template", "out_template")
+
+    def __init__(self, launch: FixedLaunch, out_template: torch.Tensor, lse_template: torch.Tensor, checked: bool):
+        self.launch = launch
+        self.out_template = out_template
+        self.lse_template = lse_template
+        self.checked = checked
+
+
+def remember(table: dict, layout: Hashable, known: KnownLayout) -> None:
+    """``table[layout] = known``, starting the table over past :data:`MAX_LAYOUTS` entries."""
+    if len(table) >= MAX_LAYOUTS:
+        table.clear()
+    table[layout] = known
 
 
 class CachedLaunch:
@@ -187,7 +241,7 @@ class CachedLaunch:
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self.compiled: dict[tuple, Any] = {}
-        self.layouts: dict[Hashable, _Fixed] = {}
+        self.layouts: dict[Hashable, FixedLaunch] = {}
         params = getattr(kernel, "params", None)  # absent under TRITON_INTERPRET=1: JIT launches only
         self.constexpr_names = [p.name for p in params if p.is_constexpr] if params is not None else []
         self.enabled = params is not None and _knobs is not None and _current_stream is not None
@@ -207,13 +261,17 @@ class CachedLaunch:
         layout: Hashable | None = None,
         leading: int = 0,
         **options: Any,
-    ) -> None:
+    ) -> FixedLaunch | None:
         """Launch on ``device`` with ``grid``: ``args`` (the non-constexpr arguments, in order),
         ``constexprs`` (by name) and Triton launch ``options`` (``num_warps``, ``num_stages``).
 
         ``layout``: when given, remember this launch so that :meth:`relaunch` can repeat it with new
         values of the first ``leading`` arguments. The caller guarantees that ``layout`` determines
         ``key``, ``grid``, ``args[leading:]``, ``constexprs`` and ``options``.
+
+        Returns the :class:`FixedLaunch` that launched (a caller may keep it and call it with new leading
+        arguments, as :meth:`relaunch` does), or ``None`` where the launch went through the JIT function
+        (the variant's first launch, another device than the current one, or no direct launches here).
         """
         direct = self.enabled and device.type == "cuda" and device.index == current_cuda_device()
         compiled = self.compiled.get(key) if direct else None
@@ -222,14 +280,15 @@ class CachedLaunch:
                 launched = self.kernel[grid](*args, **constexprs, **options)
             if direct and launched is not None:
                 self.compiled[key] = launched
-            return
+            return None
         tail = (*args[leading:], *(constexprs[name] for name in self.constexpr_names))
-        fixed = _Fixed(compiled, grid, tail)
+        fixed = FixedLaunch(compiled, device.index, grid, tail)
         if layout is not None:
             if len(self.layouts) >= MAX_LAYOUTS:
                 self.layouts.clear()
             self.layouts[layout] = fixed
-        self._run(fixed, device.index, args[:leading])
+        fixed(args[:leading])
+        return fixed
 
     def relaunch(self, layout: Hashable, device: torch.device, leading: tuple) -> bool:
         """Launch the variant remembered under ``layout`` with new leading arguments; ``False`` (and
@@ -244,33 +303,8 @@ class CachedLaunch:
         fixed = self.layouts.get(layout)
         if fixed is None or device.index != current_cuda_device():
             return False
-        self._run(fixed, device.index, leading)
+        fixed(leading)
         return True
-
-    @staticmethod
-    def _run(fixed: _Fixed, device_index: int, leading: tuple) -> None:
-        compiled = fixed.compiled
-        stream = _current_stream(device_index)
-        enter, leave = _hooks()
-        grid_0, grid_1, grid_2 = fixed.grid
-        native = fixed.native
-        if enter is None and native is not None:
-            # What CudaLauncher.__call__ would pass on: no scratch buffers, no launch metadata, no hooks.
-            launch, coop, pdl = native
-            launch(
-                grid_0, grid_1, grid_2, stream, compiled.function, coop, pdl, None, None, compiled.packed_metadata,
-                None, None, None, *leading, *fixed.tail,
-            )  # fmt: skip
-            return
-        if enter is None:
-            metadata = None
-        else:
-            metadata = compiled.launch_metadata(fixed.grid, stream, *leading, *fixed.tail)
-        with TorchScratch() if fixed.needs_scratch else _NO_SCRATCH:
-            compiled.run(
-                grid_0, grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave,
-                *leading, *fixed.tail,
-            )  # fmt: skip
 
 
 def pointer_alignment(*tensors: torch.Tensor | None) -> tuple[bool, ...]:

@@ -12,24 +12,28 @@ NaN LSE on either side gives NaN in ``out`` and ``lse``: a NaN must never look l
 
 The kernel is memory-bound: each program handles ``BLOCK_T`` tokens of one head, so its ``lse`` loads
 are contiguous along ``T`` and each output row is one contiguous ``Dv``-wide (256-byte for bf16
-``Dv = 128``) vector load and store.
+``Dv = 128``) vector load and store. It comes in two signatures over one body: with the inputs' strides,
+and, for inputs that are all contiguous (as the ops return them), without, since the launcher's host
+time grows with the number of arguments and the merge op's is mostly host time on small batches.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from ..alloc import empty
-from ..capture import on_device
+from ..alloc import empty, template
+from ..capture import current_cuda_device, on_device
 from .configs import merge_config
-from .launch import CachedLaunch, pointer_alignment
+from .launch import CachedLaunch, FixedLaunch, KnownLayout, pointer_alignment, remember
 
 __all__ = ["merge_attn_states_triton"]
 
 
-@triton.jit(do_not_specialize=["num_tokens", "stride_pl_h", "stride_sl_h", "stride_l_h"])
+@triton.jit(do_not_specialize=["num_tokens", "stride_pl_h", "stride_sl_h"])
 def _merge_kernel(
     PrefixOut,
     PrefixLse,
@@ -46,16 +50,16 @@ def _merge_kernel(
     stride_pl_t,
     stride_sl_h,
     stride_sl_t,
-    stride_o_t,
-    stride_o_h,
-    stride_l_h,
     DV: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     PREFIX_LOG2: tl.constexpr,
     SUFFIX_LOG2: tl.constexpr,
 ):
+    # The outputs are fresh and contiguous: out [T, H, DV] and lse [H, T], one head per program column.
     h = tl.program_id(1)
+    stride_o_h = DV
+    stride_o_t = tl.num_programs(1) * DV
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = offs_t < num_tokens
     t64 = offs_t.to(tl.int64)
@@ -81,7 +85,7 @@ def _merge_kernel(
     inv = 1.0 / tl.where(empty, 1.0, total)
     sa = wa * inv
     sb = wb * inv
-    tl.store(Lse + h * stride_l_h + t64, lse, mask=t_ok)
+    tl.store(Lse + h * num_tokens + t64, lse, mask=t_ok)
 
     offs_d = tl.arange(0, BLOCK_D)
     po_ptr = PrefixOut + t64[:, None] * stride_po_t + h * stride_po_h + offs_d[None, :]
@@ -105,6 +109,35 @@ def _merge_kernel(
     tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=store_ok)
 
 
+@triton.jit(do_not_specialize=["num_tokens"])
+def _merge_contiguous_kernel(
+    PrefixOut,
+    PrefixLse,
+    SuffixOut,
+    SuffixLse,
+    Out,
+    Lse,
+    num_tokens,
+    DV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    PREFIX_LOG2: tl.constexpr,
+    SUFFIX_LOG2: tl.constexpr,
+):
+    # Every input contiguous, as the ops return them: the strides follow from the shapes, and a launch
+    # passes 7 arguments instead of 15 (the launcher's host time grows with the argument count).
+    row = tl.num_programs(1) * DV
+    _merge_kernel(
+        PrefixOut, PrefixLse, SuffixOut, SuffixLse, Out, Lse, num_tokens,
+        row, DV, row, DV, num_tokens, 1, num_tokens, 1,
+        DV, BLOCK_D, BLOCK_T, PREFIX_LOG2, SUFFIX_LOG2,
+    )  # fmt: skip
+
+
+#: Known merge layouts (see merge_attn_states_triton); past MAX_LAYOUTS the table starts over.
+_known: dict[tuple, KnownLayout] = {}
+
+
 def merge_attn_states_triton(
     prefix_out: torch.Tensor,
     prefix_lse: torch.Tensor,
@@ -115,6 +148,7 @@ def merge_attn_states_triton(
     suffix_lse_base2: bool = False,
     block_t: int | None = None,
     num_warps: int | None = None,
+    check: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two partial attention results over disjoint key sets.
 
@@ -124,41 +158,66 @@ def merge_attn_states_triton(
             marks a side with no keys; that side's output is ignored (it may hold NaN).
         prefix_lse_base2, suffix_lse_base2: that side's LSE is in base 2 (``log2`` of the sum), as
             some libraries return it; the kernel converts it as it loads it. The result is the same,
-            bit for bit, as converting first (``lse * ln 2`` in fp32).
+            bit for bit, as converting first (``lse * ln 2``) in fp32.
         block_t, num_warps: launch overrides (tests and tuning); by default from
             :func:`mla_ops.kernels.configs.merge_config`.
+        check: an input check, called with the four tensors before anything is launched; it raises for
+            inputs it refuses. It must depend on nothing but the tensors' shapes, strides, dtypes and
+            devices and on whether autograd would record the call: a layout it accepted once (those
+            properties, all part of the layout) is not checked again. ``mla.merge_attn_states`` passes
+            :func:`mla_ops.meta.checks.check_merge_inputs`.
 
     Returns:
         ``out`` ``[T, H, Dv]`` contiguous in prefix_out's dtype and ``lse`` float32 ``[H, T]``
         contiguous. Rows empty on both sides give ``out = 0``, ``lse = -inf``. The kernel runs on the
         tensors' device and its current stream, whichever device is current.
     """
+    # Everything the launch and `check` depend on but the addresses: the four tensors' shapes, strides,
+    # dtypes and devices, their 16-byte alignment (one test when all are aligned), the LSE bases, the
+    # overrides, and whether autograd would record the call (which the op's check refuses). The outputs
+    # are fresh, contiguous and aligned. A layout launched before is launched again with the addresses
+    # passed as integers (see CachedLaunch.relaunch).
+    p_po, p_pl, p_so, p_sl = prefix_out.data_ptr(), prefix_lse.data_ptr(), suffix_out.data_ptr(), suffix_lse.data_ptr()
+    device_index = prefix_out.get_device()
+    layout = (
+        prefix_out.shape, prefix_lse.shape, suffix_out.shape, suffix_lse.shape,
+        prefix_out.stride(), prefix_lse.stride(), suffix_out.stride(), suffix_lse.stride(),
+        prefix_out.dtype, prefix_lse.dtype, suffix_out.dtype, suffix_lse.dtype,
+        device_index, prefix_lse.get_device(), suffix_out.get_device(), suffix_lse.get_device(),
+        (p_po | p_pl | p_so | p_sl) % 16 == 0 or (p_po % 16 == 0, p_pl % 16 == 0, p_so % 16 == 0, p_sl % 16 == 0),
+        prefix_lse_base2, suffix_lse_base2, block_t, num_warps,
+        check is not None and torch.is_grad_enabled() and (prefix_out.requires_grad or suffix_out.requires_grad),
+    )  # fmt: skip
+    known = _known.get(layout)
+    if known is not None:
+        if check is not None and not known.checked:
+            check(prefix_out, prefix_lse, suffix_out, suffix_lse)
+            known.checked = True
+        if device_index == current_cuda_device():
+            out = torch.empty_like(known.out_template)
+            lse = torch.empty_like(known.lse_template)
+            known.launch((p_po, p_pl, p_so, p_sl, out.data_ptr(), lse.data_ptr()))
+            return out, lse
+    elif check is not None:
+        check(prefix_out, prefix_lse, suffix_out, suffix_lse)
     num_tokens, num_heads, dv = prefix_out.shape
     device = prefix_out.device
     out = empty((num_tokens, num_heads, dv), prefix_out.dtype, device)
     lse = empty((num_heads, num_tokens), torch.float32, device)
     if num_tokens == 0 or num_heads == 0 or dv == 0:
         return out, lse
-    # Everything the launch depends on but the addresses: the shapes, the inputs' strides, 16-byte
-    # alignment and devices (the outputs are fresh, contiguous and aligned), the dtype, the device, the LSE
-    # bases and the overrides. A relaunch passes the addresses as integers (see CachedLaunch.relaunch).
-    p_po, p_pl, p_so, p_sl = prefix_out.data_ptr(), prefix_lse.data_ptr(), suffix_out.data_ptr(), suffix_lse.data_ptr()
-    layout = (
-        prefix_out.shape, prefix_out.stride(), suffix_out.stride(), prefix_lse.stride(), suffix_lse.stride(),
-        prefix_out.dtype, device, prefix_lse_base2, suffix_lse_base2, block_t, num_warps,
-        p_po % 16 == 0, p_pl % 16 == 0, p_so % 16 == 0, p_sl % 16 == 0,
-        prefix_lse.get_device(), suffix_out.get_device(), suffix_lse.get_device(),
-    )  # fmt: skip
-    addresses = (p_po, p_pl, p_so, p_sl, out.data_ptr(), lse.data_ptr())
-    if _launcher.relaunch(layout, device, addresses):  # only when the tensors' device is the current one
-        return out, lse
     # Triton launches on the current device and its current stream, not on the tensors' device.
     with on_device(device):
-        if not _launcher.relaunch(layout, device, addresses):
-            _launch(
-                prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse,
-                (prefix_lse_base2, suffix_lse_base2), block_t, num_warps, layout,
-            )  # fmt: skip
+        if known is not None:
+            known.launch((p_po, p_pl, p_so, p_sl, out.data_ptr(), lse.data_ptr()))
+            return out, lse
+        fixed = _launch(
+            prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse,
+            (prefix_lse_base2, suffix_lse_base2), block_t, num_warps,
+        )  # fmt: skip
+    out_template, lse_template = template(out.shape, out.dtype, device), template(lse.shape, lse.dtype, device)
+    if fixed is not None and out_template is not None and lse_template is not None:
+        remember(_known, layout, KnownLayout(fixed, out_template, lse_template, check is not None))
     return out, lse
 
 
@@ -172,31 +231,34 @@ def _launch(
     lse_base2: tuple[bool, bool],
     block_t: int | None,
     num_warps: int | None,
-    layout: tuple,
-) -> None:
+) -> FixedLaunch | None:
+    """Launch the merge through :class:`CachedLaunch`; returns its :class:`FixedLaunch`, or ``None`` where
+    the launch went through the JIT function. Contiguous inputs take the kernel without stride arguments."""
     num_tokens, num_heads, dv = prefix_out.shape
     config = merge_config(prefix_out.device)
     block_t = block_t or config.block_t
     num_warps = num_warps or config.num_warps
     grid = (triton.cdiv(num_tokens, block_t), num_heads)
-    strides = (
-        prefix_out.stride(0), prefix_out.stride(1), suffix_out.stride(0), suffix_out.stride(1),
-        prefix_lse.stride(0), prefix_lse.stride(1), suffix_lse.stride(0), suffix_lse.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0),
-    )  # fmt: skip
     constexprs = dict(
         DV=dv, BLOCK_D=triton.next_power_of_2(dv), BLOCK_T=block_t, PREFIX_LOG2=lse_base2[0], SUFFIX_LOG2=lse_base2[1]
     )
+    inputs = (prefix_out, prefix_lse, suffix_out, suffix_lse)
+    alignment = pointer_alignment(*inputs, out, lse)
+    if all(t.is_contiguous() for t in inputs):
+        key = (prefix_out.device.index, prefix_out.dtype, alignment, tuple(constexprs.values()), num_warps)
+        args = (*inputs, out, lse, num_tokens)
+        return _contiguous_launcher(key, prefix_out.device, grid, args, constexprs, num_warps=num_warps, leading=6)
+    strides = (
+        prefix_out.stride(0), prefix_out.stride(1), suffix_out.stride(0), suffix_out.stride(1),
+        prefix_lse.stride(0), prefix_lse.stride(1), suffix_lse.stride(0), suffix_lse.stride(1),
+    )  # fmt: skip
     # Every integer Triton specialises (the strides but the head strides of the LSEs, which grow with the
     # token count and are marked do_not_specialize) by value, every pointer by alignment.
-    specialised = tuple(stride for i, stride in enumerate(strides) if i not in (4, 6, 10))
-    key = (
-        prefix_out.device.index, prefix_out.dtype, specialised,
-        pointer_alignment(prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse),
-        tuple(constexprs.values()), num_warps,
-    )  # fmt: skip
-    args = (prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse, num_tokens, *strides)
-    _launcher(key, prefix_out.device, grid, args, constexprs, num_warps=num_warps, layout=layout, leading=6)
+    specialised = tuple(stride for i, stride in enumerate(strides) if i not in (4, 6))
+    key = (prefix_out.device.index, prefix_out.dtype, specialised, alignment, tuple(constexprs.values()), num_warps)
+    args = (*inputs, out, lse, num_tokens, *strides)
+    return _launcher(key, prefix_out.device, grid, args, constexprs, num_warps=num_warps, leading=6)
 
 
 _launcher = CachedLaunch(_merge_kernel)
+_contiguous_launcher = CachedLaunch(_merge_contiguous_kernel)

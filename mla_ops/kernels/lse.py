@@ -1,0 +1,97 @@
+"""A base-2 ``[n, H]`` log-sum-exp into the package's natural-log ``[H, n]`` one, in Triton.
+
+FlashInfer writes each row's LSE as ``log2`` of its sum, token-major; the ops return the natural log,
+head-major. The conversion is one multiply by ``ln 2`` and a transpose: ``torch.mul(lse.t(), ln2,
+out=out)`` computes it, but on a small eager batch its host time (a TensorIterator built per call, about
+7 µs on an H200's host) is more than the kernel's. This kernel does the same multiply, bit for bit, and
+is launched through :class:`~mla_ops.kernels.launch.CachedLaunch`: after a layout's first launch a call
+costs the launch.
+
+Each program converts a ``BLOCK_T x BLOCK_H`` tile: loads contiguous along the heads of a token, stores
+contiguous along the tokens of a head.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..capture import on_device
+from .launch import CachedLaunch, pointer_alignment
+
+__all__ = ["lse_base2_to_natural_triton"]
+
+_BLOCK_T = 64
+_MAX_BLOCK_H = 64
+
+
+@triton.jit(do_not_specialize=["num_rows", "stride_src_t", "stride_dst_h"])
+def _lse_to_natural_kernel(
+    Src,
+    Dst,
+    num_rows,
+    num_heads,
+    stride_src_t,
+    stride_src_h,
+    stride_dst_h,
+    stride_dst_t,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    offs_h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    mask = (offs_t < num_rows)[:, None] & (offs_h < num_heads)[None, :]
+    x = tl.load(Src + offs_t[:, None] * stride_src_t + offs_h[None, :] * stride_src_h, mask=mask)
+    # One fp32 multiply by fp32(ln 2), as torch.mul(lse, math.log(2)) makes; -inf and NaN stay as they are.
+    tl.store(Dst + offs_h[None, :] * stride_dst_h + offs_t[:, None] * stride_dst_t, x * 0.6931471805599453, mask=mask)
+
+
+def lse_base2_to_natural_triton(lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write ``lse * ln 2``, transposed, into ``out``; returns ``out``.
+
+    Args:
+        lse: float32 ``[n, H]``, base 2 (``log2`` of each row's sum), any strides.
+        out: float32 ``[H, n]`` on ``lse``'s device, any strides (a padded batch passes a view of a
+            wider buffer).
+
+    The result is ``torch.mul(lse.t(), math.log(2), out=out)`` bit for bit. The kernel runs on the
+    tensors' device and its current stream, whichever device is current; nothing is read back.
+    """
+    num_rows, num_heads = lse.shape
+    if num_rows == 0 or num_heads == 0:
+        return out
+    if out.shape != (num_heads, num_rows) or lse.dtype != torch.float32 or out.dtype != torch.float32:
+        raise ValueError(
+            f"lse_base2_to_natural_triton: expected a float32 lse [n, H] and a float32 out [H, n], got lse "
+            f"{lse.dtype} {tuple(lse.shape)} and out {out.dtype} {tuple(out.shape)}"
+        )
+    p_src, p_dst = lse.data_ptr(), out.data_ptr()
+    device = lse.device
+    # What the launch depends on but the two addresses: shapes, strides, devices and 16-byte alignment.
+    layout = (
+        num_rows, num_heads, lse.stride(), out.stride(), device, out.get_device(),
+        (p_src | p_dst) % 16 == 0 or (p_src % 16 == 0, p_dst % 16 == 0),
+    )  # fmt: skip
+    if _launcher.relaunch(layout, device, (p_src, p_dst)):  # only when the tensors' device is the current one
+        return out
+    with on_device(device):
+        if not _launcher.relaunch(layout, device, (p_src, p_dst)):
+            _launch(lse, out, layout)
+    return out
+
+
+def _launch(lse: torch.Tensor, out: torch.Tensor, layout: tuple) -> None:
+    num_rows, num_heads = lse.shape
+    block_h = min(triton.next_power_of_2(num_heads), _MAX_BLOCK_H)
+    grid = (triton.cdiv(num_rows, _BLOCK_T), triton.cdiv(num_heads, block_h))
+    strides = (*lse.stride(), *out.stride())
+    constexprs = dict(BLOCK_T=_BLOCK_T, BLOCK_H=block_h)
+    # Triton specialises num_heads and the strides not marked do_not_specialize by value, the pointers
+    # by alignment.
+    key = (lse.device.index, num_heads, strides[1], strides[3], pointer_alignment(lse, out), block_h)
+    args = (lse, out, num_rows, num_heads, *strides)
+    _launcher(key, lse.device, grid, args, constexprs, num_warps=4, layout=layout, leading=2)
+
+
+_launcher = CachedLaunch(_lse_to_natural_kernel)
