@@ -315,6 +315,29 @@ def test_dispatch_cpu_run(tmp_path, written):
     assert json.loads((tmp_path / "dispatch.env.json").read_text())["iters"] == 5
 
 
+def test_dispatch_merge_parts_allocate_two_outputs_and_launch_once(monkeypatch):
+    """The merge row's raw column: two fresh outputs and one launch of the fixed kernel per call, with the
+    inputs' and those outputs' addresses; nothing where the kernel is not launched directly (CPU)."""
+    from mla_ops.kernels import merge
+
+    launches = []
+
+    def fake_launch(*args):
+        out, lse = args[4], args[5]
+        assert out.shape == (8, 2, 64) and lse.shape == (2, 8)
+        return lambda leading: launches.append(leading)
+
+    monkeypatch.setattr(merge, "_launch", fake_launch)
+    args = (torch.randn(8, 2, 64).bfloat16(), torch.randn(2, 8), torch.randn(8, 2, 64).bfloat16(), torch.randn(2, 8))
+    assert BD.merge_parts(args, torch.device("cpu")) is None
+    parts = BD.merge_parts(args, torch.device("cuda"))  # CPU tensors stand in for the device's
+    parts()
+    parts()
+    (first, second) = launches
+    assert first[:4] == tuple(t.data_ptr() for t in args) and len(first) == 6
+    assert first[4] != args[0].data_ptr() and second[:4] == first[:4]
+
+
 def test_overhead_cpu_run(tmp_path, written):
     out = tmp_path / "overhead.csv"
     printed = _main(BO, ["--device", "cpu", "--rounds", "2", "--out", str(out), *FAST])
