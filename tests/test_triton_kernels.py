@@ -609,6 +609,20 @@ def test_config_env_var_errors(monkeypatch, text, message):
     assert message in str(info.value)
 
 
+def test_config_env_value_follows_the_variable(monkeypatch):
+    """What the attention kernel's layout names of MLA_OPS_TRITON_CONFIG: None while unset, and a value that
+    changes with the text (set, changed, removed through os.environ, as monkeypatch and users do)."""
+    monkeypatch.delenv(configs.CONFIG_ENV_VAR, raising=False)
+    assert configs.config_env_value() is None
+    seen = []
+    for text in ("64,32,4,2", "64,32,4,2", "128,64,8,3"):
+        monkeypatch.setenv(configs.CONFIG_ENV_VAR, text)
+        seen.append(configs.config_env_value())
+    assert seen[0] == seen[1] and seen[1] != seen[2] and None not in seen
+    monkeypatch.delenv(configs.CONFIG_ENV_VAR)
+    assert configs.config_env_value() is None
+
+
 def test_config_tables():
     sm90 = configs.table_attention_config((9, 0), 192, 128, True, torch.bfloat16)
     assert sm90 == configs.SM90_ATTENTION[(192, 128, True)]

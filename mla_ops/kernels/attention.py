@@ -54,6 +54,7 @@ from .configs import (
     CONFIG_ENV_VAR,
     AttentionConfig,
     attention_config,
+    config_env_value,
     env_attention_config,
     gluon_triton_reason,
     head_dim_split,
@@ -986,7 +987,7 @@ def attention_triton(
     # table for these shapes (whose entry changes only when a launch fails, before any layout is
     # remembered). A layout seen before is launched again with only the addresses replaced, and without
     # resolving the configuration again.
-    chooser = os.environ.get(CONFIG_ENV_VAR) if config is None else config
+    chooser = config_env_value() if config is None else config
     layout = (
         q.shape, q_stride, k.shape[0], k_stride, dv, v_stride, cu_seqlens_q.shape[0], max_seqlen_q > 0,
         max_seqlen_k, softmax_scale, causal, dtype, device, chooser, inputs,

@@ -386,6 +386,22 @@ def _parse_env(text: str) -> AttentionConfig:
     return AttentionConfig.parse(text)
 
 
+# os.environ.get costs about a microsecond when the variable is unset (Mapping.get catches the KeyError
+# that os.environ's __getitem__ raises), on a path that runs on every eager call; os.environ keeps its
+# encoded keys and values in a dict of its own, which one lookup reads.
+_ENVIRON_DATA = getattr(os.environ, "_data", None)
+_CONFIG_ENV_KEY = os.environ.encodekey(CONFIG_ENV_VAR) if hasattr(os.environ, "encodekey") else None
+
+
+def config_env_value() -> object:
+    """``MLA_OPS_TRITON_CONFIG`` as ``os.environ`` holds it, ``None`` when unset: a value that changes exactly
+    when the variable's text does (bytes or text, whichever ``os.environ`` stores), cheap enough for
+    every call (the attention kernel's launch layout names it). :func:`env_attention_config` parses it."""
+    if isinstance(_ENVIRON_DATA, dict) and _CONFIG_ENV_KEY is not None:
+        return _ENVIRON_DATA.get(_CONFIG_ENV_KEY)
+    return os.environ.get(CONFIG_ENV_VAR)
+
+
 def env_attention_config() -> AttentionConfig | None:
     """The configuration forced by ``MLA_OPS_TRITON_CONFIG``, or ``None``; raises ``ValueError`` if malformed."""
     text = os.environ.get(CONFIG_ENV_VAR, "").strip()
