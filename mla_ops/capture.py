@@ -17,10 +17,17 @@ current_cuda_device = getattr(torch._C, "_cuda_getDevice", None)
 _NO_SWITCH = contextlib.nullcontext()
 
 
+#: What ``torch.cuda.is_current_stream_capturing()`` calls, without its Python frame: the C binding (which
+#: initialises no CUDA context), or in a build of torch without CUDA a stand-in that raises RuntimeError.
+_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+
+
 def is_capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph (``False`` on a CPU-only build of torch)."""
+    if _stream_capturing is None:
+        return False
     try:
-        return torch.cuda.is_current_stream_capturing()
+        return _stream_capturing()
     except RuntimeError:  # a CPU-only build of torch cannot capture
         return False
 

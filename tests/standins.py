@@ -70,9 +70,13 @@ def no_host_sync() -> Iterator[None]:
 
 @contextlib.contextmanager
 def capturing() -> Iterator[None]:
-    """Make the current stream look like it is capturing a CUDA graph (what ``mla_ops.capture`` asks torch)."""
+    """Make the current stream look like it is capturing a CUDA graph: to torch's query, and to the C binding
+    beneath it that ``mla_ops.capture.is_capturing`` calls."""
+    from mla_ops import capture
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        mp.setattr(capture, "_stream_capturing", lambda: True)
         yield
 
 
