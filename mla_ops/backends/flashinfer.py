@@ -227,7 +227,7 @@ def _lse_to_natural(lse: torch.Tensor, out: torch.Tensor) -> None:
             _cuda_lse_to_natural = convert
         convert(lse, out)
     else:
-        torch.mul(lse.t(), LN2, out=out)
+        _torch_lse_to_natural(lse, out)
 
 
 def _torch_lse_to_natural(lse: torch.Tensor, out: torch.Tensor) -> None:

@@ -1045,9 +1045,11 @@ def attention_triton(
                     (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                      launched),
                 )  # fmt: skip
-            out_template, lse_template = template(out.shape, dtype, device), template(lse.shape, torch.float32, device)
-            if fixed is not None and out_template is not None and lse_template is not None:
-                remember(_known, layout, KnownLayout(fixed, out_template, lse_template, False))
+            if fixed is not None:  # not for plans rebuilt per call (TMA descriptors)
+                out_template = template(out.shape, dtype, device)
+                lse_template = template(lse.shape, torch.float32, device)
+                if out_template is not None and lse_template is not None:
+                    remember(_known, layout, KnownLayout(fixed, out_template, lse_template, False))
             return out, lse
         except OutOfResources as exc:
             # The table is tuned for one GPU; on a smaller one, step down instead of failing. An

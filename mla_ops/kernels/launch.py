@@ -223,11 +223,11 @@ class KnownLayout:
         self.checked = checked
 
 
-def remember(table: dict, layout: Hashable, known: KnownLayout) -> None:
-    """``table[layout] = known``, starting the table over past :data:`MAX_LAYOUTS` entries."""
+def remember(table: dict, layout: Hashable, entry: FixedLaunch | KnownLayout) -> None:
+    """``table[layout] = entry``, starting the table over past :data:`MAX_LAYOUTS` entries."""
     if len(table) >= MAX_LAYOUTS:
         table.clear()
-    table[layout] = known
+    table[layout] = entry
 
 
 class CachedLaunch:
@@ -284,9 +284,7 @@ class CachedLaunch:
         tail = (*args[leading:], *(constexprs[name] for name in self.constexpr_names))
         fixed = FixedLaunch(compiled, device.index, grid, tail)
         if layout is not None:
-            if len(self.layouts) >= MAX_LAYOUTS:
-                self.layouts.clear()
-            self.layouts[layout] = fixed
+            remember(self.layouts, layout, fixed)
         fixed(args[:leading])
         return fixed
 

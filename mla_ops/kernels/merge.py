@@ -215,9 +215,10 @@ def merge_attn_states_triton(
             prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse,
             (prefix_lse_base2, suffix_lse_base2), block_t, num_warps,
         )  # fmt: skip
-    out_template, lse_template = template(out.shape, out.dtype, device), template(lse.shape, lse.dtype, device)
-    if fixed is not None and out_template is not None and lse_template is not None:
-        remember(_known, layout, KnownLayout(fixed, out_template, lse_template, check is not None))
+    if fixed is not None:
+        out_template, lse_template = template(out.shape, out.dtype, device), template(lse.shape, lse.dtype, device)
+        if out_template is not None and lse_template is not None:
+            remember(_known, layout, KnownLayout(fixed, out_template, lse_template, check is not None))
     return out, lse
 
 
