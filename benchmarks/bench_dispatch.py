@@ -291,14 +291,18 @@ def measure_merge(args: argparse.Namespace, device: torch.device) -> dict[str, A
     }
     parts = merge_parts(merge_args, device)
     if parts is not None:
-        fns["raw_us"] = parts
+        fns["raw_us"], fns["alloc_us"], fns["launch_us"] = parts
         row["raw_call"] = MERGE_PARTS
-    row.update(per_call_us(fns, dict.fromkeys(fns, args.iters), device, args.rounds))
+    timed = per_call_us(fns, dict.fromkeys(fns, args.iters), device, args.rounds)
+    split = (timed.pop("alloc_us"), timed.pop("launch_us")) if parts is not None else None
+    row.update(timed)
     row["op_minus_direct_us"] = row["op_us"] - row["direct_us"]
     if parts is not None:
         row["op_minus_raw_us"] = row["op_us"] - row["raw_us"]
     row["note"] = "direct: the function the op dispatches to" + (
-        "" if parts is not None else "; raw: needs the Triton merge kernel launched directly (CUDA, Triton >= 3.4)"
+        f"; raw split: the two empty_like {split[0]:.2f} µs, the launch alone {split[1]:.2f} µs"
+        if split is not None
+        else "; raw: needs the Triton merge kernel launched directly (CUDA, Triton >= 3.4)"
     )
     if device.type == "cuda" and not args.no_graph:
         try:
@@ -313,11 +317,14 @@ def measure_merge(args: argparse.Namespace, device: torch.device) -> dict[str, A
 MERGE_PARTS = "the merge's fixed parts: two torch.empty_like of its outputs and one launch of the compiled kernel"
 
 
-def merge_parts(merge_args: tuple, device: torch.device) -> Callable[[], Any] | None:
+def merge_parts(merge_args: tuple, device: torch.device) -> tuple[Callable[[], Any], ...] | None:
     """The part of a merge call that no code of the package can drop: its outputs' two allocations (from
     templates, as a known layout makes them) and one launch of the compiled Triton kernel, the layout's
-    arguments fixed. ``None`` where the kernel is not launched directly (CPU, the interpreter, an older
-    Triton). With the dispatch floor, it bounds the merge op from below on this host."""
+    arguments fixed. With the dispatch floor, it bounds the merge op from below on this host.
+
+    Returns ``(both, allocations, launch)``: the two parts together, and each alone (the launch into
+    outputs allocated once); ``None`` where the kernel is not launched directly (CPU, the interpreter, an
+    older Triton)."""
     import torch
 
     if device.type != "cuda":
@@ -343,7 +350,15 @@ def merge_parts(merge_args: tuple, device: torch.device) -> Callable[[], Any] | 
         out, lse = torch.empty_like(out_template), torch.empty_like(lse_template)
         fixed((*inputs, out.data_ptr(), lse.data_ptr()))
 
-    return parts
+    def allocations() -> None:
+        torch.empty_like(out_template), torch.empty_like(lse_template)
+
+    addresses = (*inputs, out.data_ptr(), lse.data_ptr())
+
+    def launch() -> None:
+        fixed(addresses)
+
+    return parts, allocations, launch
 
 
 def measure_dispatch_floor(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:

@@ -330,12 +330,18 @@ def test_dispatch_merge_parts_allocate_two_outputs_and_launch_once(monkeypatch):
     monkeypatch.setattr(merge, "_launch", fake_launch)
     args = (torch.randn(8, 2, 64).bfloat16(), torch.randn(2, 8), torch.randn(8, 2, 64).bfloat16(), torch.randn(2, 8))
     assert BD.merge_parts(args, torch.device("cpu")) is None
-    parts = BD.merge_parts(args, torch.device("cuda"))  # CPU tensors stand in for the device's
+    parts, allocations, launch = BD.merge_parts(args, torch.device("cuda"))  # CPU tensors stand in for the device's
     parts()
     parts()
     (first, second) = launches
     assert first[:4] == tuple(t.data_ptr() for t in args) and len(first) == 6
     assert first[4] != args[0].data_ptr() and second[:4] == first[:4]
+    allocations()
+    assert len(launches) == 2  # the allocations alone launch nothing
+    launch()
+    launch()
+    (third, fourth) = launches[2:]
+    assert third[:4] == first[:4] and len(third) == 6 and fourth == third  # the launch alone: fixed outputs
 
 
 def test_overhead_cpu_run(tmp_path, written):

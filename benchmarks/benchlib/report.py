@@ -230,7 +230,8 @@ def collect_env(
         "compute_capability": capability,
         "gpu_memory": memory,
         **query_clocks(device),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "n/a (CPU build)",
@@ -252,6 +253,22 @@ def collect_env(
     if command:
         env["command"] = command
     return env
+
+
+def cpu_model() -> str:
+    """The host CPU's model name (``/proc/cpuinfo`` on Linux), else what :mod:`platform` knows.
+
+    Host-bound figures (per-call µs of eager ops) differ between hosts of one GPU model, so a run records
+    which CPU it ran on.
+    """
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def start_run(
