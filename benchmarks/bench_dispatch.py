@@ -358,6 +358,9 @@ def merge_parts(merge_args: tuple, device: torch.device) -> tuple[Callable[[], A
     def launch() -> None:
         fixed(addresses)
 
+    # The launch alone writes into the loop's last outputs by address: the function holds them, so that
+    # they are not freed (and their memory handed to other tensors) while it is timed.
+    launch.outputs = (out, lse)
     return parts, allocations, launch
 
 

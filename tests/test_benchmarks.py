@@ -342,6 +342,7 @@ def test_dispatch_merge_parts_allocate_two_outputs_and_launch_once(monkeypatch):
     launch()
     (third, fourth) = launches[2:]
     assert third[:4] == first[:4] and len(third) == 6 and fourth == third  # the launch alone: fixed outputs
+    assert third[4:] == tuple(t.data_ptr() for t in launch.outputs)  # ... which it keeps alive
 
 
 def test_overhead_cpu_run(tmp_path, written):
