@@ -272,16 +272,19 @@ def measure_layer(
     return out
 
 
-def measure_merge(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """The merge op against the function it dispatches to."""
+def measure_merge(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    """The merge op against the function it dispatches to (the native merge where it is loaded), and, where
+    the op runs the native merge, the Triton merge as the op's Python kernel would call it, for comparison."""
     import torch
+    from mla_ops.meta.checks import check_merge_inputs
 
     import mla_ops
+    from mla_ops import native
     from mla_ops.merge import merge_kernel
 
     p = P.make_problem(P.Shape("merge", args.heads, (args.tokens,)), device, getattr(torch, args.dtype), args.seed)
     merge_args = p.merge
-    kernel = merge_kernel(device)
+    kernel = merge_kernel(device)  # on CUDA: builds and loads the native merge where it can
     backend = f"{kernel.__module__}.{kernel.__qualname__}" + ("" if device.type == "cuda" else " (CPU key)")
     row: dict[str, Any] = {"path": "merge_attn_states", "backend": backend, "tokens": args.tokens, "heads": args.heads}
     fns = {
@@ -289,12 +292,19 @@ def measure_merge(args: argparse.Namespace, device: torch.device) -> dict[str, A
         "op_us": lambda: torch.ops.mla.merge_attn_states(*merge_args),
         "direct_us": lambda: kernel(*merge_args),
     }
+    triton = None
+    if device.type == "cuda" and native.is_loaded():
+        from mla_ops.kernels.merge import merge_attn_states_triton
+
+        triton = {"triton_us": lambda: merge_attn_states_triton(*merge_args, check=check_merge_inputs)}
+        fns |= triton
     parts = merge_parts(merge_args, device)
     if parts is not None:
         fns["raw_us"], fns["alloc_us"], fns["launch_us"] = parts
         row["raw_call"] = MERGE_PARTS
     timed = per_call_us(fns, dict.fromkeys(fns, args.iters), device, args.rounds)
     split = (timed.pop("alloc_us"), timed.pop("launch_us")) if parts is not None else None
+    triton_us = timed.pop("triton_us", None)
     row.update(timed)
     row["op_minus_direct_us"] = row["op_us"] - row["direct_us"]
     if parts is not None:
@@ -304,13 +314,33 @@ def measure_merge(args: argparse.Namespace, device: torch.device) -> dict[str, A
         if split is not None
         else "; raw: needs the Triton merge kernel launched directly (CUDA, Triton >= 3.4)"
     )
+    if native.is_loaded() and device.type == "cuda":
+        row["note"] += "; the op runs the native merge's C++ kernel (mla_ops.native)"
     if device.type == "cuda" and not args.no_graph:
         try:
             row["graph_op_us"] = graph_us(fns["op_us"], device, args.graph_calls, args.graph_replays)
             row["graph_raw_us"] = graph_us(fns["direct_us"], device, args.graph_calls, args.graph_replays)
         except Exception as exc:
             row["note"] += f"; not capturable: {R.short_error(exc)}"
-    return row
+    rows = [row]
+    if triton is not None:
+        rows.append(
+            {
+                "path": "merge_attn_states",
+                "backend": "mla_ops.kernels.merge.merge_attn_states_triton",
+                "tokens": args.tokens,
+                "heads": args.heads,
+                "direct_us": triton_us,
+                "raw_us": row.get("raw_us"),
+                "raw_call": row.get("raw_call"),
+                "note": "the Triton merge as the op's Python kernel calls it (with the op's input check), timed in "
+                "the same rounds as the native op above: what the op costs without the native merge, less the "
+                "dispatch floor",
+            }
+        )
+        if device.type == "cuda" and not args.no_graph:
+            rows[-1]["graph_raw_us"] = graph_us(triton["triton_us"], device, args.graph_calls, args.graph_replays)
+    return rows
 
 
 #: What the merge row's raw column times.
@@ -424,9 +454,11 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         "chunk* rows are a layer's attention with one context chunk: mla_ops.prefill_with_context, the fused op "
         "mla.prefill_with_chunk it calls eagerly, the backend's two attention_for_merge calls and the merge "
         "(direct: what that op calls), and "
-        "the library's calls merged (raw). In the *merge_attn_states* row, raw is the merge's fixed parts "
+        "the library's calls merged (raw). In the *merge_attn_states* rows, raw is the Triton merge's fixed parts "
         "(two torch.empty_like of its outputs and one launch of the compiled kernel): with the dispatch floor, "
-        "the least a merge op can cost on this host. Design goal: op − raw <= 5 µs."
+        "the least a merge op with a Python kernel can cost on this host. Where the native merge is loaded, the "
+        "op runs its C++ kernel, and a second row times the Triton merge function for comparison. Design "
+        "goals: op − raw <= 5 µs; the merge op <= 15 µs."
     )
     return R.results_page("MLA op dispatch overhead", env, intro, FIELDS.table(rows), extra=[shape])
 
@@ -446,6 +478,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--graph-calls", type=int, default=50, help="calls captured in one CUDA graph")
     parser.add_argument("--graph-replays", type=int, default=20, help="replays per timing sample")
     parser.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph measurements")
+    parser.add_argument(
+        "--merge-only",
+        action="store_true",
+        help="measure only the dispatch floor and merge_attn_states (e.g. with a large --tokens, where the "
+        "attention paths would take long)",
+    )
     parser.add_argument(
         "--flashinfer-backend",
         dest="fi_backend",
@@ -499,7 +537,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     rows: list[dict[str, Any]] = []
     causal = P.make_problem(P.Shape("causal", args.heads, (args.tokens,)), device, dtype, args.seed)
     chunk = P.make_problem(P.Shape("chunk", args.heads, (args.tokens,), (args.tokens,)), device, dtype, args.seed)
-    for row in timed:
+    for row in [] if args.merge_only else timed:
         measures = {
             "prefill": functools.partial(measure_backend, row, "prefill", causal, args, device, auto),
             "prefill_context_chunk": functools.partial(
@@ -522,7 +560,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         rows.append({"path": "dispatch floor", "backend": "—", "note": f"failed: {R.short_error(exc)}"})
     print("merge_attn_states...", flush=True)
     try:
-        rows.append(measure_merge(args, device))
+        rows.extend(measure_merge(args, device))
     except Exception as exc:
         rows.append({"path": "merge_attn_states", "backend": "—", "note": f"failed: {R.short_error(exc)}"})
     R.end_run(env, not_measured, started)

@@ -15,7 +15,7 @@ import torch
 from .backends.base import PrefillBackend
 from .backends.registry import PrefillBackendEnum
 from .config import DEEPSEEK_V3, DeviceCapability, MLADimensions, SelectorConfig
-from .merge import merge_kernel
+from .merge import merge_description
 from .selector import (
     ENV_VAR,
     backend_priorities,
@@ -135,8 +135,7 @@ def dispatch_table(capability: DeviceCapability | None, config: SelectorConfig) 
             cuda = f"{select_backend(capability, config).name} for prefill and prefill_context_chunk"
         except ValueError:
             cuda = "no valid backend (see above): the ops raise ValueError"
-        merge = merge_kernel(torch.device("cuda"))
-        cuda += f"; merge_attn_states: {'Triton kernel' if merge.__module__.endswith('merge') else 'PyTorch math'}"
+        cuda += f"; merge_attn_states: {merge_description()}"
     return "\n".join(
         [
             "Dispatch keys of torch.ops.mla.*",

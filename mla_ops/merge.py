@@ -1,7 +1,8 @@
 """Which function merges two partial attention results on a device.
 
-CPU tensors use the PyTorch reference; CUDA tensors use the Triton kernel when Triton imports, else
-the reference (PyTorch ops, which run on CUDA too).
+CPU tensors use the PyTorch reference. CUDA tensors use the native merge (:mod:`mla_ops.native`, built
+and loaded by the first CUDA call outside CUDA-graph capture), else the Triton kernel when Triton
+imports, else the reference (PyTorch ops, which run on CUDA too).
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from collections.abc import Callable
 
 import torch
 
+from . import native
 from .backends.reference import merge_attn_states_reference
+from .capture import is_capturing
 
 #: ``(prefix_out, prefix_lse, suffix_out, suffix_lse, *, prefix_lse_base2=False, suffix_lse_base2=False,
 #: check=None) -> (out, lse)``: both merge functions take the keywords that mark a side's LSE as base 2, and
@@ -23,15 +26,31 @@ _cuda_merge: MergeFn | None = None
 def merge_kernel(device: torch.device) -> MergeFn:
     """The merge function for tensors on ``device``: ``(prefix_out, prefix_lse, suffix_out, suffix_lse)``, with
     the keywords ``prefix_lse_base2`` and ``suffix_lse_base2`` for a side whose LSE is in base 2 and ``check``
-    for an input check (see :data:`MergeFn`)."""
+    for an input check (see :data:`MergeFn`).
+
+    The first call for a CUDA device outside CUDA-graph capture builds and loads the native merge
+    (:func:`mla_ops.native.load`, which compiles once per machine); a call during capture, before that,
+    gets the Triton kernel and leaves the choice to a later call.
+    """
     global _cuda_merge
     if device.type != "cuda":
         return merge_attn_states_reference
     if _cuda_merge is None:
-        try:
-            from .kernels.merge import merge_attn_states_triton
-
-            _cuda_merge = merge_attn_states_triton
-        except ImportError:
-            _cuda_merge = merge_attn_states_reference
+        if is_capturing():
+            return _triton_or_reference()
+        _cuda_merge = native.merge if native.load() else _triton_or_reference()
     return _cuda_merge
+
+
+def _triton_or_reference() -> MergeFn:
+    try:
+        from .kernels.merge import merge_attn_states_triton
+    except ImportError:
+        return merge_attn_states_reference
+    return merge_attn_states_triton
+
+
+def merge_description() -> str:
+    """What a CUDA merge runs now, in words (for ``python -m mla_ops info``); builds nothing."""
+    fallback = "PyTorch math" if _triton_or_reference() is merge_attn_states_reference else "Triton kernel"
+    return native.status(fallback)

@@ -9,7 +9,11 @@ against 21 us for ``torch.library.custom_op``). They are forward-only: there is 
   device current (:func:`mla_ops.capture.on_device`): the kernel libraries launch on the current
   device and stream, so a call on ``cuda:1`` tensors while ``cuda:0`` is current runs on ``cuda:1``,
   on its current stream, and leaves ``cuda:0`` current afterwards. ``merge_attn_states`` runs the merge
-  function of its inputs' device (:func:`mla_ops.merge.merge_kernel`), which launches there by itself.
+  function of its inputs' device (:func:`mla_ops.merge.merge_kernel`), which launches there by itself;
+  its Python kernel is registered for every backend key (``CompositeExplicitAutograd``) rather than for
+  ``CUDA``, so that the native merge (:mod:`mla_ops.native`), once loaded, registers a C++ kernel for
+  ``CUDA`` that takes over without overriding a registration. ``_check_merge_inputs``, an internal op,
+  is :func:`mla_ops.meta.checks.check_merge_inputs` for that kernel to raise the op's errors with.
 - ``Meta``/fake: :mod:`mla_ops.meta` (shapes), plus :func:`mla_ops.graph_trees.check_graph_trees`, which
   refuses a host-planning backend inside CUDA-graph trees at compile time.
 
@@ -66,8 +70,13 @@ FUSED_SCHEMA = (
     " Tensor v_chunk, Tensor cu_seqlens_k, SymInt max_seqlen_k, float softmax_scale) -> (Tensor out, Tensor lse)"
 )
 
+#: The internal op with which the native merge raises the merge op's input errors (see mla_ops.native).
+CHECK_MERGE_SCHEMA = (
+    "_check_merge_inputs(Tensor prefix_out, Tensor prefix_lse, Tensor suffix_out, Tensor suffix_lse) -> ()"
+)
+
 _lib = torch.library.Library(NAMESPACE, "DEF")
-for _schema in (*SCHEMAS.values(), FUSED_SCHEMA):
+for _schema in (*SCHEMAS.values(), FUSED_SCHEMA, CHECK_MERGE_SCHEMA):
     _lib.define(_schema)
 for _name, _twin in IN_GRAPH_TWINS.items():
     _lib.define(_twin + SCHEMAS[_name].removeprefix(_name))
@@ -172,15 +181,16 @@ def _prefill_with_chunk_fake(q, k, v, cu, max_q, k_chunk, v_chunk, cu_k, max_k, 
     return meta.prefill_with_chunk_fake(q, k, v, cu, max_q, k_chunk, v_chunk, cu_k, max_k, softmax_scale)
 
 
-def _register(op: str, kernel, fake) -> None:
+def _register(op: str, kernel, fake, cuda_key: str = "CUDA") -> None:
     _lib.impl(op, kernel, "CPU")
-    _lib.impl(op, kernel, "CUDA")
+    _lib.impl(op, kernel, cuda_key)
     torch.library.register_fake(f"{NAMESPACE}::{op}", fake, lib=_lib)
 
 
 _register("prefill", _prefill, _prefill_fake)
 _register("prefill_context_chunk", _prefill_context_chunk, _prefill_context_chunk_fake)
-_register("merge_attn_states", _merge, meta.merge_attn_states_fake)
+_register("merge_attn_states", _merge, meta.merge_attn_states_fake, cuda_key="CompositeExplicitAutograd")
+_register("_check_merge_inputs", check_merge_inputs, check_merge_inputs, cuda_key="CompositeExplicitAutograd")
 _register("prefill_with_chunk", _prefill_with_chunk, _prefill_with_chunk_fake)
 # The twins' fakes need no graph-tree check: their kernels never select a backend that plans on the host.
 _register(IN_GRAPH_TWINS["prefill"], _prefill_in_graph, meta.prefill_fake)

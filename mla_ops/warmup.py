@@ -1,8 +1,10 @@
 """``python -m mla_ops warmup``: build every just-in-time kernel before serving.
 
-FlashInfer compiles its attention kernels on first use (minutes on a bare machine) and Triton
-compiles on first launch (seconds). Doing it ahead of time keeps that out of the first request and,
-more importantly, out of CUDA-graph capture.
+FlashInfer compiles its attention kernels on first use (minutes on a bare machine), the native merge
+(:mod:`mla_ops.native`) on the first CUDA merge (about a minute, once per machine) and Triton on first
+launch (seconds). Doing it ahead of time keeps that out of the first request and, more importantly,
+out of CUDA-graph capture (the native merge is not built during capture: the Triton merge runs there
+until it is).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 
 import torch
 
+from . import native
 from .backends.registry import PrefillBackendEnum
 from .config import DEEPSEEK_V3, DeviceCapability, SelectorConfig
 from .info import parse_dims
@@ -54,6 +57,11 @@ def main(args: argparse.Namespace) -> int:
     capability = DeviceCapability.of(device)
     wanted = [PrefillBackendEnum[name] for name in args.backend] if args.backend else list(PrefillBackendEnum)
     jobs = [(b, SelectorConfig(dt, dims)) for b in wanted for dt in dtypes for dims in dims_list]
+    start = time.perf_counter()
+    loaded = native.load()
+    print(
+        f"merge_attn_states: {native.status()}" + (f", ready in {time.perf_counter() - start:.1f} s" if loaded else "")
+    )
     failures = 0
     for i, (backend, config) in enumerate(jobs, 1):
         dtype = str(config.dtype).removeprefix("torch.")

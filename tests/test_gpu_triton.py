@@ -616,10 +616,12 @@ def test_lse_conversion_kernel_is_torch_mul_bit_for_bit(heads):
         assert (wide[:, num_rows:] == 7.0).all()
 
 
-def test_merge_uses_triton_and_handles_zero_tokens():
+def test_merge_is_native_or_triton_and_handles_zero_tokens():
+    """The CUDA merge is the native one where it builds (tests/test_gpu_native.py), else the Triton kernel."""
+    from mla_ops import native
     from mla_ops.kernels.merge import merge_attn_states_triton
 
-    assert merge_kernel(torch.device(DEVICE)) is merge_attn_states_triton
+    assert merge_kernel(torch.device(DEVICE)) is (native.merge if native.is_loaded() else merge_attn_states_triton)
     empty = torch.empty(0, 4, 128, device=DEVICE, dtype=torch.bfloat16)
     lse = torch.empty(4, 0, device=DEVICE)
     out, out_lse = mla_ops.merge_attn_states(empty, lse, empty, lse)

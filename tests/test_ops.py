@@ -32,8 +32,40 @@ def test_schema_is_the_documented_one(name: str) -> None:
 def test_kernels_registered_for_cpu_cuda_and_meta(name: str) -> None:
     qualname = f"mla::{name}"
     for key in ("CPU", "CUDA"):
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key), (qualname, key)
+        # The merge's Python kernel serves CUDA through CompositeExplicitAutograd (the native merge
+        # registers its C++ kernel for CUDA itself when loaded): ask for the kernel the key computes to.
+        assert torch._C._dispatch_has_computed_kernel_for_dispatch_key(qualname, key), (qualname, key)
     assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Meta")
+
+
+def test_merge_registers_python_for_cpu_and_every_backend_but_not_for_cuda_itself() -> None:
+    """The CUDA key stays free for the native merge's C++ kernel (mla_ops.native): were the Python kernel
+    registered for CUDA, loading the library would override it (a dispatcher warning)."""
+    import mla_ops.native
+
+    qualname = "mla::merge_attn_states"
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CompositeExplicitAutograd")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CUDA") == mla_ops.native.is_loaded()
+
+
+def test_check_merge_inputs_op_raises_the_merge_ops_errors() -> None:
+    """mla::_check_merge_inputs, with which the native merge raises: check_merge_inputs's errors, word for word."""
+    from mla_ops.meta.checks import check_merge_inputs
+
+    po = torch.zeros(3, 2, 8, dtype=torch.bfloat16)
+    lse = torch.zeros(2, 3)
+    torch.ops.mla._check_merge_inputs(po, lse, po, lse)  # accepted: returns nothing
+    for bad in (
+        (po, lse.double(), po, lse),
+        (po, lse, po.half(), lse),
+        (po, lse, po, lse[:1]),
+        (po[..., ::2], lse, po, lse),
+    ):
+        with pytest.raises((TypeError, ValueError)) as expected:
+            check_merge_inputs(*bad)
+        with pytest.raises(type(expected.value), match=re.escape(str(expected.value))):
+            torch.ops.mla._check_merge_inputs(*bad)
 
 
 # (lengths, heads, Dqk, Dv, dtype, strided v, padding rows); includes zero-length sequences.

@@ -1,0 +1,213 @@
+"""The package's native CUDA merge: built on first use, cached on disk, loaded once per process.
+
+``mla_ops/csrc`` holds a C++ kernel of ``mla::merge_attn_states`` for the CUDA key (checks, outputs
+and launch without a Python frame) and the CUDA merge it launches. :func:`load` compiles both with
+PyTorch's extension builder (``torch.utils.cpp_extension.load``: it needs ``nvcc`` and ``ninja``) into
+a directory keyed by the sources, the torch and CUDA versions and the GPUs' architectures, then loads
+the library, which registers the op's CUDA kernel over the Python one. Until it is loaded, and on any
+machine where it cannot be built, the CUDA key runs the Triton merge (:mod:`mla_ops.kernels.merge`).
+
+The first CUDA merge outside CUDA-graph capture calls :func:`load` (``python -m mla_ops warmup`` does it
+ahead of time), which prints a progress line while it compiles; a build that fails is reported once,
+as a warning, and not tried again in that process.
+
+Settings (read when :func:`load` first runs):
+
+- ``MLA_OPS_NATIVE_MERGE=0``: never build or load it (the Triton merge runs).
+- ``MLA_OPS_CACHE_DIR``: where builds are kept (default ``~/.cache/mla_ops``).
+- ``TORCH_CUDA_ARCH_LIST`` (PyTorch's): the architectures to build for, e.g. ``"9.0;10.0"``; by default
+  those of the visible GPUs.
+
+It imports only torch (and the extension builder when it builds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = ["SOURCES", "build_directory", "is_built", "is_loaded", "load", "merge", "status", "unavailable_reason"]
+
+#: The native sources, in ``mla_ops/csrc``: the CUDA kernel, the op, and the header between them.
+SOURCES = ("merge_attn_states_kernel.cu", "merge_attn_states.cpp", "merge_attn_states.h")
+
+DISABLE_VARIABLE = "MLA_OPS_NATIVE_MERGE"
+CACHE_VARIABLE = "MLA_OPS_CACHE_DIR"
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+
+# None: not tried yet; True: loaded; False: tried and failed, or disabled (_reason says why).
+_loaded: bool | None = None
+_reason: str | None = None
+
+
+def unavailable_reason() -> str | None:
+    """Why the native merge cannot be built here without trying (``None`` where it may be)."""
+    if os.environ.get(DISABLE_VARIABLE, "1").strip() == "0":
+        return f"disabled by {DISABLE_VARIABLE}=0"
+    if torch.version.cuda is None:
+        return "this build of torch has no CUDA" + (" (ROCm is not supported)" if torch.version.hip else "")
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    return None
+
+
+def architectures() -> list[str]:
+    """The ``major.minor`` architectures to build for: ``TORCH_CUDA_ARCH_LIST``'s, else the visible GPUs'."""
+    listed = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if listed:
+        return sorted(
+            {arch.removesuffix("+PTX") for arch in listed.replace(",", ";").replace(" ", ";").split(";") if arch}
+        )
+    return sorted({"{}.{}".format(*torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())})
+
+
+def _arch_flags(archs: list[str]) -> list[str]:
+    flags = []
+    for arch in archs:
+        number = arch.replace(".", "")
+        if not number.isalnum():
+            raise ValueError(f"TORCH_CUDA_ARCH_LIST: cannot read architecture {arch!r}; write it as 9.0 or 10.0a")
+        flags.append(f"-gencode=arch=compute_{number},code=sm_{number}")
+    return flags
+
+
+def build_key(sources: dict[str, bytes], torch_version: str, cuda_version: str | None, flags: list[str]) -> str:
+    """The name of a build: a digest of everything the library depends on, so that a changed source, an
+    upgraded torch (whose C++ ABI the library links against) or another GPU never loads a stale build."""
+    digest = hashlib.sha256()
+    for name in sorted(sources):
+        digest.update(name.encode() + b"\0" + sources[name] + b"\0")
+    digest.update(f"{torch_version}\0{cuda_version}\0{' '.join(flags)}".encode())
+    return digest.hexdigest()[:16]
+
+
+def build_directory(key: str) -> Path:
+    """Where the build named ``key`` is kept: ``$MLA_OPS_CACHE_DIR/native/<key>``."""
+    root = os.environ.get(CACHE_VARIABLE) or os.path.join(os.path.expanduser("~"), ".cache", "mla_ops")
+    return Path(root) / "native" / key
+
+
+#: Compiler flags of both sources; the architecture flags are added per build.
+CXX_FLAGS = ["-O3"]
+CUDA_FLAGS = ["-O3"]
+
+
+def _build() -> tuple[Path, str, list[str]]:
+    """The build directory, library name and architecture flags of this machine's build."""
+    flags = _arch_flags(architectures())
+    sources = {name: (_CSRC / name).read_bytes() for name in SOURCES}
+    key = build_key(sources, torch.__version__, torch.version.cuda, CXX_FLAGS + CUDA_FLAGS + flags)
+    return build_directory(key), f"mla_ops_native_{key}", flags
+
+
+def is_built() -> bool:
+    """Whether this machine's build is in the cache already (then :func:`load` only loads it)."""
+    if unavailable_reason() is not None:
+        return False
+    directory, name, _ = _build()
+    return (directory / f"{name}.so").exists()
+
+
+def _build_and_load() -> None:
+    """Compile (where this exact build is not cached) and load the library; raises what the builder raises."""
+    from torch.utils import cpp_extension
+
+    directory, name, flags = _build()
+    directory.mkdir(parents=True, exist_ok=True)
+    built = (directory / f"{name}.so").exists()
+    if not built:
+        print(
+            f"mla_ops: compiling the native merge kernel for sm {', '.join(architectures())} into {directory} "
+            "(once per torch version and GPU; seconds to a minute) ...",
+            file=sys.stderr,
+            flush=True,
+        )
+    start = time.perf_counter()
+    cpp_extension.load(
+        name=name,
+        sources=[str(_CSRC / n) for n in SOURCES if not n.endswith(".h")],
+        extra_cflags=CXX_FLAGS,
+        extra_cuda_cflags=CUDA_FLAGS + flags,
+        extra_include_paths=[str(_CSRC)],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
+    if not built:
+        print(f"mla_ops: native merge kernel ready in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+
+
+def load() -> bool:
+    """Build and load the native merge, once per process; whether it is loaded.
+
+    Never raises for a failed build: it warns once, with the builder's error and what to do, and every
+    CUDA merge keeps running the Triton kernel. Call it outside CUDA-graph capture.
+    """
+    global _loaded, _reason
+    if _loaded is None:
+        _reason = unavailable_reason()
+        if _reason is None:
+            try:
+                _build_and_load()
+            except Exception as exc:  # the builder raises OSError, RuntimeError, CalledProcessError, ...
+                lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+                _reason = f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"
+                warnings.warn(
+                    f"mla_ops: could not build the native merge kernel ({_reason}); merge_attn_states runs the "
+                    "Triton merge, at more host time per call. It needs nvcc and ninja (the CUDA toolkit matching "
+                    f"torch's CUDA {torch.version.cuda}, and `pip install ninja`); set {DISABLE_VARIABLE}=0 "
+                    "to stop trying",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        _loaded = _reason is None
+    return _loaded
+
+
+def is_loaded() -> bool:
+    """Whether the native merge is loaded in this process (it then runs every CUDA ``merge_attn_states``)."""
+    return bool(_loaded)
+
+
+def status(fallback: str = "Triton kernel") -> str:
+    """What a CUDA merge runs, in one line for ``python -m mla_ops info``: the native kernel, or ``fallback``
+    (what runs without it) with why; builds nothing."""
+    if _loaded:
+        return "native CUDA kernel"
+    reason = _reason if _loaded is False else unavailable_reason()
+    if reason is not None:
+        return f"{fallback} (native kernel unavailable: {reason})"
+    if is_built():
+        return f"native CUDA kernel, built (loaded by the first CUDA merge; the {fallback} until then)"
+    return f"{fallback} until the native kernel is built (by the first CUDA merge, or `python -m mla_ops warmup`)"
+
+
+def merge(
+    prefix_out: torch.Tensor,
+    prefix_lse: torch.Tensor,
+    suffix_out: torch.Tensor,
+    suffix_lse: torch.Tensor,
+    *,
+    prefix_lse_base2: bool = False,
+    suffix_lse_base2: bool = False,
+    check=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The native merge (loaded first: see :func:`load`), with the arguments of
+    :func:`mla_ops.kernels.merge.merge_attn_states_triton` and its results: ``out`` ``[T, H, Dv]`` contiguous
+    in the inputs' dtype, ``lse`` float32 ``[H, T]`` contiguous, on the inputs' device and its current stream.
+
+    The kernel checks its inputs as ``mla.merge_attn_states`` does, with its messages; ``check``, when given,
+    is called first.
+    """
+    if check is not None:
+        check(prefix_out, prefix_lse, suffix_out, suffix_lse)
+    return torch.ops.mla_native.merge_attn_states(
+        prefix_out, prefix_lse, suffix_out, suffix_lse, prefix_lse_base2, suffix_lse_base2
+    )

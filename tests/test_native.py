@@ -1,0 +1,110 @@
+"""The native merge's loader (mla_ops.native) without building it: when it refuses to try, how a failed
+build is reported, the build key, and the sources it ships. The build itself: tests/test_gpu_native.py."""
+
+from __future__ import annotations
+
+import importlib.resources
+import warnings
+
+import pytest
+import torch
+
+from mla_ops import merge, native
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """The loader as in a new process (nothing tried yet), restored afterwards."""
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_reason", None)
+    monkeypatch.setattr(merge, "_cuda_merge", None)
+    return native
+
+
+def test_disabled_by_the_environment(fresh, monkeypatch):
+    monkeypatch.setenv(native.DISABLE_VARIABLE, "0")
+    monkeypatch.setattr(native, "_build_and_load", lambda: pytest.fail("built although disabled"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not native.load()
+    assert native.status() == f"Triton kernel (native kernel unavailable: disabled by {native.DISABLE_VARIABLE}=0)"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal of a machine without CUDA")
+def test_refuses_quietly_without_cuda(fresh, monkeypatch):
+    monkeypatch.delenv(native.DISABLE_VARIABLE, raising=False)
+    monkeypatch.setattr(native, "_build_and_load", lambda: pytest.fail("built without CUDA"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not native.load()
+    assert native.unavailable_reason() in ("this build of torch has no CUDA", "no CUDA device is visible")
+    assert not native.is_loaded()
+
+
+def test_a_failed_build_warns_once_and_the_merge_falls_back(fresh, monkeypatch):
+    calls = []
+
+    def failing_build():
+        calls.append(1)
+        raise RuntimeError("Error building extension 'mla_ops_native':\nnvcc fatal : Unsupported gpu architecture")
+
+    monkeypatch.setattr(native, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(native, "_build_and_load", failing_build)
+    monkeypatch.setattr(merge, "is_capturing", lambda: False)
+    with pytest.warns(RuntimeWarning, match=r"could not build the native merge kernel \(RuntimeError: nvcc fatal"):
+        fn = merge.merge_kernel(torch.device("cuda"))
+    assert fn is merge._triton_or_reference() and fn is not native.merge
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither tried nor reported again
+        assert not native.load()
+        assert merge.merge_kernel(torch.device("cuda")) is fn
+    assert calls == [1]
+    assert "native kernel unavailable: RuntimeError: nvcc fatal : Unsupported gpu architecture" in native.status()
+
+
+def test_no_build_during_cuda_graph_capture(fresh, monkeypatch):
+    monkeypatch.setattr(native, "load", lambda: pytest.fail("built during capture"))
+    monkeypatch.setattr(merge, "is_capturing", lambda: True)
+    assert merge.merge_kernel(torch.device("cuda")) is merge._triton_or_reference()
+    assert merge._cuda_merge is None  # decided by the first call outside capture
+
+
+def test_cpu_tensors_never_touch_the_native_merge(fresh, monkeypatch):
+    monkeypatch.setattr(native, "load", lambda: pytest.fail("loaded for CPU tensors"))
+    assert merge.merge_kernel(torch.device("cpu")) is merge.merge_attn_states_reference
+
+
+def test_build_key_names_everything_the_library_depends_on():
+    sources = {"a.cu": b"kernel", "b.cpp": b"op"}
+    key = native.build_key(sources, "2.11.0+cu130", "13.0", ["-O3"])
+    assert key == native.build_key(dict(reversed(sources.items())), "2.11.0+cu130", "13.0", ["-O3"])
+    others = [
+        native.build_key({**sources, "a.cu": b"kernel2"}, "2.11.0+cu130", "13.0", ["-O3"]),
+        native.build_key(sources, "2.12.0+cu130", "13.0", ["-O3"]),
+        native.build_key(sources, "2.11.0+cu130", "12.8", ["-O3"]),
+        native.build_key(sources, "2.11.0+cu130", "13.0", ["-O3", "-gencode=arch=compute_100,code=sm_100"]),
+    ]
+    assert len({key, *others}) == 5
+
+
+def test_cache_directory_and_architectures_follow_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(native.CACHE_VARIABLE, str(tmp_path))
+    assert native.build_directory("abc") == tmp_path / "native" / "abc"
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0;10.0+PTX 8.0")
+    assert native.architectures() == ["10.0", "8.0", "9.0"]
+    assert native._arch_flags(["9.0", "10.0a"]) == [
+        "-gencode=arch=compute_90,code=sm_90",
+        "-gencode=arch=compute_100a,code=sm_100a",
+    ]
+    with pytest.raises(ValueError, match=r"TORCH_CUDA_ARCH_LIST: cannot read architecture '9\.x-'"):
+        native._arch_flags(["9.x-"])
+
+
+def test_the_sources_ship_with_the_package():
+    csrc = importlib.resources.files("mla_ops") / "csrc"
+    for name in native.SOURCES:
+        assert (csrc / name).is_file(), name
+    op = (csrc / "merge_attn_states.cpp").read_text()
+    # The C++ kernel raises through the op that mla_ops.ops defines for it, and registers what ops.py leaves free.
+    assert '"mla::_check_merge_inputs"' in op and "TORCH_LIBRARY_IMPL(mla, CUDA, m)" in op
+    assert torch.ops.mla._check_merge_inputs.default is not None
