@@ -23,14 +23,22 @@ It imports only torch (and the extension builder when it builds).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
+import threading
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: PyTorch's own lock file only
+    fcntl = None
 
 __all__ = ["SOURCES", "build_directory", "is_built", "is_loaded", "load", "merge", "status", "unavailable_reason"]
 
@@ -45,6 +53,7 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 # None: not tried yet; True: loaded; False: tried and failed, or disabled (_reason says why).
 _loaded: bool | None = None
 _reason: str | None = None
+_load_lock = threading.Lock()
 
 
 def unavailable_reason() -> str | None:
@@ -117,10 +126,33 @@ def is_built() -> bool:
 
 def _build_and_load() -> None:
     """Compile (where this exact build is not cached) and load the library; raises what the builder raises."""
-    from torch.utils import cpp_extension
-
     directory, name, flags = _build()
     directory.mkdir(parents=True, exist_ok=True)
+    with _build_lock(directory):
+        _compile_and_load(directory, name, flags)
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """Hold this build's lock: one process builds at a time, and a build killed midway cannot block the next.
+
+    PyTorch's builder guards a build directory with a lock *file* (``lock``), which a process killed while
+    building leaves behind, and every later build then waits for it forever. An ``flock`` on a file of
+    our own is released by the system when its holder dies, so whoever holds it knows that a ``lock``
+    file left in the directory belongs to no live build, and removes it.
+    """
+    with open(directory / "build.flock", "w") as held:
+        if fcntl is not None:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            stale = directory / "lock"
+            if stale.exists():
+                stale.unlink()
+        yield
+
+
+def _compile_and_load(directory: Path, name: str, flags: list[str]) -> None:
+    from torch.utils import cpp_extension
+
     built = (directory / f"{name}.so").exists()
     if not built:
         print(
@@ -150,25 +182,32 @@ def load() -> bool:
     Never raises for a failed build: it warns once, with the builder's error and what to do, and every
     CUDA merge keeps running the Triton kernel. Call it outside CUDA-graph capture.
     """
-    global _loaded, _reason
-    if _loaded is None:
-        _reason = unavailable_reason()
-        if _reason is None:
-            try:
-                _build_and_load()
-            except Exception as exc:  # the builder raises OSError, RuntimeError, CalledProcessError, ...
-                lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-                _reason = f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"
-                warnings.warn(
-                    f"mla_ops: could not build the native merge kernel ({_reason}); merge_attn_states runs the "
-                    "Triton merge, at more host time per call. It needs nvcc and ninja (the CUDA toolkit matching "
-                    f"torch's CUDA {torch.version.cuda}, and `pip install ninja`); set {DISABLE_VARIABLE}=0 "
-                    "to stop trying",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-        _loaded = _reason is None
+    if _loaded is not None:
+        return _loaded
+    with _load_lock:  # two threads' first merges build and load once
+        if _loaded is None:
+            _try_load()
     return _loaded
+
+
+def _try_load() -> None:
+    global _loaded, _reason
+    _reason = unavailable_reason()
+    if _reason is None:
+        try:
+            _build_and_load()
+        except Exception as exc:  # the builder raises OSError, RuntimeError, CalledProcessError, ...
+            lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+            _reason = f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"
+            warnings.warn(
+                f"mla_ops: could not build the native merge kernel ({_reason}); merge_attn_states runs the "
+                "Triton merge, at more host time per call. It needs nvcc and ninja (the CUDA toolkit matching "
+                f"torch's CUDA {torch.version.cuda}, and `pip install ninja`); set {DISABLE_VARIABLE}=0 "
+                "to stop trying",
+                RuntimeWarning,
+                stacklevel=4,  # from _try_load, load and merge_kernel to the code that merged
+            )
+    _loaded = _reason is None
 
 
 def is_loaded() -> bool:
@@ -197,7 +236,7 @@ def merge(
     *,
     prefix_lse_base2: bool = False,
     suffix_lse_base2: bool = False,
-    check=None,
+    check: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The native merge (loaded first: see :func:`load`), with the arguments of
     :func:`mla_ops.kernels.merge.merge_attn_states_triton` and its results: ``out`` ``[T, H, Dv]`` contiguous

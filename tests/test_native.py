@@ -108,3 +108,47 @@ def test_the_sources_ship_with_the_package():
     # The C++ kernel raises through the op that mla_ops.ops defines for it, and registers what ops.py leaves free.
     assert '"mla::_check_merge_inputs"' in op and "TORCH_LIBRARY_IMPL(mla, CUDA, m)" in op
     assert torch.ops.mla._check_merge_inputs.default is not None
+
+
+def test_a_build_killed_midway_does_not_block_the_next(fresh, monkeypatch, tmp_path):
+    """PyTorch's builder waits forever on the `lock` file a killed build leaves; the loader removes it once it
+    holds its own flock (released by the system when a holder dies), then builds and loads."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv(native.CACHE_VARIABLE, str(tmp_path))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    directory, name, _ = native._build()
+    directory.mkdir(parents=True)
+    (directory / "lock").write_text("")  # left by a build that died
+    seen = {}
+
+    def fake_load(**kwargs):
+        seen.update(kwargs, stale_lock=(directory / "lock").exists())
+        (directory / f"{name}.so").write_bytes(b"")
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    native._build_and_load()
+    assert seen["stale_lock"] is False
+    assert seen["name"] == name and seen["build_directory"] == str(directory) and not seen["is_python_module"]
+    assert "-gencode=arch=compute_90,code=sm_90" in seen["extra_cuda_cflags"]
+
+
+def test_the_first_merges_of_two_threads_build_once(fresh, monkeypatch):
+    import threading
+    import time
+
+    calls = []
+
+    def slow_build():
+        calls.append(threading.get_ident())
+        time.sleep(0.05)
+
+    monkeypatch.setattr(native, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(native, "_build_and_load", slow_build)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(native.load())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True] * 4 and len(calls) == 1
