@@ -292,12 +292,11 @@ def measure_merge(args: argparse.Namespace, device: torch.device) -> list[dict[s
         "op_us": lambda: torch.ops.mla.merge_attn_states(*merge_args),
         "direct_us": lambda: kernel(*merge_args),
     }
-    triton = None
+    triton = None  # the Triton merge as the op's Python kernel calls it, where the op runs the native one
     if device.type == "cuda" and native.is_loaded():
         from mla_ops.kernels.merge import merge_attn_states_triton
 
-        triton = {"triton_us": lambda: merge_attn_states_triton(*merge_args, check=check_merge_inputs)}
-        fns |= triton
+        triton = fns["triton_us"] = lambda: merge_attn_states_triton(*merge_args, check=check_merge_inputs)
     parts = merge_parts(merge_args, device)
     if parts is not None:
         fns["raw_us"], fns["alloc_us"], fns["launch_us"] = parts
@@ -314,7 +313,7 @@ def measure_merge(args: argparse.Namespace, device: torch.device) -> list[dict[s
         if split is not None
         else "; raw: needs the Triton merge kernel launched directly (CUDA, Triton >= 3.4)"
     )
-    if native.is_loaded() and device.type == "cuda":
+    if triton is not None:
         row["note"] += "; the op runs the native merge's C++ kernel (mla_ops.native)"
     if device.type == "cuda" and not args.no_graph:
         try:
@@ -339,7 +338,7 @@ def measure_merge(args: argparse.Namespace, device: torch.device) -> list[dict[s
             }
         )
         if device.type == "cuda" and not args.no_graph:
-            rows[-1]["graph_raw_us"] = graph_us(triton["triton_us"], device, args.graph_calls, args.graph_replays)
+            rows[-1]["graph_raw_us"] = graph_us(triton, device, args.graph_calls, args.graph_replays)
     return rows
 
 

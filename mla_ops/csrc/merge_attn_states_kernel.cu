@@ -32,6 +32,8 @@ constexpr float kLn2 = 0.6931471805599453f;
 // cannot wrap while the stride stays below 2^30.
 constexpr int64_t kMaxBlocks = (int64_t{1} << 30) / kThreads;
 
+// Conversions through the intrinsics, not the types' operators: PyTorch's extension builder compiles
+// with __CUDA_NO_HALF_CONVERSIONS__ and __CUDA_NO_BFLOAT16_CONVERSIONS__, which remove those.
 template <typename T>
 __device__ __forceinline__ float to_float(T x);
 template <>
