@@ -59,6 +59,8 @@ FIELDS = R.Fields(
     "raw_call",  # in the Markdown table with the note
     ("op_minus_direct_us", "op − direct", ".2f"),
     ("op_minus_raw_us", "op − raw", ".2f"),
+    ("op_minus_raw_q1_us", "op − raw, 1st quartile", ".2f"),
+    ("op_minus_raw_q3_us", "op − raw, 3rd quartile", ".2f"),
     ("raw_outputs_us", "raw, op's outputs µs", ".2f"),
     ("op_minus_raw_outputs_us", "op − raw, op's outputs", ".2f"),
     ("graph_op_us", "graph op µs", ".2f"),
@@ -67,18 +69,43 @@ FIELDS = R.Fields(
 )
 
 
-def per_call_us(
+def per_call_series(
     fns: dict[str, Callable[[], Any]], iters: dict[str, int], device: torch.device, rounds: int
-) -> dict[str, float]:
-    """Per-call wall time in µs of each function: the median over ``rounds`` of the mean time of
-    ``iters[name]`` back-to-back calls, the functions taking turns within each round.
+) -> dict[str, list[float]]:
+    """Per-call wall time in µs of each function in each of ``rounds`` rounds: the mean time of
+    ``iters[name]`` back-to-back calls, the functions taking turns within each round (in reverse order in
+    odd rounds).
 
     The device is synchronised before each batch of calls and the timer stops after the last call's work,
     so a figure is the larger of the host's issue cost and the device's execution time per call.
     """
     per_fn = {name: {"calls_per_sample": n, "warmup_calls": max(3, n // 10)} for name, n in iters.items()}
-    series = timing.alternating(fns, device, rounds, per_fn=per_fn, samples=1, flush_l2=False, sync_each=True)
-    return {name: 1e3 * statistics.median(values) for name, values in series.items()}
+    series = timing.alternating(
+        fns, device, rounds, per_fn=per_fn, reverse_odd_rounds=True, samples=1, flush_l2=False, sync_each=True
+    )
+    return {name: [1e3 * value for value in values] for name, values in series.items()}
+
+
+def per_call_us(
+    fns: dict[str, Callable[[], Any]], iters: dict[str, int], device: torch.device, rounds: int
+) -> dict[str, float]:
+    """Each function's median over the rounds of :func:`per_call_series`, in µs per call."""
+    return {name: statistics.median(values) for name, values in per_call_series(fns, iters, device, rounds).items()}
+
+
+def record_series(out: dict[str, Any], series: dict[str, list[float]]) -> None:
+    """Each function's median into ``out``, and the op's differences from its direct and raw calls as the
+    median of the per-round differences (:func:`benchlib.timing.difference_of_rounds`): the op and the
+    call it is compared with ran in the same round, so a host that slows down between rounds does not
+    enter the difference. For op − raw, the quartiles of the per-round differences too."""
+    out.update({name: statistics.median(values) for name, values in series.items()})
+    for other, key in (("direct_us", "op_minus_direct_us"), ("raw_us", "op_minus_raw_us"),
+                       ("raw_outputs_us", "op_minus_raw_outputs_us")):  # fmt: skip
+        if other in series:
+            difference = timing.difference_of_rounds(series["op_us"], series[other])
+            out[key] = difference.median
+            if other == "raw_us":
+                out["op_minus_raw_q1_us"], out["op_minus_raw_q3_us"] = difference.low, difference.high
 
 
 def graph_us(
@@ -200,12 +227,7 @@ def measure_backend(
                 fns["raw_outputs_us"] = M.FlashInferRaw(args.fi_backend, natural_lse=True).prepare(p).fn
             except Exception as exc:
                 notes.append(f"raw call with the op's outputs unavailable: {R.short_error(exc)}")
-        out.update(per_call_us(fns, {n: iters.get(n, args.iters) for n in fns}, device, args.rounds))
-        out["op_minus_direct_us"] = out["op_us"] - out["direct_us"]
-        if "raw_us" in out:
-            out["op_minus_raw_us"] = out["op_us"] - out["raw_us"]
-        if "raw_outputs_us" in out:
-            out["op_minus_raw_outputs_us"] = out["op_us"] - out["raw_outputs_us"]
+        record_series(out, per_call_series(fns, {n: iters.get(n, args.iters) for n in fns}, device, args.rounds))
         chunks = [] if path == "prefill" else [cu_k]
         captured = record_graph_op(out, notes, name, lambda: op(*op_args), device, args, cu_q, chunks)
         if captured and "raw_us" in out:
@@ -263,10 +285,7 @@ def measure_layer(
                 why = R.short_error(exc)
         if why is not None:
             notes.append(f"raw calls unavailable: {why}")
-        out.update(per_call_us(fns, dict.fromkeys(fns, args.iters), device, args.rounds))
-        out["op_minus_direct_us"] = out["op_us"] - out["direct_us"]
-        if "raw_us" in out:
-            out["op_minus_raw_us"] = out["op_us"] - out["raw_us"]
+        record_series(out, per_call_series(fns, dict.fromkeys(fns, args.iters), device, args.rounds))
         record_graph_op(out, notes, name, lambda: fused(*fused_args), device, args, cu, [cu_k])
     out["note"] = "; ".join(notes)
     return out
@@ -444,6 +463,9 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         "timeit does; on CUDA the larger of host issue "
         "cost and device time). *op − direct* is the cost of the op layer (dispatcher, input checks, "
         "routing); *op − raw* adds the backend's own wrapping (output allocation, LSE conversion, padding). "
+        "The differences in the attention rows are medians of per-round differences (the functions take "
+        "turns in each round, in reverse order every other round), not differences of the columns' medians; "
+        "the quartile columns give the middle half of the rounds' op − raw. "
         "*raw, op's outputs*: for FLASHINFER, whose raw call returns a base-2 [T, H] LSE, the library's own "
         'call that returns the op\'s natural-log [H, T] one (run(..., lse_base="ln", lse_layout="HN")); the '
         "other raw calls return the op's outputs already. "

@@ -227,20 +227,27 @@ def alternating(
     device: torch.device,
     rounds: int = DEFAULT_ROUNDS,
     per_fn: Mapping[str, Mapping[str, Any]] | None = None,
+    reverse_odd_rounds: bool = False,
     **measure_kwargs: Any,
 ) -> dict[str, list[float]]:
     """Each function's median time (ms per call) in each of ``rounds`` rounds; within a round the
     functions take turns in the order given, each measured for its whole budget before the next (for
     ratios of neighbouring samples, see :func:`interleaved`).
 
+    ``reverse_odd_rounds``: odd rounds take the functions in the reverse order, so that over the rounds
+    each function runs as often before as after each other one (a drift of the host within a round then
+    favours neither side of a per-round difference).
     ``measure_kwargs`` go to :func:`measure` for every function, ``per_fn[name]`` on top for one.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     per_fn = per_fn or {}
     medians: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    names = list(fns)
+    for round_index in range(rounds):
+        order = names[::-1] if reverse_odd_rounds and round_index % 2 else names
+        for name in order:
+            fn = fns[name]
             timing = measure(fn, device, **{**measure_kwargs, **per_fn.get(name, {})})
             medians[name].append(timing.median_ms)
     return medians
@@ -256,6 +263,30 @@ class RoundsRatio:
     rounds: int
     numerator_ms: float  # median over rounds of each side's time
     denominator_ms: float
+
+
+@dataclass(frozen=True)
+class RoundsDifference:
+    """``minuend - subtrahend`` measured in alternating rounds, in the series' unit."""
+
+    median: float  # median over rounds of the per-round difference: the figure reported
+    low: float  # first and third quartile of the per-round differences: how far the rounds agree
+    high: float
+    rounds: int
+
+
+def difference_of_rounds(minuend: Sequence[float], subtrahend: Sequence[float]) -> RoundsDifference:
+    """The median and quartiles of the per-round differences of two :func:`alternating` series of equal
+    length. Where both sides drift together from round to round (a shared host's load), the per-round
+    difference cancels the drift that a difference of the two medians keeps."""
+    if len(minuend) != len(subtrahend) or not minuend:
+        raise ValueError("difference_of_rounds needs two non-empty series of the same length")
+    differences = sorted(a - b for a, b in zip(minuend, subtrahend))
+    if len(differences) == 1:
+        low = high = differences[0]
+    else:
+        low, _, high = statistics.quantiles(differences, n=4, method="inclusive")
+    return RoundsDifference(statistics.median(differences), low, high, len(differences))
 
 
 def ratio_of_rounds(numerator_ms: Sequence[float], denominator_ms: Sequence[float]) -> RoundsRatio:
