@@ -1,24 +1,33 @@
-"""The package's native CUDA merge: built on first use, cached on disk, loaded once per process.
+"""The package's native library: built on first use, cached on disk, loaded once per process.
 
-``mla_ops/csrc`` holds a C++ kernel of ``mla::merge_attn_states`` for the CUDA key (checks, outputs
-and launch without a Python frame) and the CUDA merge it launches. :func:`load` compiles both with
-PyTorch's extension builder (``torch.utils.cpp_extension.load``: it needs ``nvcc`` and ``ninja``) into
-a directory keyed by the sources, the torch and CUDA versions and the GPUs' architectures, then loads
-the library, which registers the op's CUDA kernel over the Python one. Until it is loaded, and on any
-machine where it cannot be built, the CUDA key runs the Triton merge (:mod:`mla_ops.kernels.merge`).
+``mla_ops/csrc`` holds C++ kernels for the CUDA key of three ops, which run a call without a Python frame:
 
-The first CUDA merge outside CUDA-graph capture calls :func:`load` (``python -m mla_ops warmup`` does it
-ahead of time), which prints a progress line while it compiles; a build that fails is reported once,
-as a warning, and not tried again in that process.
+- ``mla::merge_attn_states``: checks, outputs and one launch of the CUDA merge beside it;
+- ``mla::prefill`` and ``mla::prefill_context_chunk``: a call whose inputs have the layout of an earlier
+  call that ran the TRITON backend repeats that call's launch of the compiled Triton kernel (two outputs
+  and one ``cuLaunchKernel``); every other call runs the ops' Python kernels, as without the library.
+  :func:`remember_attention`, which the ops call after a TRITON call, hands it the launches;
+  ``attention_launch.cpp`` says what a layout holds and why that is enough.
+
+:func:`load` compiles the sources with PyTorch's extension builder (``torch.utils.cpp_extension.load``: it
+needs ``nvcc`` and ``ninja``) into a directory keyed by the sources, the torch and CUDA versions and the
+GPUs' architectures, then loads the library, which registers the C++ kernels over the Python ones. Until it
+is loaded, and on any machine where it cannot be built, the ops' Python kernels run every CUDA call (the
+merge through the Triton merge, :mod:`mla_ops.kernels.merge`).
+
+The first CUDA merge or TRITON attention call outside CUDA-graph capture calls :func:`load` (``python -m
+mla_ops warmup`` does it ahead of time), which prints a progress line while it compiles; a build that fails
+is reported once, as a warning, and not tried again in that process.
 
 Settings (read when :func:`load` first runs):
 
-- ``MLA_OPS_NATIVE_MERGE=0``: never build or load it (the Triton merge runs).
+- ``MLA_OPS_NATIVE_MERGE=0``: never build or load the library (the Python kernels run every call).
+- ``MLA_OPS_NATIVE_LAUNCH=0``: load it, but hand it no TRITON launch (the attention ops' Python kernels run).
 - ``MLA_OPS_CACHE_DIR``: where builds are kept (default ``~/.cache/mla_ops``).
 - ``TORCH_CUDA_ARCH_LIST`` (PyTorch's): the architectures to build for, e.g. ``"9.0;10.0"``; by default
   those of the visible GPUs.
 
-It imports only torch (and the extension builder when it builds).
+It imports only torch (the extension builder when it builds, the Triton kernels when it remembers a launch).
 """
 
 from __future__ import annotations
@@ -40,12 +49,26 @@ try:
 except ImportError:  # pragma: no cover - not POSIX: PyTorch's own lock file only
     fcntl = None
 
-__all__ = ["SOURCES", "build_directory", "is_built", "is_loaded", "load", "merge", "status", "unavailable_reason"]
+__all__ = [
+    "SOURCES",
+    "build_directory",
+    "forget_attention",
+    "is_built",
+    "is_loaded",
+    "load",
+    "merge",
+    "remember_attention",
+    "remembered_attention_layouts",
+    "status",
+    "unavailable_reason",
+]
 
-#: The native sources, in ``mla_ops/csrc``: the CUDA kernel, the op, and the header between them.
-SOURCES = ("merge_attn_states_kernel.cu", "merge_attn_states.cpp", "merge_attn_states.h")
+#: The native sources, in ``mla_ops/csrc``: the CUDA merge kernel, the merge op and the header between
+#: them, and the attention ops' launcher.
+SOURCES = ("merge_attn_states_kernel.cu", "merge_attn_states.cpp", "merge_attn_states.h", "attention_launch.cpp")
 
 DISABLE_VARIABLE = "MLA_OPS_NATIVE_MERGE"
+LAUNCH_VARIABLE = "MLA_OPS_NATIVE_LAUNCH"
 CACHE_VARIABLE = "MLA_OPS_CACHE_DIR"
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
@@ -53,11 +76,13 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 # None: not tried yet; True: loaded; False: tried and failed, or disabled (_reason says why).
 _loaded: bool | None = None
 _reason: str | None = None
+# Whether TRITON launches are handed to the library (MLA_OPS_NATIVE_LAUNCH), read when it loads.
+_launches = False
 _load_lock = threading.Lock()
 
 
 def unavailable_reason() -> str | None:
-    """Why the native merge cannot be built here without trying (``None`` where it may be)."""
+    """Why the native library cannot be built here without trying (``None`` where it may be)."""
     if os.environ.get(DISABLE_VARIABLE, "1").strip() == "0":
         return f"disabled by {DISABLE_VARIABLE}=0"
     if torch.version.cuda is None:
@@ -156,7 +181,8 @@ def _compile_and_load(directory: Path, name: str, flags: list[str]) -> None:
     built = (directory / f"{name}.so").exists()
     if not built:
         print(
-            f"mla_ops: compiling the native merge kernel for sm {', '.join(architectures())} into {directory} "
+            f"mla_ops: compiling the native kernels (merge, TRITON launches) for sm {', '.join(architectures())} "
+            f"into {directory} "
             "(once per torch version and GPU; seconds to a minute) ...",
             file=sys.stderr,
             flush=True,
@@ -173,14 +199,15 @@ def _compile_and_load(directory: Path, name: str, flags: list[str]) -> None:
         verbose=False,
     )
     if not built:
-        print(f"mla_ops: native merge kernel ready in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+        print(f"mla_ops: native kernels ready in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
 def load() -> bool:
-    """Build and load the native merge, once per process; whether it is loaded.
+    """Build and load the native library, once per process; whether it is loaded.
 
     Never raises for a failed build: it warns once, with the builder's error and what to do, and every
-    CUDA merge keeps running the Triton kernel. Call it outside CUDA-graph capture.
+    CUDA call keeps running the Python kernels (the merge the Triton kernel). Call it outside CUDA-graph
+    capture.
     """
     if _loaded is not None:
         return _loaded
@@ -191,7 +218,7 @@ def load() -> bool:
 
 
 def _try_load() -> None:
-    global _loaded, _reason
+    global _loaded, _reason, _launches
     _reason = unavailable_reason()
     if _reason is None:
         try:
@@ -200,18 +227,24 @@ def _try_load() -> None:
             lines = [line for line in str(exc).strip().splitlines() if line.strip()]
             _reason = f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"
             warnings.warn(
-                f"mla_ops: could not build the native merge kernel ({_reason}); merge_attn_states runs the "
-                "Triton merge, at more host time per call. It needs nvcc and ninja (the CUDA toolkit matching "
+                f"mla_ops: could not build the native kernels ({_reason}); merge_attn_states runs the Triton "
+                "merge and TRITON's attention calls launch through Python, at more host time per call. It needs "
+                "nvcc and ninja (the CUDA toolkit matching "
                 f"torch's CUDA {torch.version.cuda}, and `pip install ninja`); set {DISABLE_VARIABLE}=0 "
                 "to stop trying",
                 RuntimeWarning,
                 stacklevel=4,  # from _try_load, load and merge_kernel to the code that merged
             )
     _loaded = _reason is None
+    _launches = (
+        _loaded
+        and os.environ.get(LAUNCH_VARIABLE, "1").strip() != "0"
+        and hasattr(torch.ops.mla_native, "remember_attention")  # what the library registers
+    )
 
 
 def is_loaded() -> bool:
-    """Whether the native merge is loaded in this process (it then runs every CUDA ``merge_attn_states``)."""
+    """Whether the native library is loaded in this process (it then runs every CUDA ``merge_attn_states``)."""
     return bool(_loaded)
 
 
@@ -250,3 +283,66 @@ def merge(
     return torch.ops.mla_native.merge_attn_states(
         prefix_out, prefix_lse, suffix_out, suffix_lse, prefix_lse_base2, suffix_lse_base2
     )
+
+
+#: The attention ops as :func:`remember_attention` numbers them (``op`` in ``attention_launch.cpp``).
+PREFILL, PREFILL_CONTEXT_CHUNK = 0, 1
+
+
+def remember_attention(
+    op: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+) -> bool:
+    """Hand the library the launch that a TRITON call of ``op`` (:data:`PREFILL` or
+    :data:`PREFILL_CONTEXT_CHUNK`) made for these inputs, so that the op's C++ kernel repeats it for every
+    later call of their layout; whether it was handed. Loads the library first where that has not been
+    tried (not during CUDA-graph capture: then it only returns ``False``).
+
+    For the ops' Python kernels to call after a successful TRITON call, once their input check accepted
+    these inputs: the C++ kernel skips that check for inputs of a remembered layout. For ``PREFILL`` pass
+    ``cu_seqlens`` and ``max_seqlen`` as both the query and the key arguments, as that op's kernel does.
+    Nothing is handed where the library is not loaded, ``MLA_OPS_NATIVE_LAUNCH=0`` is set, or the call's
+    launch cannot be repeated natively (:func:`mla_ops.kernels.attention.known_native_launch`).
+    """
+    if _loaded is None:
+        from .capture import is_capturing
+
+        if is_capturing():
+            return False
+        load()
+    if not _launches:
+        return False
+    from .kernels.attention import known_native_launch
+
+    causal = op == PREFILL
+    launch = known_native_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+    if launch is None:
+        return False
+    from .kernels.configs import CONFIG_ENV_VAR
+
+    torch.ops.mla_native.remember_attention(
+        op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, launch.function,
+        list(launch.grid), launch.block, launch.shared_bytes, list(launch.kinds), list(launch.values),
+        os.environ.get(CONFIG_ENV_VAR),
+    )  # fmt: skip
+    return True
+
+
+def forget_attention() -> None:
+    """Forget every launch handed to the library (the ops' routing may have changed:
+    :func:`mla_ops.selector.clear_cache` calls this); a no-op where none can have been handed."""
+    if _launches:
+        torch.ops.mla_native.forget_attention()
+
+
+def remembered_attention_layouts() -> int:
+    """How many input layouts the attention ops' C++ kernels launch by themselves now (0 where the library
+    is not loaded or ``MLA_OPS_NATIVE_LAUNCH=0``)."""
+    return int(torch.ops.mla_native.remembered_attention_layouts()) if _launches else 0

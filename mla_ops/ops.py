@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from . import meta
+from . import meta, native
 from .capture import current_cuda_device, on_device
 from .graph_trees import IN_GRAPH_TWINS, check_graph_trees
 from .merge import merge_kernel
@@ -75,18 +75,25 @@ CHECK_MERGE_SCHEMA = (
     "_check_merge_inputs(Tensor prefix_out, Tensor prefix_lse, Tensor suffix_out, Tensor suffix_lse) -> ()"
 )
 
+#: The internal op of each attention op that runs its Python kernel, whatever is registered for the op's CUDA
+#: key: the native library's C++ kernel (mla_ops.native) calls it for every call it does not launch itself.
+PYTHON_TWINS = {"prefill": "_prefill_python", "prefill_context_chunk": "_prefill_context_chunk_python"}
+
 _lib = torch.library.Library(NAMESPACE, "DEF")
 for _schema in (*SCHEMAS.values(), FUSED_SCHEMA, CHECK_MERGE_SCHEMA):
     _lib.define(_schema)
-for _name, _twin in IN_GRAPH_TWINS.items():
-    _lib.define(_twin + SCHEMAS[_name].removeprefix(_name))
+for _twins in (IN_GRAPH_TWINS, PYTHON_TWINS):
+    for _name, _twin in _twins.items():
+        _lib.define(_twin + SCHEMAS[_name].removeprefix(_name))
 
 
 # --- CPU and CUDA: the selected backend -----------------------------------------------------------
 
 
-def _attention_kernels(in_graph: bool):
-    """The CPU/CUDA kernels of ``prefill`` and ``prefill_context_chunk``, selecting with ``in_graph``."""
+def _attention_kernels(in_graph: bool, remember: bool):
+    """The kernels of ``prefill`` and ``prefill_context_chunk``, selecting with ``in_graph``; with ``remember``,
+    a CUDA call that ran a backend whose launches the native library can repeat hands it the launch
+    (:func:`mla_ops.native.remember_attention`), after the input check accepted the inputs."""
 
     def prefill(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
         if not attention_inputs_are_valid(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True):
@@ -96,9 +103,15 @@ def _attention_kernels(in_graph: bool):
         device = q.device
         backend = route(device, q.dtype, q.shape[2], v.shape[2], in_graph)
         if device.type != "cuda" or device.index == current_cuda_device():  # on_device's no-switch case, inline
-            return backend.attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
-        with on_device(device):
-            return backend.attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
+            result = backend.attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
+        else:
+            with on_device(device):
+                result = backend.attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
+        if remember and backend.launches_natively and device.type == "cuda":
+            native.remember_attention(
+                native.PREFILL, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale
+            )
+        return result
 
     def prefill_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale):
         if not attention_inputs_are_valid(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False):
@@ -108,9 +121,13 @@ def _attention_kernels(in_graph: bool):
         device = q.device
         backend = route(device, q.dtype, q.shape[2], v.shape[2], in_graph)
         if device.type != "cuda" or device.index == current_cuda_device():
-            return backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
-        with on_device(device):
-            return backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
+            result = backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
+        else:
+            with on_device(device):
+                result = backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
+        if remember and backend.launches_natively and device.type == "cuda":
+            native.remember_attention(native.PREFILL_CONTEXT_CHUNK, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale)
+        return result
 
     return prefill, prefill_context_chunk
 
@@ -146,8 +163,8 @@ def _prefill_with_chunk(q, k, v, cu_seqlens, max_seqlen, k_chunk, v_chunk, cu_se
     return merge_kernel(device)(out_c, lse_c, out, lse, prefix_lse_base2=base2_c, suffix_lse_base2=base2)
 
 
-_prefill, _prefill_context_chunk = _attention_kernels(in_graph=False)
-_prefill_in_graph, _prefill_context_chunk_in_graph = _attention_kernels(in_graph=True)
+_prefill, _prefill_context_chunk = _attention_kernels(in_graph=False, remember=True)
+_prefill_in_graph, _prefill_context_chunk_in_graph = _attention_kernels(in_graph=True, remember=False)
 
 
 def _merge(prefix_out, prefix_lse, suffix_out, suffix_lse):
@@ -187,8 +204,15 @@ def _register(op: str, kernel, fake, cuda_key: str = "CUDA") -> None:
     torch.library.register_fake(f"{NAMESPACE}::{op}", fake, lib=_lib)
 
 
-_register("prefill", _prefill, _prefill_fake)
-_register("prefill_context_chunk", _prefill_context_chunk, _prefill_context_chunk_fake)
+_register("prefill", _prefill, _prefill_fake, cuda_key="CompositeExplicitAutograd")
+_register(
+    "prefill_context_chunk", _prefill_context_chunk, _prefill_context_chunk_fake, cuda_key="CompositeExplicitAutograd"
+)
+for _name, _kernel, _fake in (
+    ("prefill", _prefill, _prefill_fake),
+    ("prefill_context_chunk", _prefill_context_chunk, _prefill_context_chunk_fake),
+):
+    _register(PYTHON_TWINS[_name], _kernel, _fake)
 _register("merge_attn_states", _merge, meta.merge_attn_states_fake, cuda_key="CompositeExplicitAutograd")
 _register("_check_merge_inputs", check_merge_inputs, check_merge_inputs, cuda_key="CompositeExplicitAutograd")
 _register("prefill_with_chunk", _prefill_with_chunk, _prefill_with_chunk_fake)

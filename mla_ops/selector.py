@@ -30,6 +30,7 @@ from collections.abc import Iterator
 
 import torch
 
+from . import native
 from .backends.base import PrefillBackend
 from .backends.registry import PrefillBackendEnum, replace_backend
 from .config import DeviceCapability, MLADimensions, SelectorConfig
@@ -284,6 +285,8 @@ def route(
 
 
 def clear_cache() -> None:
-    """Forget every cached selection, e.g. after changing ``MLA_OPS_PREFILL_BACKEND``."""
+    """Forget every cached selection, e.g. after changing ``MLA_OPS_PREFILL_BACKEND``, and every TRITON
+    launch the native library repeats (they were remembered for the routing of their time)."""
     _routes.clear()
     _auto_select.cache_clear()
+    native.forget_attention()

@@ -17,6 +17,7 @@ def fresh(monkeypatch):
     """The loader as in a new process (nothing tried yet), restored afterwards."""
     monkeypatch.setattr(native, "_loaded", None)
     monkeypatch.setattr(native, "_reason", None)
+    monkeypatch.setattr(native, "_launches", False)
     monkeypatch.setattr(merge, "_cuda_merge", None)
     return native
 
@@ -51,7 +52,7 @@ def test_a_failed_build_warns_once_and_the_merge_falls_back(fresh, monkeypatch):
     monkeypatch.setattr(native, "unavailable_reason", lambda: None)
     monkeypatch.setattr(native, "_build_and_load", failing_build)
     monkeypatch.setattr(merge, "is_capturing", lambda: False)
-    with pytest.warns(RuntimeWarning, match=r"could not build the native merge kernel \(RuntimeError: nvcc fatal"):
+    with pytest.warns(RuntimeWarning, match=r"could not build the native kernels \(RuntimeError: nvcc fatal"):
         fn = merge.merge_kernel(torch.device("cuda"))
     assert fn is merge._triton_or_reference() and fn is not native.merge
     with warnings.catch_warnings():

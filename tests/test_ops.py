@@ -49,6 +49,22 @@ def test_merge_registers_python_for_cpu_and_every_backend_but_not_for_cuda_itsel
     assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CUDA") == mla_ops.native.is_loaded()
 
 
+@pytest.mark.parametrize("name", ["prefill", "prefill_context_chunk"])
+def test_attention_ops_leave_cuda_to_the_native_library_and_keep_a_python_twin(name: str) -> None:
+    """As for the merge, the CUDA key stays free for the native library's C++ kernel, which calls the Python
+    kernel through the op's twin (mla_ops.ops.PYTHON_TWINS) for the calls it does not launch itself."""
+    import mla_ops.native
+    from mla_ops.ops import PYTHON_TWINS
+
+    qualname = f"mla::{name}"
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CompositeExplicitAutograd")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CUDA") == mla_ops.native.is_loaded()
+    twin = getattr(torch.ops.mla, PYTHON_TWINS[name]).default
+    assert str(twin._schema).removeprefix(f"mla::{PYTHON_TWINS[name]}") == SCHEMAS[name].removeprefix(qualname)
+    for key in ("CPU", "CUDA", "Meta"):
+        assert torch._C._dispatch_has_computed_kernel_for_dispatch_key(twin.name(), key), key
+
+
 def test_check_merge_inputs_op_raises_the_merge_ops_errors() -> None:
     """mla::_check_merge_inputs, with which the native merge raises: check_merge_inputs's errors, word for word."""
     from mla_ops.meta.checks import check_merge_inputs

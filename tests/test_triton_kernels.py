@@ -976,6 +976,58 @@ def test_a_known_launcher_is_called_through_its_c_launch_and_any_other_through_c
     launch._forwarding_known.cache_clear()
 
 
+def test_native_launch_describes_the_parameters_triton_passes(monkeypatch):
+    """FixedLaunch.native_launch: the kernel's parameters as cuLaunchKernel takes them, the constexprs left out
+    as Triton's launcher leaves them out, a float as its 32 bits; nothing where C++ could launch differently."""
+    import struct
+    from types import SimpleNamespace
+
+    from mla_ops.kernels import launch
+
+    signature = {"Q": "*bf16", "Out": "*fp32", "n": "i32", "stride": "constexpr", "scale": "fp32", "big": "i64"}
+    signature |= {"BLOCK": "constexpr"}
+    compiled = SimpleNamespace(
+        run=None,
+        function=0xABC,
+        packed_metadata=None,
+        metadata=SimpleNamespace(num_warps=4, num_ctas=1, shared=1024),
+        src=SimpleNamespace(signature=signature),
+    )
+    fixed = launch.FixedLaunch(compiled, 0, (3, 2), (7, 1, 0.5, -(2**40), 64))
+    fixed.native = (None, False, False)  # a known launcher (what _native_launch finds for Triton 3.6's)
+    got = fixed.native_launch((5, 2))
+    half_bits = struct.unpack("<I", struct.pack("<f", 0.5))[0]
+    assert got == launch.NativeLaunch(0xABC, (3, 2, 1), 128, 1024, (0, 0, 1, 3, 2), (5, 2, 7, half_bits, -(2**40)))
+    assert fixed.native_launch((5,)) is None  # the leading codes do not cover the leading arguments
+    for refusal in (
+        {"native": None},  # an unknown launcher: only its __call__ knows what it passes
+        {"native": (None, True, False)},  # cooperative
+        {"native": (None, False, True)},  # programmatic dependent launch
+        {"needs_scratch": True},
+    ):
+        other = launch.FixedLaunch(compiled, 0, (3, 2), (7, 1, 0.5, -(2**40), 64))
+        other.native = (None, False, False)
+        for name, value in refusal.items():
+            setattr(other, name, value)
+        assert other.native_launch((5, 2)) is None, refusal
+    compiled.src.signature = {**signature, "n": "fp64"}  # a type the C++ launcher does not store
+    assert fixed.native_launch((5, 2)) is None
+    compiled.src.signature = {**signature, "n": "*i32"}  # a pointer among the fixed arguments
+    assert fixed.native_launch((5, 2)) is None
+    compiled.src.signature = signature
+    compiled.metadata.num_ctas = 2
+    assert fixed.native_launch((5, 2)) is None
+
+
+def test_native_tensor_codes_follow_the_pointer_addresses():
+    """The codes the native launch fills the leading pointers by (q, k, v, out, lse, cu_q, cu_k = 0..6) are
+    _pointer_addresses's order."""
+    from mla_ops.kernels import attention
+
+    assert attention._pointer_addresses(0, 1, 2, 3, 4, 5, 6) == attention.NATIVE_TENSOR_CODES
+    assert len(attention.NATIVE_TENSOR_CODES) == attention._LEADING
+
+
 def test_relaunched_leading_arguments_are_the_plans():
     """A remembered layout is relaunched with _pointer_addresses in place of the plan's leading arguments;
     for a plan without descriptors they must be the addresses of the plan's tensors, in the same order."""

@@ -49,6 +49,9 @@ class PrefillBackend(abc.ABC):
     #: :func:`mla_ops.plan_cuda_graph` around manual CUDA graphs, and cannot follow a new batch inside
     #: a CUDA-graph tree, which replays without running Python (see :mod:`mla_ops.graph_trees`).
     plans_on_host: ClassVar[bool] = False
+    #: Whether the native library (:mod:`mla_ops.native`) can repeat the backend's CUDA launches by itself:
+    #: the ops then hand it each call's launch (:func:`mla_ops.native.remember_attention`).
+    launches_natively: ClassVar[bool] = False
 
     # --- reason hooks: override what differs -----------------------------------------------------
 

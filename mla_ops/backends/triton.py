@@ -36,6 +36,7 @@ class TritonBackend(PrefillBackend):
     """
 
     name = "TRITON"
+    launches_natively = True  # every launch of a known layout is a FixedLaunch (mla_ops.kernels.launch)
     _kernel = None  # mla_ops.kernels.attention.attention_triton, once imported
 
     def library_reasons(self, capability: DeviceCapability | None, config: SelectorConfig) -> list[str]:

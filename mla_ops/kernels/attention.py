@@ -62,7 +62,7 @@ from .configs import (
     refuse_unproven_warp_specialization,
     shrink,
 )
-from .launch import CachedLaunch, FixedLaunch, KnownLayout, pointer_alignment, remember
+from .launch import CachedLaunch, FixedLaunch, KnownLayout, NativeLaunch, pointer_alignment, remember
 from .programs import program_layout
 
 try:  # Triton >= 3.3
@@ -973,25 +973,9 @@ def attention_triton(
     if num_tokens == 0 or num_heads == 0:
         return empty((num_tokens, num_heads, dv), dtype, device), empty((num_heads, num_tokens), torch.float32, device)
 
-    # The inputs' addresses: a known layout's launch passes them as integers (see CachedLaunch.relaunch), and
-    # the layout records what Triton specialises on or checks in them, their 16-byte alignment and devices.
-    p_q, p_k, p_v = q.data_ptr(), k.data_ptr(), v.data_ptr()
-    p_cu_q, p_cu_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
-    inputs = (
-        p_q % 16 == 0, p_k % 16 == 0, p_v % 16 == 0, p_cu_q % 16 == 0, p_cu_k % 16 == 0,
-        k.get_device(), v.get_device(), cu_seqlens_q.get_device(), cu_seqlens_k.get_device(),
-    )  # fmt: skip
-    # Everything the launch depends on but the addresses (see launch_plan): shapes, strides, the inputs'
-    # alignment and devices (the outputs are fresh, contiguous and aligned, on q's device), the scalars,
-    # and what chooses the configuration: an explicit one, else MLA_OPS_TRITON_CONFIG's text, else the
-    # table for these shapes (whose entry changes only when a launch fails, before any layout is
-    # remembered). A layout seen before is launched again with only the addresses replaced, and without
-    # resolving the configuration again.
-    chooser = config_env_value() if config is None else config
-    layout = (
-        q.shape, q_stride, k.shape[0], k_stride, dv, v_stride, cu_seqlens_q.shape[0], max_seqlen_q > 0,
-        max_seqlen_k, softmax_scale, causal, dtype, device, chooser, inputs,
-    )  # fmt: skip
+    layout, (p_q, p_k, p_v, p_cu_q, p_cu_k) = _layout(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, config
+    )
     known = _known.get(layout)
     if known is not None and device.index == current_cuda_device():  # launches go to the current device
         out, lse = torch.empty_like(known.out_template), torch.empty_like(known.lse_template)
@@ -1062,6 +1046,59 @@ def attention_triton(
                     f"{CONFIG_ENV_VAR})"
                 ) from exc
             config = _table_configs[key] = smaller
+
+
+def _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, config):
+    """``(layout, addresses)`` of a call of :func:`attention_triton` with these arguments: the key of its
+    known launch, and the five inputs' device addresses.
+
+    The layout is everything the launch depends on but the addresses (see :func:`launch_plan`): shapes,
+    strides, the inputs' alignment and devices (the outputs are fresh, contiguous and aligned, on q's
+    device), the scalars, and what chooses the configuration: an explicit one, else
+    MLA_OPS_TRITON_CONFIG's text, else the table for these shapes (whose entry changes only when a
+    launch fails, before any layout is remembered). A layout seen before is launched again with only the
+    addresses replaced, and without resolving the configuration again. The addresses are passed as
+    integers (see CachedLaunch.relaunch), so the layout records what Triton specialises on or checks in
+    them: their 16-byte alignment and devices.
+    """
+    p_q, p_k, p_v = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    p_cu_q, p_cu_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+    inputs = (
+        p_q % 16 == 0, p_k % 16 == 0, p_v % 16 == 0, p_cu_q % 16 == 0, p_cu_k % 16 == 0,
+        k.get_device(), v.get_device(), cu_seqlens_q.get_device(), cu_seqlens_k.get_device(),
+    )  # fmt: skip
+    chooser = config_env_value() if config is None else config
+    layout = (
+        q.shape, q.stride(), k.shape[0], k.stride(), v.shape[-1], v.stride(), cu_seqlens_q.shape[0],
+        max_seqlen_q > 0, max_seqlen_k, softmax_scale, causal, q.dtype, q.device, chooser, inputs,
+    )  # fmt: skip
+    return layout, (p_q, p_k, p_v, p_cu_q, p_cu_k)
+
+
+#: The tensor behind each leading argument of a pointer plan, in :func:`_pointer_addresses`'s order (q, q,
+#: q, k, k, v, out, out, lse, cu_seqlens_q, cu_seqlens_k), as the native launch codes them
+#: (``TensorCode`` in ``mla_ops/csrc/attention_launch.cpp``: q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k).
+NATIVE_TENSOR_CODES = (0, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6)
+
+
+def known_native_launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+) -> NativeLaunch | None:
+    """The launch that :func:`attention_triton` (with its default configuration) repeats for the layout of
+    these arguments, in the form a launcher in C++ takes (:meth:`FixedLaunch.native_launch`, the tensors
+    coded as :data:`NATIVE_TENSOR_CODES`); ``None`` where no launch of the layout is known (none made yet,
+    a plan with TMA descriptors or the Gluon kernel) or it cannot be made natively."""
+    layout, _ = _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, None)
+    known = _known.get(layout)
+    return None if known is None else known.launch.native_launch(NATIVE_TENSOR_CODES)
 
 
 def _launch(plan_args: tuple) -> FixedLaunch | None:

@@ -48,9 +48,10 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import struct
 import textwrap
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -71,7 +72,7 @@ try:
 except ImportError:  # pragma: no cover - a CPU-only build of torch
     _current_stream = None
 
-__all__ = ["CachedLaunch", "FixedLaunch", "KnownLayout", "remember"]
+__all__ = ["CachedLaunch", "FixedLaunch", "KnownLayout", "NativeLaunch", "remember"]
 
 
 #: Layouts remembered per kernel; past this many (a serving loop sees a new token count per batch) the
@@ -166,6 +167,32 @@ def _native_launch(compiled: Any) -> tuple | None:
     return (launch, coop, pdl) if callable(launch) and scratch == (0, 0) else None
 
 
+#: How the native launch (``mla_ops/csrc/attention_launch.cpp``, ``ParamKind``) stores a parameter of each of
+#: Triton's scalar types; a pointer parameter is kind 0. A kernel with a parameter of another type is not
+#: launched natively.
+NATIVE_KINDS = {"i32": 1, "i64": 2, "fp32": 3, "f32": 3, "i1": 4, "i8": 4, "i16": 5, "u32": 6, "u64": 7}
+_NATIVE_FLOAT_BITS = 3
+_NATIVE_POINTER = 0
+
+
+class NativeLaunch(NamedTuple):
+    """A :class:`FixedLaunch` as the driver's ``cuLaunchKernel`` takes it, for a launcher in C++.
+
+    ``kinds[i]`` and ``values[i]`` describe the kernel's ``i``-th parameter (the constexprs left out, as
+    Triton's launcher leaves them out): kind 0 is a pointer whose value is the caller's code for the
+    tensor to pass; the others are :data:`NATIVE_KINDS`, with the value itself (a float as its 32 bits).
+    The kernel takes two more parameters after these, its global and profile scratch buffers, which a
+    native launch passes as null (a kernel that needs either has no native launch).
+    """
+
+    function: int  # the CUfunction handle
+    grid: tuple[int, int, int]
+    block: int  # threads per program: 32 * num_warps
+    shared_bytes: int
+    kinds: tuple[int, ...]
+    values: tuple[int, ...]
+
+
 class FixedLaunch:
     """A compiled variant with its device, its grid and every argument after the leading ones fixed.
 
@@ -207,6 +234,48 @@ class FixedLaunch:
                 grid_0, grid_1, grid_2, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave,
                 *leading, *self.tail,
             )  # fmt: skip
+
+    def native_launch(self, leading_codes: tuple[int, ...]) -> NativeLaunch | None:
+        """This launch as a :class:`NativeLaunch`, the leading arguments given by ``leading_codes`` (one code
+        per leading argument, each a pointer), or ``None`` where a launch in C++ could differ from
+        :meth:`__call__`'s: a launcher this module does not know, scratch memory, a cooperative,
+        programmatic-dependent or clustered launch, or a parameter type outside :data:`NATIVE_KINDS`.
+
+        Triton's hooks are not looked at here: the native launcher reads them on every call, as this one does.
+        """
+        if self.native is None or self.needs_scratch:
+            return None
+        _, cooperative, pdl = self.native
+        compiled = self.compiled
+        metadata = compiled.metadata
+        if cooperative or pdl or getattr(metadata, "num_ctas", 1) != 1:
+            return None
+        signature = getattr(getattr(compiled, "src", None), "signature", None)
+        if not isinstance(signature, dict) or len(signature) != len(leading_codes) + len(self.tail):
+            return None
+        kinds, values = [], []
+        for index, kind_name in enumerate(signature.values()):
+            if kind_name == "constexpr":  # Triton's launcher passes nothing for these
+                continue
+            if not isinstance(kind_name, str):
+                return None
+            if index < len(leading_codes):
+                if not kind_name.startswith("*"):
+                    return None
+                kinds.append(_NATIVE_POINTER)
+                values.append(leading_codes[index])
+                continue
+            kind = NATIVE_KINDS.get(kind_name)
+            value = self.tail[index - len(leading_codes)]
+            if kind is None or not isinstance(value, (int, float)):
+                return None
+            if kind == _NATIVE_FLOAT_BITS:
+                value = struct.unpack("<I", struct.pack("<f", value))[0]  # as Triton's pack_fp32 converts it
+            kinds.append(kind)
+            values.append(int(value))
+        return NativeLaunch(
+            int(compiled.function), self.grid, 32 * metadata.num_warps, metadata.shared, tuple(kinds), tuple(values)
+        )
 
 
 class KnownLayout:

@@ -1,0 +1,358 @@
+// The CUDA kernels of mla::prefill and mla::prefill_context_chunk, in C++: a call whose inputs have the
+// layout of an earlier call that ran the TRITON backend repeats that call's launch of the compiled Triton
+// kernel (two outputs and one cuLaunchKernel, no Python frame); every other call runs the ops' Python
+// kernels (mla::_prefill_python, mla::_prefill_context_chunk_python), as it would without this file.
+//
+// mla_ops/native.py builds this file with the native merge and loads it; mla_ops.ops, after a TRITON call
+// through the Python kernel, hands the launch it made to mla_native::remember_attention, with the inputs,
+// and the inputs' layout names it from then on. A layout is everything the Python kernel's input check,
+// its routing and the Triton kernel's launch read of the inputs: every tensor's sizes, strides, dtype,
+// device and 16-byte alignment, the two bounds and the softmax scale. Inputs of a remembered layout pass the
+// check (it read nothing else when it accepted them) and route to TRITON (mla_ops.selector.clear_cache,
+// the only way a routing changes, calls mla_native::forget_attention), and the launch of the layout is
+// the one Triton made for them with only the addresses changed, as the Python kernel repeats it too
+// (mla_ops.kernels.launch.FixedLaunch). Three facts outside the inputs are read on every call: whether
+// gradients are recorded for an input (the check refuses that), which device is current (launches
+// go there) and MLA_OPS_TRITON_CONFIG's text (it picks the kernel variant). Calls with Triton's launch
+// hooks installed (profilers such as Proton add them) go to the Python kernel, which calls the hooks.
+
+#include <Python.h>  // first, as Python asks: it sets feature macros the system headers read
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/cuda/EmptyTensor.h>
+#include <c10/core/GradMode.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/string_view.h>
+#include <cuda.h>
+#include <dlfcn.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+namespace mla_native {
+namespace {
+
+using Outputs = std::tuple<at::Tensor, at::Tensor>;
+
+// The tensors a launch passes by address, in the order of the codes that mla_ops.kernels.attention
+// gives them (NATIVE_TENSOR_CODES there).
+enum TensorCode : int64_t { kQ = 0, kK, kV, kOut, kLse, kCuQ, kCuK, kTensorCodes };
+
+// How a kernel parameter is stored (mla_ops.kernels.launch.NATIVE_KINDS): a tensor's address, or a
+// value of one of Triton's scalar types.
+enum ParamKind : int64_t { kPointer = 0, kI32, kI64, kF32Bits, kI8, kI16, kU32, kU64, kParamKinds };
+
+constexpr size_t kMaxParams = 64;  // the attention kernel has 31
+constexpr size_t kMaxLayouts = 4096;  // past this many the table starts over, as the Python one does
+
+// What names a layout: see the file's comment. 1 + 3 * 10 + 2 * 6 + 3 fields.
+using Key = std::array<int64_t, 46>;
+
+struct KeyHash {
+  size_t operator()(const Key& key) const noexcept {
+    uint64_t h = 1469598103934665603ull;  // FNV-1a over the fields
+    for (int64_t field : key) {
+      h ^= static_cast<uint64_t>(field);
+      h *= 1099511628211ull;
+    }
+    return static_cast<size_t>(h);
+  }
+};
+
+int64_t address_alignment(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+}
+
+// The layout of a call's inputs, or nothing for tensors of another rank (the check refuses those).
+std::optional<Key> layout_of(int64_t op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q, int64_t max_k,
+                             double scale) {
+  if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3 || cu_q.dim() != 1 || cu_k.dim() != 1) return std::nullopt;
+  Key key{};
+  size_t i = 0;
+  key[i++] = op;
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    const auto sizes = t->sizes();
+    const auto strides = t->strides();
+    for (int d = 0; d < 3; ++d) key[i++] = sizes[d];
+    for (int d = 0; d < 3; ++d) key[i++] = strides[d];
+    key[i++] = static_cast<int64_t>(t->scalar_type());
+    key[i++] = static_cast<int64_t>(t->device().type());
+    key[i++] = t->device().index();
+    key[i++] = address_alignment(*t);
+  }
+  for (const at::Tensor* t : {&cu_q, &cu_k}) {
+    key[i++] = t->size(0);
+    key[i++] = t->stride(0);
+    key[i++] = static_cast<int64_t>(t->scalar_type());
+    key[i++] = static_cast<int64_t>(t->device().type());
+    key[i++] = t->device().index();
+    key[i++] = address_alignment(*t);
+  }
+  key[i++] = max_q;
+  key[i++] = max_k;
+  int64_t scale_bits;
+  static_assert(sizeof(scale_bits) == sizeof(scale), "a double is 8 bytes");
+  std::memcpy(&scale_bits, &scale, sizeof(scale));
+  key[i++] = scale_bits;
+  return key;
+}
+
+// One remembered launch: the compiled kernel, its grid, and its parameters with the addresses left out.
+struct Launch {
+  CUfunction function;
+  unsigned grid[3];
+  unsigned block;
+  unsigned shared_bytes;
+  std::vector<uint64_t> params;  // one 8-byte word per parameter, its value in the low bytes
+  std::vector<std::pair<size_t, int64_t>> addresses;  // (parameter, TensorCode) to fill per call
+  int64_t head_dim_v;
+  c10::DeviceIndex device;
+  std::optional<std::string> config;  // MLA_OPS_TRITON_CONFIG's text when it was launched
+};
+
+std::mutex table_mutex;
+std::unordered_map<Key, std::shared_ptr<const Launch>, KeyHash> table;
+std::atomic<bool> table_empty{true};
+
+std::shared_ptr<const Launch> find(const Key& key) {
+  const std::lock_guard<std::mutex> lock(table_mutex);
+  const auto it = table.find(key);
+  return it == table.end() ? nullptr : it->second;
+}
+
+using LaunchKernel = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                  CUstream, void**, void**);
+using ErrorString = CUresult (*)(CUresult, const char**);
+
+// The driver's cuLaunchKernel, found in libcuda as Triton's own launcher finds it (no link-time
+// dependency on the driver library).
+struct Driver {
+  LaunchKernel launch = nullptr;
+  ErrorString error_string = nullptr;
+  Driver() {
+    void* library = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    if (library == nullptr) library = dlopen("libcuda.so.1", RTLD_LAZY);
+    if (library == nullptr) return;
+    launch = reinterpret_cast<LaunchKernel>(dlsym(library, "cuLaunchKernel"));
+    error_string = reinterpret_cast<ErrorString>(dlsym(library, "cuGetErrorString"));
+  }
+};
+
+const Driver& driver() {
+  static const Driver instance;
+  return instance;
+}
+
+// Whether Triton's launch hooks are installed: mla_ops.kernels.launch._hooks's test, on the same objects.
+bool triton_hooks_installed() {
+  const PyGILState_STATE gil = PyGILState_Ensure();
+  static PyObject* runtime = nullptr;  // triton.knobs.runtime, kept for the process
+  static bool looked = false;
+  if (!looked) {
+    looked = true;
+    PyObject* knobs = PyImport_ImportModule("triton.knobs");
+    if (knobs != nullptr) {
+      runtime = PyObject_GetAttrString(knobs, "runtime");
+      Py_DECREF(knobs);
+    }
+  }
+  bool installed = runtime == nullptr;  // where the hooks cannot be read, the Python kernel decides
+  for (const char* name : {"launch_enter_hook", "launch_exit_hook"}) {
+    if (installed) break;
+    PyObject* hook = PyObject_GetAttrString(runtime, name);
+    if (hook == nullptr) {
+      installed = true;
+    } else if (hook != Py_None) {
+      // A HookChain with no calls is no hook; anything else is one.
+      PyObject* calls = PyObject_GetAttrString(hook, "calls");
+      installed = calls == nullptr || PyObject_IsTrue(calls) != 0;
+      Py_XDECREF(calls);
+    }
+    Py_XDECREF(hook);
+  }
+  PyErr_Clear();
+  PyGILState_Release(gil);
+  return installed;
+}
+
+bool config_unchanged(const std::optional<std::string>& config) {
+  const char* now = std::getenv("MLA_OPS_TRITON_CONFIG");
+  return now == nullptr ? !config.has_value() : config.has_value() && *config == now;
+}
+
+// The remembered launch for these inputs, or nothing where the Python kernel has to run.
+std::shared_ptr<const Launch> remembered(int64_t op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q, int64_t max_k,
+                                         double scale) {
+  if (table_empty.load(std::memory_order_relaxed)) return nullptr;
+  const std::optional<Key> key = layout_of(op, q, k, v, cu_q, cu_k, max_q, max_k, scale);
+  if (!key) return nullptr;
+  std::shared_ptr<const Launch> launch = find(*key);
+  if (launch == nullptr) return nullptr;
+  if (c10::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())) return nullptr;
+  if (c10::cuda::current_device() != launch->device || !config_unchanged(launch->config)) return nullptr;
+  if (triton_hooks_installed()) return nullptr;
+  return launch;
+}
+
+Outputs run(const Launch& launch, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+            const at::Tensor& cu_q, const at::Tensor& cu_k) {
+  const int64_t num_tokens = q.size(0);
+  const int64_t num_heads = q.size(1);
+  const c10::Device device = q.device();
+  at::Tensor out =
+      at::detail::empty_cuda({num_tokens, num_heads, launch.head_dim_v}, q.scalar_type(), device, std::nullopt);
+  at::Tensor lse = at::detail::empty_cuda({num_heads, num_tokens}, at::kFloat, device, std::nullopt);
+  const std::array<const void*, kTensorCodes> tensors{q.const_data_ptr(),   k.const_data_ptr(),
+                                                       v.const_data_ptr(),   out.const_data_ptr(),
+                                                       lse.const_data_ptr(), cu_q.const_data_ptr(),
+                                                       cu_k.const_data_ptr()};
+  const size_t count = launch.params.size();
+  std::array<uint64_t, kMaxParams> words;
+  std::copy(launch.params.begin(), launch.params.end(), words.begin());
+  for (const auto& [param, code] : launch.addresses) words[param] = reinterpret_cast<uintptr_t>(tensors[code]);
+  // Triton's kernels take two more parameters, the global and the profile scratch buffers: none here
+  // (a kernel that needs one is never remembered).
+  CUdeviceptr no_scratch = 0;
+  std::array<void*, kMaxParams + 2> params;
+  for (size_t i = 0; i < count; ++i) params[i] = &words[i];
+  params[count] = &no_scratch;
+  params[count + 1] = &no_scratch;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  const CUresult result = driver().launch(launch.function, launch.grid[0], launch.grid[1], launch.grid[2],
+                                          launch.block, 1, 1, launch.shared_bytes, stream, params.data(), nullptr);
+  if (result != CUDA_SUCCESS) {
+    const char* text = "unknown error";
+    if (driver().error_string != nullptr) driver().error_string(result, &text);
+    TORCH_CHECK(false, "mla_ops: launching the TRITON attention kernel failed (", text,
+                "); set MLA_OPS_NATIVE_LAUNCH=0 to launch it through Triton instead, and please report this "
+                "with the inputs' shapes, strides and dtypes");
+  }
+  return {std::move(out), std::move(lse)};
+}
+
+Outputs prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens,
+                c10::SymInt max_seqlen, double softmax_scale) {
+  const int64_t bound = max_seqlen.expect_int();
+  if (auto launch = remembered(0, q, k, v, cu_seqlens, cu_seqlens, bound, bound, softmax_scale)) {
+    return run(*launch, q, k, v, cu_seqlens, cu_seqlens);
+  }
+  static const auto python = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("mla::_prefill_python", "")
+                                 .typed<Outputs(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                const at::Tensor&, c10::SymInt, double)>();
+  return python.call(q, k, v, cu_seqlens, std::move(max_seqlen), softmax_scale);
+}
+
+Outputs prefill_context_chunk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                              c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_k, double softmax_scale) {
+  if (auto launch = remembered(1, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q.expect_int(),
+                               max_seqlen_k.expect_int(), softmax_scale)) {
+    return run(*launch, q, k, v, cu_seqlens_q, cu_seqlens_k);
+  }
+  static const auto python =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mla::_prefill_context_chunk_python", "")
+          .typed<Outputs(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, c10::SymInt, c10::SymInt, double)>();
+  return python.call(q, k, v, cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k),
+                     softmax_scale);
+}
+
+// mla_native::remember_attention: see mla_ops.native.remember_attention, which calls it.
+void remember_attention(int64_t op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q, int64_t max_k, double scale,
+                        int64_t function, at::IntArrayRef grid, int64_t block, int64_t shared_bytes,
+                        at::IntArrayRef kinds, at::IntArrayRef values, std::optional<c10::string_view> config) {
+  TORCH_CHECK(op == 0 || op == 1, "remember_attention: op is 0 (prefill) or 1 (prefill_context_chunk), got ", op);
+  TORCH_CHECK(grid.size() == 3 && kinds.size() == values.size() && kinds.size() <= kMaxParams,
+              "remember_attention: a grid of 3 and as many values as kinds (at most ", kMaxParams, ") are needed");
+  TORCH_CHECK(q.is_cuda() && q.dim() == 3 && v.dim() == 3, "remember_attention: q and v are CUDA [T, H, D] tensors");
+  const std::optional<Key> key = layout_of(op, q, k, v, cu_q, cu_k, max_q, max_k, scale);
+  TORCH_CHECK(key.has_value(), "remember_attention: q, k, v are 3-D and the offsets 1-D");
+  TORCH_CHECK(driver().launch != nullptr, "remember_attention: cuLaunchKernel not found in libcuda.so.1");
+  auto launch = std::make_shared<Launch>();
+  launch->function = reinterpret_cast<CUfunction>(static_cast<uintptr_t>(function));
+  for (int d = 0; d < 3; ++d) launch->grid[d] = static_cast<unsigned>(grid[d]);
+  launch->block = static_cast<unsigned>(block);
+  launch->shared_bytes = static_cast<unsigned>(shared_bytes);
+  launch->params.assign(kinds.size(), 0);
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    const int64_t value = values[i];
+    uint64_t& word = launch->params[i];
+    switch (kinds[i]) {
+      case kPointer:
+        TORCH_CHECK(value >= 0 && value < kTensorCodes, "remember_attention: unknown tensor code ", value);
+        launch->addresses.emplace_back(i, value);
+        break;
+      case kI32:
+      case kU32:
+      case kF32Bits:
+        word = static_cast<uint32_t>(value);
+        break;
+      case kI64:
+      case kU64:
+        word = static_cast<uint64_t>(value);
+        break;
+      case kI8:
+        word = static_cast<uint8_t>(value);
+        break;
+      case kI16:
+        word = static_cast<uint16_t>(value);
+        break;
+      default:
+        TORCH_CHECK(false, "remember_attention: unknown parameter kind ", kinds[i]);
+    }
+  }
+  launch->head_dim_v = v.size(2);
+  launch->device = q.device().index();
+  if (config.has_value()) launch->config = std::string(config->data(), config->size());
+  const std::lock_guard<std::mutex> lock(table_mutex);
+  if (table.size() >= kMaxLayouts) table.clear();
+  table[*key] = std::move(launch);
+  table_empty.store(false, std::memory_order_relaxed);
+}
+
+void forget_attention() {
+  const std::lock_guard<std::mutex> lock(table_mutex);
+  table.clear();
+  table_empty.store(true, std::memory_order_relaxed);
+}
+
+int64_t remembered_attention_layouts() {
+  const std::lock_guard<std::mutex> lock(table_mutex);
+  return static_cast<int64_t>(table.size());
+}
+
+}  // namespace
+}  // namespace mla_native
+
+TORCH_LIBRARY_FRAGMENT(mla_native, m) {
+  m.def(
+      "remember_attention(int op, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, float softmax_scale, int function, int[] grid, int block, "
+      "int shared_bytes, int[] kinds, int[] values, str? config) -> ()",
+      &mla_native::remember_attention);
+  m.def("forget_attention() -> ()", &mla_native::forget_attention);
+  m.def("remembered_attention_layouts() -> int", &mla_native::remembered_attention_layouts);
+}
+
+TORCH_LIBRARY_IMPL(mla, CUDA, m) {
+  m.impl("prefill", &mla_native::prefill);
+  m.impl("prefill_context_chunk", &mla_native::prefill_context_chunk);
+}

@@ -1,0 +1,256 @@
+"""The attention ops' C++ kernels (``mla_ops/csrc/attention_launch.cpp``) on a CUDA GPU (``pytest -m gpu``).
+
+With the native library loaded and TRITON selected, a call whose inputs have the layout of an earlier
+TRITON call is launched by the C++ kernel, every other call by the Python kernel. Checked: that layouts are
+remembered and the C++ launch returns what the Python launch returns, bit for bit, over both paths,
+dtypes, head counts, strided and padded inputs; that each fact outside the inputs the C++ kernel reads
+(recorded gradients, ``MLA_OPS_TRITON_CONFIG``, Triton's launch hooks, the selection) sends the call to
+the Python kernel; that inputs the check refuses are still refused, with its messages; CUDA-graph replay
+and ``torch.compile`` of remembered layouts. It needs ``nvcc`` and ``ninja`` to build the library and
+skips, saying so, without them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+import mla_ops
+from mla_ops import native
+from mla_ops.kernels import attention
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+DQK, DV = 192, 128
+
+
+def _toolchain_missing() -> str | None:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None or not os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
+        return "no CUDA toolkit (nvcc) found: the native library cannot be built here"
+    if shutil.which("ninja") is None:
+        return "ninja is not on PATH (pip install ninja): the native library cannot be built here"
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _loaded():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible")
+    reason = native.unavailable_reason() or _toolchain_missing()
+    if reason is not None and not native.is_loaded():
+        pytest.skip(reason)
+    if os.environ.get(native.LAUNCH_VARIABLE, "1").strip() == "0":
+        pytest.skip(f"{native.LAUNCH_VARIABLE}=0: TRITON launches are not handed to the native library")
+    assert native.load(), native.status()
+
+
+@pytest.fixture(autouse=True)
+def _triton():
+    with mla_ops.prefill_backend("TRITON"):
+        yield
+    native.forget_attention()
+
+
+def _new_tokens(lengths, heads=16, dtype=torch.bfloat16, *, strided_v=True, padding=0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths) + padding
+    q = torch.randn(total, heads, DQK, generator=gen).to(DEVICE, dtype)
+    k = torch.randn(total, heads, DQK, generator=gen).to(DEVICE, dtype)
+    if strided_v:  # v as a view of kv = [k_nope | v], as MLA layers hold it
+        v = torch.randn(total, heads, DQK + DV, generator=gen).to(DEVICE, dtype)[..., DQK:]
+    else:
+        v = torch.randn(total, heads, DV, generator=gen).to(DEVICE, dtype)
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    cu = torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
+    return q, k, v, cu, max(lengths), DQK**-0.5
+
+
+def _chunk(lengths, chunk_lengths, heads=16, dtype=torch.bfloat16, seed=1):
+    q, _, _, cu_q, max_q, scale = _new_tokens(lengths, heads, dtype, seed=seed)
+    _, k, v, cu_k, max_k, _ = _new_tokens(chunk_lengths, heads, dtype, seed=seed + 1)
+    return q, k, v, cu_q, cu_k, max_q, max_k, scale
+
+
+def _same(a, b):
+    """Bit for bit over the rows a caller reads (padding rows' out is unspecified)."""
+    assert a[0].shape == b[0].shape and a[1].shape == b[1].shape
+    assert torch.equal(a[1], b[1])
+    valid = torch.isfinite(a[1]).all(dim=0)  # padding rows have lse = -inf in every head
+    assert torch.equal(a[0][valid], b[0][valid])
+
+
+def _triton_direct(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    return attention.attention_triton(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
+
+
+CASES = [
+    pytest.param(([16], 16, torch.bfloat16, True, 0), id="T16-H16-bf16"),
+    pytest.param(([5, 0, 27, 1], 16, torch.bfloat16, True, 0), id="ragged"),
+    pytest.param(([64, 200], 8, torch.float16, False, 0), id="fp16-contiguous-v"),
+    pytest.param(([7, 9], 128, torch.bfloat16, True, 48), id="H128-padding"),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prefill_second_call_is_launched_natively_and_equal(case):
+    lengths, heads, dtype, strided_v, padding = case
+    q, k, v, cu, max_q, scale = _new_tokens(lengths, heads, dtype, strided_v=strided_v, padding=padding)
+    before = native.remembered_attention_layouts()
+    first = torch.ops.mla.prefill(q, k, v, cu, max_q, scale)  # Python kernel: compiles, remembers
+    second = torch.ops.mla.prefill(q, k, v, cu, max_q, scale)  # at least the first was Python; this one is C++
+    assert native.remembered_attention_layouts() == before + 1
+    third = torch.ops.mla.prefill(q, k, v, cu, max_q, scale)
+    assert native.remembered_attention_layouts() == before + 1  # a remembered layout is not handed again
+    _same(second, first)
+    _same(third, first)
+    _same(second, _triton_direct(q, k, v, cu, cu, max_q, max_q, scale, True))
+    # New data under the same layout: the C++ launch reads the new addresses.
+    q2, k2, v2, _, _, _ = _new_tokens(lengths, heads, dtype, strided_v=strided_v, padding=padding, seed=5)
+    _same(
+        torch.ops.mla.prefill(q2, k2, v2, cu, max_q, scale),
+        _triton_direct(q2, k2, v2, cu, cu, max_q, max_q, scale, True),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_context_chunk_second_call_is_launched_natively_and_equal(dtype):
+    args = _chunk([16, 3], [40, 0], dtype=dtype)
+    before = native.remembered_attention_layouts()
+    first = torch.ops.mla.prefill_context_chunk(*args)
+    second = torch.ops.mla.prefill_context_chunk(*args)
+    assert native.remembered_attention_layouts() == before + 1
+    _same(second, first)
+    _same(second, _triton_direct(*args, False))
+    assert torch.isneginf(second[1][:, 16:]).all() and (second[0][16:] == 0).all()  # the empty chunk slice
+
+
+def test_layouts_are_told_apart():
+    """One layout remembered does not launch another: each differs in one fact the C++ key holds."""
+    q, k, v, cu, max_q, scale = _new_tokens([16])
+    torch.ops.mla.prefill(q, k, v, cu, max_q, scale)
+    base = native.remembered_attention_layouts()
+    variants = {
+        "bound": (q, k, v, cu, max_q + 1, scale),
+        "scale": (q, k, v, cu, max_q, scale * 0.5),
+        "v contiguous": (q, k, v.contiguous(), cu, max_q, scale),
+        "q misaligned": (*_misaligned(q), k, v, cu, max_q, scale),
+    }
+    for name, args in variants.items():
+        got = torch.ops.mla.prefill(*args)
+        qq, kk, vv, cc, mm, ss = args
+        _same(got, _triton_direct(qq, kk, vv, cc, cc, mm, mm, ss, True))
+        assert torch.ops.mla.prefill(*args)[0].shape == got[0].shape, name
+    assert native.remembered_attention_layouts() > base
+    # The prefill layout does not serve the chunk op, whose key says which op it is.
+    chunk = torch.ops.mla.prefill_context_chunk(q, k, v, cu, cu, max_q, max_q, scale)
+    _same(chunk, _triton_direct(q, k, v, cu, cu, max_q, max_q, scale, False))
+
+
+def _misaligned(q):
+    """``q`` with the same values at an address 2 bytes off 16 (Triton specialises on alignment)."""
+    flat = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)
+    shifted = flat[1:].view(q.shape)
+    shifted.copy_(q)
+    return (shifted,)
+
+
+def test_refused_inputs_are_still_refused_with_the_checks_message():
+    q, k, v, cu, max_q, scale = _new_tokens([16])
+    torch.ops.mla.prefill(q, k, v, cu, max_q, scale)
+    torch.ops.mla.prefill(q, k, v, cu, max_q, scale)
+    grad_q = q.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match=r"mla\.prefill is inference-only .* q requires grad and grad mode is on"):
+        torch.ops.mla.prefill(grad_q, k, v, cu, max_q, scale)
+    with torch.no_grad():  # the same layout without gradients recorded is accepted, and launched natively
+        _same(
+            torch.ops.mla.prefill(grad_q, k, v, cu, max_q, scale),
+            _triton_direct(q, k, v, cu, cu, max_q, max_q, scale, True),
+        )
+    with pytest.raises(TypeError, match="cu_seqlens must have dtype int32, got int64"):
+        torch.ops.mla.prefill(q, k, v, cu.long(), max_q, scale)
+    with pytest.raises(ValueError, match="softmax_scale must be finite, got nan"):
+        torch.ops.mla.prefill(q, k, v, cu, max_q, float("nan"))
+
+
+def test_selection_change_forgets_the_layouts():
+    q, k, v, cu, max_q, scale = _new_tokens([16])
+    torch.ops.mla.prefill(q, k, v, cu, max_q, scale)
+    assert native.remembered_attention_layouts() >= 1
+    with mla_ops.prefill_backend("REFERENCE"):
+        assert native.remembered_attention_layouts() == 0
+        out, _ = torch.ops.mla.prefill(q, k, v, cu, max_q, scale)  # REFERENCE: nothing to remember
+        assert native.remembered_attention_layouts() == 0
+    want, _ = _triton_direct(q, k, v, cu, cu, max_q, max_q, scale, True)
+    torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_config_variable_sends_calls_to_python(monkeypatch):
+    q, k, v, cu, max_q, scale = _new_tokens([16])
+    want = torch.ops.mla.prefill(q, k, v, cu, max_q, scale)
+    torch.ops.mla.prefill(q, k, v, cu, max_q, scale)
+    known = len(attention._known)
+    monkeypatch.setenv("MLA_OPS_TRITON_CONFIG", "64,64,4,2")
+    got = torch.ops.mla.prefill(q, k, v, cu, max_q, scale)  # the Python kernel, with the forced configuration
+    assert len(attention._known) == known + 1
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
+
+
+def test_triton_hooks_send_calls_to_python():
+    from triton import knobs
+
+    q, k, v, cu, max_q, scale = _new_tokens([16])
+    torch.ops.mla.prefill(q, k, v, cu, max_q, scale)
+    torch.ops.mla.prefill(q, k, v, cu, max_q, scale)
+    seen = []
+    knobs.runtime.launch_enter_hook.add(lambda metadata: seen.append(metadata))
+    try:
+        torch.ops.mla.prefill(q, k, v, cu, max_q, scale)
+    finally:
+        knobs.runtime.launch_enter_hook.calls.clear()
+    assert len(seen) == 1  # the launch went through the Python kernel, which calls the hook
+
+
+def test_graph_replay_of_a_remembered_layout():
+    q, k, v, cu, max_q, scale = _new_tokens([9, 7], padding=16)
+    torch.ops.mla.prefill(q, k, v, cu, max_q, scale)
+    torch.ops.mla.prefill(q, k, v, cu, max_q, scale)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = torch.ops.mla.prefill(q, k, v, cu, max_q, scale)
+    q2, k2, v2, _, _, _ = _new_tokens([9, 7], padding=16, seed=3)
+    q.copy_(q2), k.copy_(k2), v.copy_(v2)
+    graph.replay()
+    torch.cuda.synchronize()
+    _same((out, lse), _triton_direct(q, k, v, cu, cu, max_q, max_q, scale, True))
+
+
+def test_compiled_calls_of_a_remembered_layout():
+    args = _chunk([16], [32])
+    want = torch.ops.mla.prefill_context_chunk(*args)
+    torch.ops.mla.prefill_context_chunk(*args)
+
+    @torch.compile(fullgraph=True)
+    def chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        return torch.ops.mla.prefill_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+
+    _same(chunk(*args), want)
+    _same(chunk(*args), want)
+
+
+def test_zero_tokens_and_python_only_paths():
+    """No launch to remember for an empty batch; the C++ kernel passes it to the Python kernel."""
+    q, k, v, _, _, scale = _new_tokens([16])
+    empty = q[:0], k[:0], v[:0], torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):
+        out, lse = torch.ops.mla.prefill(*empty, 0, scale)
+        assert out.shape == (0, 16, DV) and lse.shape == (16, 0)
