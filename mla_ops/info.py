@@ -12,6 +12,7 @@ import importlib.metadata
 
 import torch
 
+from . import native
 from .backends.base import PrefillBackend
 from .backends.registry import PrefillBackendEnum
 from .config import DEEPSEEK_V3, DeviceCapability, MLADimensions, SelectorConfig
@@ -132,7 +133,10 @@ def dispatch_table(capability: DeviceCapability | None, config: SelectorConfig) 
         cuda = "no CUDA device visible (pass --capability to see a GPU's rules)"
     else:
         try:
-            cuda = f"{select_backend(capability, config).name} for prefill and prefill_context_chunk"
+            selected = select_backend(capability, config)
+            cuda = f"{selected.name} for prefill and prefill_context_chunk"
+            if selected.launches_natively:
+                cuda += f" ({native.launch_status()})"
         except ValueError:
             cuda = "no valid backend (see above): the ops raise ValueError"
         cuda += f"; merge_attn_states: {merge_description()}"

@@ -55,6 +55,7 @@ __all__ = [
     "forget_attention",
     "is_built",
     "is_loaded",
+    "launch_status",
     "load",
     "merge",
     "remember_attention",
@@ -259,6 +260,19 @@ def status(fallback: str = "Triton kernel") -> str:
     if is_built():
         return f"native CUDA kernel, built (loaded by the first CUDA merge; the {fallback} until then)"
     return f"{fallback} until the native kernel is built (by the first CUDA merge, or `python -m mla_ops warmup`)"
+
+
+def launch_status() -> str:
+    """How a CUDA call of a backend whose launches the library can repeat (TRITON) is launched, in words for
+    ``python -m mla_ops info``; builds nothing."""
+    if os.environ.get(LAUNCH_VARIABLE, "1").strip() == "0":
+        return f"launched through Python: {LAUNCH_VARIABLE}=0"
+    if _loaded:
+        return "a layout's repeated calls launched from C++" if _launches else "launched through Python"
+    reason = _reason if _loaded is False else unavailable_reason()
+    if reason is not None:
+        return f"launched through Python: native library unavailable: {reason}"
+    return "a layout's repeated calls launched from C++ once the native library is loaded (by the first CUDA call)"
 
 
 def merge(

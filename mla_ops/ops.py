@@ -4,16 +4,20 @@ The ops are declared with ``torch.library.Library.define`` and given kernels wit
 the cheapest dispatch path PyTorch offers from Python (measured in DESIGN.md: about 10 us per call
 against 21 us for ``torch.library.custom_op``). They are forward-only: there is no autograd formula.
 
-- ``CPU`` and ``CUDA``: one kernel per op for both keys. It validates the inputs and runs the backend
+- ``CPU`` and ``CUDA``: one Python kernel per op for both. It validates the inputs and runs the backend
   that :func:`mla_ops.selector.route` picks (on CPU that is always REFERENCE), with the inputs'
   device current (:func:`mla_ops.capture.on_device`): the kernel libraries launch on the current
   device and stream, so a call on ``cuda:1`` tensors while ``cuda:0`` is current runs on ``cuda:1``,
   on its current stream, and leaves ``cuda:0`` current afterwards. ``merge_attn_states`` runs the merge
-  function of its inputs' device (:func:`mla_ops.merge.merge_kernel`), which launches there by itself;
-  its Python kernel is registered for every backend key (``CompositeExplicitAutograd``) rather than for
-  ``CUDA``, so that the native merge (:mod:`mla_ops.native`), once loaded, registers a C++ kernel for
-  ``CUDA`` that takes over without overriding a registration. ``_check_merge_inputs``, an internal op,
-  is :func:`mla_ops.meta.checks.check_merge_inputs` for that kernel to raise the op's errors with.
+  function of its inputs' device (:func:`mla_ops.merge.merge_kernel`), which launches there by itself.
+  The three public ops' Python kernels are registered for every backend key (``CompositeExplicitAutograd``)
+  rather than for ``CUDA``, so that the native library (:mod:`mla_ops.native`), once loaded, registers C++
+  kernels for ``CUDA`` that take over without overriding a registration. The attention ops' C++ kernels
+  launch remembered TRITON calls themselves and pass every other call to the Python kernel through the
+  op's internal twin (:data:`PYTHON_TWINS`), to which the Python kernel hands each TRITON call's launch
+  once its check has accepted the inputs (:func:`mla_ops.native.remember_attention`).
+  ``_check_merge_inputs``, an internal op, is :func:`mla_ops.meta.checks.check_merge_inputs` for the
+  merge's C++ kernel to raise the op's errors with.
 - ``Meta``/fake: :mod:`mla_ops.meta` (shapes), plus :func:`mla_ops.graph_trees.check_graph_trees`, which
   refuses a host-planning backend inside CUDA-graph trees at compile time.
 

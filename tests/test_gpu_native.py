@@ -10,15 +10,14 @@ zero-size inputs; inference mode; CUDA-graph replay; ``torch.compile``; the buil
 from __future__ import annotations
 
 import math
-import os
 import re
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 from mla_ops.meta.checks import check_merge_inputs
+from utils import native_library_or_skip
 
 import mla_ops
 from mla_ops import native
@@ -31,25 +30,9 @@ DEVICE = "cuda"
 DTYPES = [torch.bfloat16, torch.float16]
 
 
-def _toolchain_missing() -> str | None:
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    if CUDA_HOME is None or not os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
-        return "no CUDA toolkit (nvcc) found: the native merge cannot be built here"
-    if shutil.which("ninja") is None:
-        return "ninja is not on PATH (pip install ninja): the native merge cannot be built here"
-    return None
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _loaded():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device visible")
-    reason = native.unavailable_reason() or _toolchain_missing()
-    if reason is not None and not native.is_loaded():
-        pytest.skip(reason)
-    # Where the toolchain is present, a failed build is a failure, not a skip.
-    assert native.load(), native.status()
+    native_library_or_skip()
 
 
 def _ulp_rtol(dtype: torch.dtype) -> float:

@@ -13,10 +13,10 @@ skips, saying so, without them.
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import torch
+from utils import native_library_or_skip
 
 import mla_ops
 from mla_ops import native
@@ -28,26 +28,11 @@ DEVICE = "cuda"
 DQK, DV = 192, 128
 
 
-def _toolchain_missing() -> str | None:
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    if CUDA_HOME is None or not os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
-        return "no CUDA toolkit (nvcc) found: the native library cannot be built here"
-    if shutil.which("ninja") is None:
-        return "ninja is not on PATH (pip install ninja): the native library cannot be built here"
-    return None
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _loaded():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device visible")
-    reason = native.unavailable_reason() or _toolchain_missing()
-    if reason is not None and not native.is_loaded():
-        pytest.skip(reason)
+    native_library_or_skip()
     if os.environ.get(native.LAUNCH_VARIABLE, "1").strip() == "0":
         pytest.skip(f"{native.LAUNCH_VARIABLE}=0: TRITON launches are not handed to the native library")
-    assert native.load(), native.status()
 
 
 @pytest.fixture(autouse=True)

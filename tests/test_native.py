@@ -153,3 +153,27 @@ def test_the_first_merges_of_two_threads_build_once(fresh, monkeypatch):
     for t in threads:
         t.join()
     assert results == [True] * 4 and len(calls) == 1
+
+
+def test_launch_status_says_how_triton_launches(fresh, monkeypatch):
+    monkeypatch.setenv(native.LAUNCH_VARIABLE, "0")
+    assert native.launch_status() == f"launched through Python: {native.LAUNCH_VARIABLE}=0"
+    monkeypatch.delenv(native.LAUNCH_VARIABLE)
+    monkeypatch.setenv(native.DISABLE_VARIABLE, "0")
+    assert native.launch_status() == (
+        f"launched through Python: native library unavailable: disabled by {native.DISABLE_VARIABLE}=0"
+    )
+    monkeypatch.setattr(native, "_loaded", True)
+    monkeypatch.setattr(native, "_launches", True)
+    assert native.launch_status() == "a layout's repeated calls launched from C++"
+    monkeypatch.setattr(native, "_launches", False)  # nothing to forget in the library this test never loaded
+
+
+def test_nothing_is_remembered_without_the_library(fresh, monkeypatch):
+    """remember_attention hands nothing over where the library is disabled, and forgetting is then a no-op."""
+    monkeypatch.setenv(native.DISABLE_VARIABLE, "0")
+    t = torch.zeros(4, 2, 16, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    assert not native.remember_attention(native.PREFILL, t, t, t, cu, cu, 4, 4, 0.25)
+    assert native.remembered_attention_layouts() == 0
+    native.forget_attention()

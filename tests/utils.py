@@ -240,3 +240,25 @@ class GraphBuffers:
         pad = [0] * (self.max_batch - len(lengths))
         self.cu.copy_(cu_seqlens_of([*lengths, *pad], self.cu.device))
         self.cu_k.copy_(cu_seqlens_of([*context, *pad], self.cu.device))
+
+
+def native_library_or_skip() -> None:
+    """Load the native library (:mod:`mla_ops.native`) for a GPU test module, or skip it saying why it cannot
+    be built here. Where the toolchain is present, a failed build fails the test instead of skipping it."""
+    import os
+    import shutil
+
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    from mla_ops import native
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible")
+    reason = native.unavailable_reason()
+    if reason is None and (CUDA_HOME is None or not os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc"))):
+        reason = "no CUDA toolkit (nvcc) found: the native library cannot be built here"
+    if reason is None and shutil.which("ninja") is None:
+        reason = "ninja is not on PATH (pip install ninja): the native library cannot be built here"
+    if reason is not None and not native.is_loaded():
+        pytest.skip(reason)
+    assert native.load(), native.status()
