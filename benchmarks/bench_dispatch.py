@@ -61,6 +61,10 @@ FIELDS = R.Fields(
     ("op_minus_raw_us", "op − raw", ".2f"),
     ("op_minus_raw_q1_us", "op − raw, 1st quartile", ".2f"),
     ("op_minus_raw_q3_us", "op − raw, 3rd quartile", ".2f"),
+    ("op_minus_raw_interleaved_us", "op − raw, interleaved samples [quartiles]", lambda row: interleaved_cell(row)),
+    "op_minus_raw_interleaved_q1_us",
+    "op_minus_raw_interleaved_q3_us",
+    "interleaved_samples",
     ("raw_outputs_us", "raw, op's outputs µs", ".2f"),
     ("op_minus_raw_outputs_us", "op − raw, op's outputs", ".2f"),
     ("graph_op_us", "graph op µs", ".2f"),
@@ -91,6 +95,34 @@ def per_call_us(
 ) -> dict[str, float]:
     """Each function's median over the rounds of :func:`per_call_series`, in µs per call."""
     return {name: statistics.median(values) for name, values in per_call_series(fns, iters, device, rounds).items()}
+
+
+def interleaved_cell(row: dict[str, Any]) -> str:
+    """The Markdown cell of the interleaved op − raw: the median and, in brackets, the quartiles."""
+    if row.get("op_minus_raw_interleaved_us") in (None, ""):
+        return "—"
+    low, high = row["op_minus_raw_interleaved_q1_us"], row["op_minus_raw_interleaved_q3_us"]
+    return f"{R.fmt(row['op_minus_raw_interleaved_us'], '.2f')} [{R.fmt(low, '.2f')}, {R.fmt(high, '.2f')}]"
+
+
+def record_interleaved(
+    out: dict[str, Any], op: Callable[[], Any], raw: Callable[[], Any], device: torch.device, args: argparse.Namespace
+) -> None:
+    """op − raw from ``--interleaved-samples`` samples of each taken in turns (:func:`benchlib.timing.interleaved`),
+    each sample ``--sample-calls`` back-to-back calls: the median and quartiles of the per-sample differences, in
+    µs per call. A pair of samples lies milliseconds apart, so drift that a round of ``--iters`` calls per
+    function still spans (a shared host's load changing within a round) cancels too."""
+    count = args.interleaved_samples
+    if count <= 0:
+        return
+    samples = timing.interleaved(
+        {"op": op, "raw": raw}, device, calls_per_sample=args.sample_calls, flush_l2=False, sync_each=True,
+        min_samples=count, max_samples=count,
+    )  # fmt: skip
+    difference = timing.difference_of_rounds([1e3 * t for t in samples["op"]], [1e3 * t for t in samples["raw"]])
+    out["op_minus_raw_interleaved_us"] = difference.median
+    out["op_minus_raw_interleaved_q1_us"], out["op_minus_raw_interleaved_q3_us"] = difference.low, difference.high
+    out["interleaved_samples"] = difference.rounds
 
 
 def record_series(out: dict[str, Any], series: dict[str, list[float]]) -> None:
@@ -228,6 +260,8 @@ def measure_backend(
             except Exception as exc:
                 notes.append(f"raw call with the op's outputs unavailable: {R.short_error(exc)}")
         record_series(out, per_call_series(fns, {n: iters.get(n, args.iters) for n in fns}, device, args.rounds))
+        if "raw_us" in fns:
+            record_interleaved(out, fns["op_us"], fns["raw_us"], device, args)
         chunks = [] if path == "prefill" else [cu_k]
         captured = record_graph_op(out, notes, name, lambda: op(*op_args), device, args, cu_q, chunks)
         if captured and "raw_us" in out:
@@ -286,6 +320,8 @@ def measure_layer(
         if why is not None:
             notes.append(f"raw calls unavailable: {why}")
         record_series(out, per_call_series(fns, dict.fromkeys(fns, args.iters), device, args.rounds))
+        if "raw_us" in fns:
+            record_interleaved(out, fns["op_us"], fns["raw_us"], device, args)
         record_graph_op(out, notes, name, lambda: fused(*fused_args), device, args, cu, [cu_k])
     out["note"] = "; ".join(notes)
     return out
@@ -465,7 +501,9 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         "routing); *op − raw* adds the backend's own wrapping (output allocation, LSE conversion, padding). "
         "The differences in the attention rows are medians of per-round differences (the functions take "
         "turns in each round, in reverse order every other round), not differences of the columns' medians; "
-        "the quartile columns give the middle half of the rounds' op − raw. "
+        "the quartile columns give the middle half of the rounds' op − raw. *op − raw, interleaved samples*: the "
+        "median of per-sample differences of samples of a few calls of the op and of its raw call taken in "
+        "turns, milliseconds apart (quartiles in brackets). "
         "*raw, op's outputs*: for FLASHINFER, whose raw call returns a base-2 [T, H] LSE, the library's own "
         'call that returns the op\'s natural-log [H, T] one (run(..., lse_base="ln", lse_layout="HN")); the '
         "other raw calls return the op's outputs already. "
@@ -496,6 +534,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=16, help="heads H")
     parser.add_argument("--iters", type=int, help="calls per round (default: 2000 on GPU, 100 on CPU)")
     parser.add_argument("--rounds", type=int, default=9, help="rounds; the median is reported")
+    parser.add_argument(
+        "--interleaved-samples",
+        type=int,
+        default=200,
+        help="samples of the op and of its raw call taken in turns, for the interleaved op − raw (0: skip it)",
+    )
+    parser.add_argument("--sample-calls", type=int, default=10, help="back-to-back calls per interleaved sample")
     parser.add_argument("--graph-calls", type=int, default=50, help="calls captured in one CUDA graph")
     parser.add_argument("--graph-replays", type=int, default=20, help="replays per timing sample")
     parser.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph measurements")
@@ -515,6 +560,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.heads < 1:
         parser.error("--tokens and --heads must be positive")
+    if args.interleaved_samples < 0 or args.sample_calls < 1:
+        parser.error("--interleaved-samples must be 0 or more and --sample-calls at least 1")
     return args
 
 

@@ -292,7 +292,8 @@ def test_bad_arguments_give_clear_errors():
 
 
 def test_dispatch_cpu_run(tmp_path, written):
-    _main(BD, ["--device", "cpu", "--out", str(tmp_path), "--iters", "5", "--rounds", "3"])
+    _main(BD, ["--device", "cpu", "--out", str(tmp_path), "--iters", "5", "--rounds", "3", "--interleaved-samples", "4",
+               "--sample-calls", "2"])  # fmt: skip
     _assert_fields_written(written, BD, tmp_path / "dispatch.csv")
     rows = {(r["path"], r["backend"]): r for r in _read_rows(tmp_path / "dispatch.csv")}
     for path in ("prefill", "prefill_context_chunk"):
@@ -303,6 +304,8 @@ def test_dispatch_cpu_run(tmp_path, written):
         # Medians of per-round differences (test_record_series_pairs_each_round), bracketed by their quartiles.
         assert math.isfinite(float(r["op_minus_direct_us"]))
         assert float(r["op_minus_raw_q1_us"]) <= float(r["op_minus_raw_us"]) <= float(r["op_minus_raw_q3_us"])
+        low, mid, high = (float(r[f"op_minus_raw_interleaved{part}_us"]) for part in ("_q1", "", "_q3"))
+        assert low <= mid <= high and r["interleaved_samples"] == "4"
         assert r["raw_call"] == M.ReferenceRaw.implementation
     assert any(path == "merge_attn_states" for path, _ in rows)
     layer = rows[(BD.LAYER_PATH, "REFERENCE")]

@@ -277,8 +277,9 @@ class RoundsDifference:
 
 def difference_of_rounds(minuend: Sequence[float], subtrahend: Sequence[float]) -> RoundsDifference:
     """The median and quartiles of the per-round differences of two :func:`alternating` series of equal
-    length. Where both sides drift together from round to round (a shared host's load), the per-round
-    difference cancels the drift that a difference of the two medians keeps."""
+    length (or of two :func:`interleaved` ones: sample by sample). Where both sides drift together from
+    round to round (a shared host's load), the per-round difference cancels the drift that a difference of
+    the two medians keeps."""
     if len(minuend) != len(subtrahend) or not minuend:
         raise ValueError("difference_of_rounds needs two non-empty series of the same length")
     differences = sorted(a - b for a, b in zip(minuend, subtrahend))
