@@ -1,10 +1,10 @@
 """``python -m mla_ops warmup``: build every just-in-time kernel before serving.
 
-FlashInfer compiles its attention kernels on first use (minutes on a bare machine), the native merge
-(:mod:`mla_ops.native`) on the first CUDA merge (seconds, once per machine) and Triton on first
-launch (seconds). Doing it ahead of time keeps that out of the first request and, more importantly,
-out of CUDA-graph capture (the native merge is not built during capture: the Triton merge runs there
-until it is).
+FlashInfer compiles its attention kernels on first use (minutes on a bare machine), the native library
+(:mod:`mla_ops.native`: the merge and TRITON's launches) on the first CUDA merge or TRITON call (seconds,
+once per machine) and Triton on first launch (seconds). Doing it ahead of time keeps that out of the first
+request and, more importantly, out of CUDA-graph capture (the native library is not built during capture:
+the Triton merge and TRITON's Python launches run there until it is).
 """
 
 from __future__ import annotations
