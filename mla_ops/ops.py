@@ -108,14 +108,14 @@ def _attention_kernels(in_graph: bool, remember: bool):
         backend = route(device, q.dtype, q.shape[2], v.shape[2], in_graph)
         if device.type != "cuda" or device.index == current_cuda_device():  # on_device's no-switch case, inline
             result = backend.attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
-        else:
-            with on_device(device):
-                result = backend.attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
-        if remember and backend.launches_natively and device.type == "cuda":
-            native.remember_attention(
-                native.PREFILL, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale
-            )
-        return result
+            # Only where the device is current: the C++ kernel hands other calls back (see remember_attention).
+            if remember and backend.launches_natively and device.type == "cuda":
+                native.remember_attention(
+                    native.PREFILL, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale
+                )
+            return result
+        with on_device(device):
+            return backend.attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
 
     def prefill_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale):
         if not attention_inputs_are_valid(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False):
@@ -126,12 +126,13 @@ def _attention_kernels(in_graph: bool, remember: bool):
         backend = route(device, q.dtype, q.shape[2], v.shape[2], in_graph)
         if device.type != "cuda" or device.index == current_cuda_device():
             result = backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
-        else:
-            with on_device(device):
-                result = backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
-        if remember and backend.launches_natively and device.type == "cuda":
-            native.remember_attention(native.PREFILL_CONTEXT_CHUNK, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale)
-        return result
+            if remember and backend.launches_natively and device.type == "cuda":
+                native.remember_attention(
+                    native.PREFILL_CONTEXT_CHUNK, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale
+                )
+            return result
+        with on_device(device):
+            return backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
 
     return prefill, prefill_context_chunk
 

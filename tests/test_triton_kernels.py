@@ -993,6 +993,7 @@ def test_native_launch_describes_the_parameters_triton_passes(monkeypatch):
         metadata=SimpleNamespace(num_warps=4, num_ctas=1, shared=1024),
         src=SimpleNamespace(signature=signature),
     )
+    monkeypatch.setattr(launch, "_hooks", lambda: (None, None))
     fixed = launch.FixedLaunch(compiled, 0, (3, 2), (7, 1, 0.5, -(2**40), 64))
     fixed.native = (None, False, False)  # a known launcher (what _native_launch finds for Triton 3.6's)
     got = fixed.native_launch((5, 2))
@@ -1010,6 +1011,9 @@ def test_native_launch_describes_the_parameters_triton_passes(monkeypatch):
         for name, value in refusal.items():
             setattr(other, name, value)
         assert other.native_launch((5, 2)) is None, refusal
+    monkeypatch.setattr(launch, "_hooks", lambda: ("enter", "leave"))  # hooks installed: handed back anyway
+    assert fixed.native_launch((5, 2)) is None
+    monkeypatch.setattr(launch, "_hooks", lambda: (None, None))
     compiled.src.signature = {**signature, "n": "fp64"}  # a type the C++ launcher does not store
     assert fixed.native_launch((5, 2)) is None
     compiled.src.signature = {**signature, "n": "*i32"}  # a pointer among the fixed arguments

@@ -241,9 +241,10 @@ class FixedLaunch:
         :meth:`__call__`'s: a launcher this module does not know, scratch memory, a cooperative,
         programmatic-dependent or clustered launch, or a parameter type outside :data:`NATIVE_KINDS`.
 
-        Triton's hooks are not looked at here: the native launcher reads them on every call, as this one does.
+        ``None`` too while Triton's launch hooks are installed: the native launcher, which reads them on every
+        call as :meth:`__call__` does, would hand every call of the layout back anyway.
         """
-        if self.native is None or self.needs_scratch:
+        if self.native is None or self.needs_scratch or _hooks() != (None, None):
             return None
         _, cooperative, pdl = self.native
         compiled = self.compiled
