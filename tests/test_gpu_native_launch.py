@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from utils import native_library_or_skip
+from utils import make_batch, native_library_or_skip
 
 import mla_ops
 from mla_ops import native
@@ -43,19 +43,9 @@ def _triton():
 
 
 def _new_tokens(lengths, heads=16, dtype=torch.bfloat16, *, strided_v=True, padding=0, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    total = sum(lengths) + padding
-    q = torch.randn(total, heads, DQK, generator=gen).to(DEVICE, dtype)
-    k = torch.randn(total, heads, DQK, generator=gen).to(DEVICE, dtype)
-    if strided_v:  # v as a view of kv = [k_nope | v], as MLA layers hold it
-        v = torch.randn(total, heads, DQK + DV, generator=gen).to(DEVICE, dtype)[..., DQK:]
-    else:
-        v = torch.randn(total, heads, DV, generator=gen).to(DEVICE, dtype)
-    offsets = [0]
-    for n in lengths:
-        offsets.append(offsets[-1] + n)
-    cu = torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
-    return q, k, v, cu, max(lengths), DQK**-0.5
+    """``(q, k, v, cu_seqlens, max_seqlen, scale)`` of a ragged batch (``v`` a view of ``kv`` by default)."""
+    batch = make_batch(lengths, heads, DQK, DV, dtype, DEVICE, strided_v=strided_v, padding=padding, seed=seed)
+    return batch.q, batch.k, batch.v, batch.cu_seqlens, batch.max_seqlen, DQK**-0.5
 
 
 def _chunk(lengths, chunk_lengths, heads=16, dtype=torch.bfloat16, seed=1):
