@@ -32,7 +32,9 @@ ops, the same backend calls and the same merge, so it returns exactly what the t
 call instead of three is one dispatch and one routing instead of three; and since neither part's
 result leaves the op, the backend calls are :meth:`~mla_ops.backends.base.PrefillBackend.attention_for_merge`,
 which may hand the merge a library's base-2 LSE unconverted. Traced code keeps the three ops (the API
-calls this one only outside ``torch.compile``).
+calls this one only outside ``torch.compile``). Like the attention ops, its Python kernel is registered for
+``CompositeExplicitAutograd`` with a twin (:data:`PYTHON_TWINS`): the native library's C++ kernel launches
+a call whose two parts have remembered TRITON layouts, and merges them natively, without a Python frame.
 """
 
 from __future__ import annotations
@@ -79,16 +81,23 @@ CHECK_MERGE_SCHEMA = (
     "_check_merge_inputs(Tensor prefix_out, Tensor prefix_lse, Tensor suffix_out, Tensor suffix_lse) -> ()"
 )
 
-#: The internal op of each attention op that runs its Python kernel, whatever is registered for the op's CUDA
-#: key: the native library's C++ kernel (mla_ops.native) calls it for every call it does not launch itself.
-PYTHON_TWINS = {"prefill": "_prefill_python", "prefill_context_chunk": "_prefill_context_chunk_python"}
+#: The internal op of each attention op (and of the fused op) that runs its Python kernel, whatever is
+#: registered for the op's CUDA key: the native library's C++ kernel (mla_ops.native) calls it for every call
+#: it does not launch itself.
+PYTHON_TWINS = {
+    "prefill": "_prefill_python",
+    "prefill_context_chunk": "_prefill_context_chunk_python",
+    "prefill_with_chunk": "_prefill_with_chunk_python",
+}
+
+_TWINNED_SCHEMAS = {**SCHEMAS, "prefill_with_chunk": FUSED_SCHEMA}
 
 _lib = torch.library.Library(NAMESPACE, "DEF")
 for _schema in (*SCHEMAS.values(), FUSED_SCHEMA, CHECK_MERGE_SCHEMA):
     _lib.define(_schema)
 for _twins in (IN_GRAPH_TWINS, PYTHON_TWINS):
     for _name, _twin in _twins.items():
-        _lib.define(_twin + SCHEMAS[_name].removeprefix(_name))
+        _lib.define(_twin + _TWINNED_SCHEMAS[_name].removeprefix(_name))
 
 
 # --- CPU and CUDA: the selected backend -----------------------------------------------------------
@@ -165,6 +174,22 @@ def _prefill_with_chunk(q, k, v, cu_seqlens, max_seqlen, k_chunk, v_chunk, cu_se
         out_c, lse_c, base2_c = backend.attention_for_merge(
             q, k_chunk, v_chunk, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, softmax_scale, False
         )
+    # Each part's launch is handed over as its op's kernel hands it (see _attention_kernels): the C++ kernel
+    # launches a call whose two parts are remembered, and merges them as below.
+    # (Only natural-log LSEs: the C++ kernel's merge reads no base-2 one.)
+    if (
+        backend.launches_natively
+        and not (base2 or base2_c)
+        and device.type == "cuda"
+        and device.index == current_cuda_device()
+    ):
+        native.remember_attention(
+            native.PREFILL, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale
+        )
+        native.remember_attention(
+            native.PREFILL_CONTEXT_CHUNK, q, k_chunk, v_chunk, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k,
+            softmax_scale,
+        )  # fmt: skip
     return merge_kernel(device)(out_c, lse_c, out, lse, prefix_lse_base2=base2_c, suffix_lse_base2=base2)
 
 
@@ -220,7 +245,8 @@ for _name, _kernel, _fake in (
     _register(PYTHON_TWINS[_name], _kernel, _fake)
 _register("merge_attn_states", _merge, meta.merge_attn_states_fake, cuda_key="CompositeExplicitAutograd")
 _register("_check_merge_inputs", check_merge_inputs, check_merge_inputs, cuda_key="CompositeExplicitAutograd")
-_register("prefill_with_chunk", _prefill_with_chunk, _prefill_with_chunk_fake)
+_register("prefill_with_chunk", _prefill_with_chunk, _prefill_with_chunk_fake, cuda_key="CompositeExplicitAutograd")
+_register(PYTHON_TWINS["prefill_with_chunk"], _prefill_with_chunk, _prefill_with_chunk_fake)
 # The twins' fakes need no graph-tree check: their kernels never select a backend that plans on the host.
 _register(IN_GRAPH_TWINS["prefill"], _prefill_in_graph, meta.prefill_fake)
 _register(IN_GRAPH_TWINS["prefill_context_chunk"], _prefill_context_chunk_in_graph, meta.prefill_context_chunk_fake)

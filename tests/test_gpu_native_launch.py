@@ -230,3 +230,98 @@ def test_zero_tokens_and_python_only_paths():
     for _ in range(2):
         out, lse = torch.ops.mla.prefill(*empty, 0, scale)
         assert out.shape == (0, 16, DV) and lse.shape == (16, 0)
+
+
+# --- the fused layer op, mla::prefill_with_chunk ---------------------------------------------------------------
+
+
+def _python_kernels_run(call):
+    """``call()``'s result and the names of the ops' Python twins (``mla::_*_python``) it ran, from the
+    profiler's record of dispatcher calls."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        result = call()
+    names = {event.name for event in profile.events() if event.name.startswith("mla::_")}
+    return result, sorted(name for name in names if name.endswith("_python"))
+
+
+def _layer(lengths, chunk_lengths, heads=16, dtype=torch.bfloat16, padding=0, seed=0):
+    """The fused op's arguments: new tokens (``v`` a view of ``kv``) and one context chunk."""
+    q, k, v, cu, max_q, scale = _new_tokens(lengths, heads, dtype, padding=padding, seed=seed)
+    _, k_c, v_c, cu_k, max_k, _ = _new_tokens(chunk_lengths, heads, dtype, seed=seed + 7)
+    return q, k, v, cu, max_q, k_c, v_c, cu_k, max_k, scale
+
+
+def _three_ops(q, k, v, cu, max_q, k_c, v_c, cu_k, max_k, scale):
+    return torch.ops.mla.merge_attn_states(
+        *torch.ops.mla.prefill_context_chunk(q, k_c, v_c, cu, cu_k, max_q, max_k, scale),
+        *torch.ops.mla.prefill(q, k, v, cu, max_q, scale),
+    )
+
+
+LAYER_CASES = [
+    pytest.param(([16], [16], 16, torch.bfloat16, 0), id="T16-H16-bf16"),
+    pytest.param(([5, 0, 27, 1], [3, 8, 0, 40], 16, torch.bfloat16, 0), id="ragged-empty-slices"),
+    pytest.param(([64, 200], [100, 7], 8, torch.float16, 32), id="fp16-H8-padding"),
+]
+
+
+@pytest.mark.parametrize("case", LAYER_CASES)
+def test_fused_op_is_launched_natively_once_both_parts_are_remembered(case):
+    args = _layer(*case)
+    before = native.remembered_attention_layouts()
+    first, ran = _python_kernels_run(lambda: torch.ops.mla.prefill_with_chunk(*args))
+    assert ran == ["mla::_prefill_with_chunk_python"]
+    torch.ops.mla.prefill_with_chunk(*args)  # a layout's first Triton launch may go through the JIT
+    assert native.remembered_attention_layouts() == before + 2  # the two parts, as prefill's and the chunk's
+    again, ran = _python_kernels_run(lambda: torch.ops.mla.prefill_with_chunk(*args))
+    assert ran == []  # both parts and the merge launched from C++
+    _same(again, first)
+    _same(again, _three_ops(*args))
+    # New data under the same layouts: the C++ kernel reads the new addresses.
+    new = _layer(*case, seed=3)
+    got, ran = _python_kernels_run(lambda: torch.ops.mla.prefill_with_chunk(*new))
+    assert ran == []
+    _same(got, _three_ops(*new))
+
+
+def test_fused_op_with_one_part_remembered_runs_python_and_refuses_as_before():
+    q, k, v, cu, max_q, k_c, v_c, cu_k, max_k, scale = _layer([16], [24])
+    torch.ops.mla.prefill(q, k, v, cu, max_q, scale)
+    torch.ops.mla.prefill(q, k, v, cu, max_q, scale)  # the new tokens' layout is remembered, the chunk's is not
+    got, ran = _python_kernels_run(
+        lambda: torch.ops.mla.prefill_with_chunk(q, k, v, cu, max_q, k_c, v_c, cu_k, max_k, scale)
+    )
+    assert ran == ["mla::_prefill_with_chunk_python"]
+    _same(got, _three_ops(q, k, v, cu, max_q, k_c, v_c, cu_k, max_k, scale))
+    # Both remembered now; chunk values narrower than the new tokens' are refused with the op's message.
+    torch.ops.mla.prefill_with_chunk(q, k, v, cu, max_q, k_c, v_c, cu_k, max_k, scale)
+    narrow = v_c[..., :64]
+    with pytest.raises(ValueError, match="v_chunk has head dim 64 but v has 128"):
+        torch.ops.mla.prefill_with_chunk(q, k, v, cu, max_q, k_c, narrow, cu_k, max_k, scale)
+    grad_q = q.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match=r"mla\.prefill is inference-only"):
+        torch.ops.mla.prefill_with_chunk(grad_q, k, v, cu, max_q, k_c, v_c, cu_k, max_k, scale)
+
+
+def test_fused_op_under_triton_hooks_and_in_a_cuda_graph():
+    from triton import knobs
+
+    args = _layer([9, 7], [12, 30], padding=16)
+    for _ in range(2):
+        torch.ops.mla.prefill_with_chunk(*args)
+    seen = []
+    knobs.runtime.launch_enter_hook.add(lambda metadata: seen.append(metadata))
+    try:
+        torch.ops.mla.prefill_with_chunk(*args)
+    finally:
+        knobs.runtime.launch_enter_hook.calls.clear()
+    assert len(seen) == 2  # both parts went through the Python kernel, which calls the hook
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = torch.ops.mla.prefill_with_chunk(*args)
+    q, k, v = args[:3]
+    q.copy_(torch.randn_like(q)), k.copy_(torch.randn_like(k)), v.copy_(torch.randn_like(v))
+    graph.replay()
+    torch.cuda.synchronize()
+    _same((out, lse), _three_ops(*args))

@@ -49,18 +49,19 @@ def test_merge_registers_python_for_cpu_and_every_backend_but_not_for_cuda_itsel
     assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CUDA") == mla_ops.native.is_loaded()
 
 
-@pytest.mark.parametrize("name", ["prefill", "prefill_context_chunk"])
+@pytest.mark.parametrize("name", ["prefill", "prefill_context_chunk", "prefill_with_chunk"])
 def test_attention_ops_leave_cuda_to_the_native_library_and_keep_a_python_twin(name: str) -> None:
     """As for the merge, the CUDA key stays free for the native library's C++ kernel, which calls the Python
     kernel through the op's twin (mla_ops.ops.PYTHON_TWINS) for the calls it does not launch itself."""
     import mla_ops.native
-    from mla_ops.ops import PYTHON_TWINS
+    from mla_ops.ops import FUSED_SCHEMA, PYTHON_TWINS
 
     qualname = f"mla::{name}"
+    schema = {**SCHEMAS, "prefill_with_chunk": "mla::" + FUSED_SCHEMA}[name]
     assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CompositeExplicitAutograd")
     assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CUDA") == mla_ops.native.is_loaded()
     twin = getattr(torch.ops.mla, PYTHON_TWINS[name]).default
-    assert str(twin._schema).removeprefix(f"mla::{PYTHON_TWINS[name]}") == SCHEMAS[name].removeprefix(qualname)
+    assert str(twin._schema).removeprefix(f"mla::{PYTHON_TWINS[name]}") == schema.removeprefix(qualname)
     for key in ("CPU", "CUDA", "Meta"):
         assert torch._C._dispatch_has_computed_kernel_for_dispatch_key(twin.name(), key), key
 
@@ -120,7 +121,7 @@ def test_the_internal_fused_op_is_registered_like_the_ops() -> None:
 
     assert str(torch.ops.mla.prefill_with_chunk.default._schema) == "mla::" + FUSED_SCHEMA
     for key in ("CPU", "CUDA", "Meta"):
-        assert torch._C._dispatch_has_kernel_for_dispatch_key("mla::prefill_with_chunk", key), key
+        assert torch._C._dispatch_has_computed_kernel_for_dispatch_key("mla::prefill_with_chunk", key), key
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)

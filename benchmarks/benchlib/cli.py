@@ -16,9 +16,20 @@ from typing import Any
 from .timing import DEFAULT_ROUNDS
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default after its help, except where the help already gives it in words (those
+    whose default depends on the device) or there is none to show (``None``, a flag's ``False``)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False:
+            return text
+        return super()._get_help_string(action)
+
+
 def parser(description: str) -> argparse.ArgumentParser:
     """A script's parser: ``description`` on top, every option's default shown in ``--help``."""
-    return argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    return argparse.ArgumentParser(description=description, formatter_class=_DefaultsFormatter)
 
 
 def add_out_dir(parser: argparse.ArgumentParser) -> None:

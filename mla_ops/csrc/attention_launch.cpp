@@ -15,6 +15,11 @@
 // gradients are recorded for an input (the check refuses that), which device is current (launches
 // go there) and MLA_OPS_TRITON_CONFIG's text (it picks the kernel variant). Calls with Triton's launch
 // hooks installed (profilers such as Proton add them) go to the Python kernel, which calls the hooks.
+//
+// mla::prefill_with_chunk, the fused op of a layer's new tokens and one context chunk, gets a C++ kernel
+// too: where both parts' layouts are remembered (as the prefill and prefill_context_chunk layouts they
+// are) it launches both and merges them with the native merge, as its Python kernel
+// (mla::_prefill_with_chunk_python) does for TRITON; every other call goes to that kernel.
 
 #include <Python.h>  // first, as Python asks: it sets feature macros the system headers read
 
@@ -194,8 +199,9 @@ bool config_unchanged(const std::optional<std::string>& config) {
   return now == nullptr ? !config.has_value() : config.has_value() && *config == now;
 }
 
-// The remembered launch for these inputs, or nothing where the Python kernel has to run.
-std::shared_ptr<const Launch> remembered(int64_t op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+// The remembered launch of these inputs' layout where the facts outside the inputs let it run (gradients
+// not recorded, its device current, the same MLA_OPS_TRITON_CONFIG); the caller asks about Triton's hooks.
+std::shared_ptr<const Launch> launchable(int64_t op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q, int64_t max_k,
                                          double scale) {
   if (table_empty.load(std::memory_order_relaxed)) return nullptr;
@@ -205,8 +211,15 @@ std::shared_ptr<const Launch> remembered(int64_t op, const at::Tensor& q, const 
   if (launch == nullptr) return nullptr;
   if (c10::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())) return nullptr;
   if (c10::cuda::current_device() != launch->device || !config_unchanged(launch->config)) return nullptr;
-  if (triton_hooks_installed()) return nullptr;
   return launch;
+}
+
+// The remembered launch for these inputs, or nothing where the Python kernel has to run.
+std::shared_ptr<const Launch> remembered(int64_t op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q, int64_t max_k,
+                                         double scale) {
+  std::shared_ptr<const Launch> launch = launchable(op, q, k, v, cu_q, cu_k, max_q, max_k, scale);
+  return launch == nullptr || triton_hooks_installed() ? nullptr : launch;
 }
 
 Outputs run(const Launch& launch, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -272,6 +285,39 @@ Outputs prefill_context_chunk(const at::Tensor& q, const at::Tensor& k, const at
                          const at::Tensor&, c10::SymInt, c10::SymInt, double)>();
   return python.call(q, k, v, cu_seqlens_q, cu_seqlens_k, std::move(max_seqlen_q), std::move(max_seqlen_k),
                      softmax_scale);
+}
+
+// The fused op's parts are checked as the two ops check them, so a part whose layout is remembered under
+// its op passed that op's check; what the fused op checks beyond them is that the chunk's values are as
+// wide as the new tokens' (mla_ops.meta.checks.check_chunk_values), read here before anything launches.
+Outputs prefill_with_chunk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens,
+                           c10::SymInt max_seqlen, const at::Tensor& k_chunk, const at::Tensor& v_chunk,
+                           const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_k, double softmax_scale) {
+  if (v.dim() == 3 && v_chunk.dim() == 3 && v.size(2) == v_chunk.size(2)) {
+    const int64_t bound = max_seqlen.expect_int();
+    const int64_t bound_k = max_seqlen_k.expect_int();
+    auto causal = launchable(0, q, k, v, cu_seqlens, cu_seqlens, bound, bound, softmax_scale);
+    auto chunk = causal == nullptr ? nullptr
+                                   : launchable(1, q, k_chunk, v_chunk, cu_seqlens, cu_seqlens_k, bound, bound_k,
+                                                softmax_scale);
+    if (chunk != nullptr && !triton_hooks_installed()) {
+      auto [out, lse] = run(*causal, q, k, v, cu_seqlens, cu_seqlens);
+      auto [out_chunk, lse_chunk] = run(*chunk, q, k_chunk, v_chunk, cu_seqlens, cu_seqlens_k);
+      // The Python kernel's merge: the chunk as the prefix, the new tokens as the suffix, natural-log LSEs.
+      static const auto merge = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("mla_native::merge_attn_states", "")
+                                    .typed<Outputs(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                   const at::Tensor&, bool, bool)>();
+      return merge.call(out_chunk, lse_chunk, out, lse, false, false);
+    }
+  }
+  static const auto python = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("mla::_prefill_with_chunk_python", "")
+                                 .typed<Outputs(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                const at::Tensor&, c10::SymInt, const at::Tensor&, const at::Tensor&,
+                                                const at::Tensor&, c10::SymInt, double)>();
+  return python.call(q, k, v, cu_seqlens, std::move(max_seqlen), k_chunk, v_chunk, cu_seqlens_k,
+                     std::move(max_seqlen_k), softmax_scale);
 }
 
 // mla_native::remember_attention: see mla_ops.native.remember_attention, which calls it.
@@ -355,4 +401,5 @@ TORCH_LIBRARY_FRAGMENT(mla_native, m) {
 TORCH_LIBRARY_IMPL(mla, CUDA, m) {
   m.impl("prefill", &mla_native::prefill);
   m.impl("prefill_context_chunk", &mla_native::prefill_context_chunk);
+  m.impl("prefill_with_chunk", &mla_native::prefill_with_chunk);
 }
