@@ -1,6 +1,6 @@
 """The package's native library: built on first use, cached on disk, loaded once per process.
 
-``mla_ops/csrc`` holds C++ kernels for the CUDA key of three ops, which run a call without a Python frame:
+``mla_ops/csrc`` holds C++ kernels for the CUDA key of four ops, which run a call without a Python frame:
 
 - ``mla::merge_attn_states``: checks, outputs and one launch of the CUDA merge beside it;
 - ``mla::prefill`` and ``mla::prefill_context_chunk``: a call whose inputs have the layout of an earlier
@@ -8,6 +8,8 @@
   and one ``cuLaunchKernel``); every other call runs the ops' Python kernels, as without the library.
   :func:`remember_attention`, which the ops call after a TRITON call, hands it the launches;
   ``attention_launch.cpp`` says what a layout holds and why that is enough.
+- ``mla::prefill_with_chunk``, the internal fused layer op: where both its parts' layouts are remembered,
+  both launches and the native merge; every other call runs its Python kernel.
 
 :func:`load` compiles the sources with PyTorch's extension builder (``torch.utils.cpp_extension.load``: it
 needs ``nvcc`` and ``ninja``) into a directory keyed by the sources, the torch and CUDA versions and the
