@@ -234,19 +234,17 @@ def _register(op: str, kernel, fake, cuda_key: str = "CUDA") -> None:
     torch.library.register_fake(f"{NAMESPACE}::{op}", fake, lib=_lib)
 
 
-_register("prefill", _prefill, _prefill_fake, cuda_key="CompositeExplicitAutograd")
-_register(
-    "prefill_context_chunk", _prefill_context_chunk, _prefill_context_chunk_fake, cuda_key="CompositeExplicitAutograd"
-)
+# Each op with a C++ kernel in the native library: its Python kernel for every backend key, leaving CUDA free,
+# and the same kernel for CPU and CUDA under its twin, which the C++ kernel calls.
 for _name, _kernel, _fake in (
     ("prefill", _prefill, _prefill_fake),
     ("prefill_context_chunk", _prefill_context_chunk, _prefill_context_chunk_fake),
+    ("prefill_with_chunk", _prefill_with_chunk, _prefill_with_chunk_fake),
 ):
+    _register(_name, _kernel, _fake, cuda_key="CompositeExplicitAutograd")
     _register(PYTHON_TWINS[_name], _kernel, _fake)
 _register("merge_attn_states", _merge, meta.merge_attn_states_fake, cuda_key="CompositeExplicitAutograd")
 _register("_check_merge_inputs", check_merge_inputs, check_merge_inputs, cuda_key="CompositeExplicitAutograd")
-_register("prefill_with_chunk", _prefill_with_chunk, _prefill_with_chunk_fake, cuda_key="CompositeExplicitAutograd")
-_register(PYTHON_TWINS["prefill_with_chunk"], _prefill_with_chunk, _prefill_with_chunk_fake)
 # The twins' fakes need no graph-tree check: their kernels never select a backend that plans on the host.
 _register(IN_GRAPH_TWINS["prefill"], _prefill_in_graph, meta.prefill_fake)
 _register(IN_GRAPH_TWINS["prefill_context_chunk"], _prefill_context_chunk_in_graph, meta.prefill_context_chunk_fake)
