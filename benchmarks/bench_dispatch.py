@@ -335,7 +335,7 @@ def measure_merge(args: argparse.Namespace, device: torch.device) -> list[dict[s
 
     import mla_ops
     from mla_ops import native
-    from mla_ops.merge import merge_kernel
+    from mla_ops.runtime.merge_dispatch import merge_kernel
 
     p = P.make_problem(P.Shape("merge", args.heads, (args.tokens,)), device, getattr(torch, args.dtype), args.seed)
     merge_args = p.merge
@@ -413,8 +413,8 @@ def merge_parts(merge_args: tuple, device: torch.device) -> tuple[Callable[[], A
 
     if device.type != "cuda":
         return None
-    from mla_ops.alloc import template
     from mla_ops.kernels import merge
+    from mla_ops.runtime.alloc import template
 
     prefix_out = merge_args[0]
     num_tokens, num_heads, dv = prefix_out.shape

@@ -17,10 +17,10 @@ from .api import (
     prefill_with_context,
 )
 from .backends.registry import PrefillBackendEnum
-from .config import DEEPSEEK_V3, DeviceCapability, MLADimensions, SelectorConfig
-from .graph_trees import compile_options
-from .graphs import plan_cuda_graph, release_cuda_graph_buffers
+from .runtime.cuda_graphs import plan_cuda_graph, release_cuda_graph_buffers
+from .runtime.graph_trees import compile_options
 from .selector import clear_cache, prefill_backend, select_backend, set_prefill_backend
+from .specs import DEEPSEEK_V3, DeviceCapability, MLADimensions, SelectorConfig
 from .version import __version__
 
 __all__ = [

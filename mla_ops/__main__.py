@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from . import demo, info, warmup
+from .cli import demo, info, warmup
 
 
 def _program_name() -> str:

@@ -8,7 +8,7 @@ calling an op, so that without ``fullgraph`` a bad input surfaces as the package
 
 While ``torch.compile`` traces for CUDA-graph trees (``mode="reduce-overhead"``), :func:`prefill` and
 :func:`prefill_context_chunk` call the ops' in-graph twins instead, which never run a backend that plans
-on the host (:mod:`mla_ops.graph_trees`).
+on the host (:mod:`mla_ops.runtime.graph_trees`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import NamedTuple
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.mla)
-from .graph_trees import IN_GRAPH_TWINS, routes_in_graph
 from .meta.checks import MAX_SEQLEN_LIMIT, check_argument_types, check_attention_inputs, check_merge_inputs
+from .runtime.graph_trees import IN_GRAPH_TWINS, routes_in_graph
 
 
 def _overload_callable(overload: torch._ops.OpOverload) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
@@ -132,7 +132,7 @@ def prefill(
         natural log.
 
     Inside torch.compile's CUDA-graph trees (``mode="reduce-overhead"``), the call runs the best backend
-    that reads the offsets on the device (:mod:`mla_ops.graph_trees`).
+    that reads the offsets on the device (:mod:`mla_ops.runtime.graph_trees`).
     """
     # The eager fast path: straight to the op, whose kernel validates everything. The checks below add
     # what the dispatcher would reject with messages that name no argument (other types, ints beyond the

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .api import MIN_PACKED_ROWS, ContextChunk, pack_rows, prefill_with_context
-from .config import MLADimensions
+from .specs import MLADimensions
 
 
 @dataclass(frozen=True)

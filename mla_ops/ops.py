@@ -6,10 +6,10 @@ against 21 us for ``torch.library.custom_op``). They are forward-only: there is 
 
 - ``CPU`` and ``CUDA``: one Python kernel per op for both. It validates the inputs and runs the backend
   that :func:`mla_ops.selector.route` picks (on CPU that is always REFERENCE), with the inputs'
-  device current (:func:`mla_ops.capture.on_device`): the kernel libraries launch on the current
+  device current (:func:`mla_ops.runtime.capture.on_device`): the kernel libraries launch on the current
   device and stream, so a call on ``cuda:1`` tensors while ``cuda:0`` is current runs on ``cuda:1``,
   on its current stream, and leaves ``cuda:0`` current afterwards. ``merge_attn_states`` runs the merge
-  function of its inputs' device (:func:`mla_ops.merge.merge_kernel`), which launches there by itself.
+  function of its inputs' device (:func:`mla_ops.runtime.merge_dispatch.merge_kernel`), which launches there by itself.
   The three public ops' Python kernels are registered for every backend key (``CompositeExplicitAutograd``)
   rather than for ``CUDA``, so that the native library (:mod:`mla_ops.native`), once loaded, registers C++
   kernels for ``CUDA`` that take over without overriding a registration. The attention ops' C++ kernels
@@ -18,10 +18,10 @@ against 21 us for ``torch.library.custom_op``). They are forward-only: there is 
   once its check has accepted the inputs (:func:`mla_ops.native.remember_attention`).
   ``_check_merge_inputs``, an internal op, is :func:`mla_ops.meta.checks.check_merge_inputs` for the
   merge's C++ kernel to raise the op's errors with.
-- ``Meta``/fake: :mod:`mla_ops.meta` (shapes), plus :func:`mla_ops.graph_trees.check_graph_trees`, which
+- ``Meta``/fake: :mod:`mla_ops.meta` (shapes), plus :func:`mla_ops.runtime.graph_trees.check_graph_trees`, which
   refuses a host-planning backend inside CUDA-graph trees at compile time.
 
-The two attention ops have an internal twin each, ``*_in_graph`` (:data:`mla_ops.graph_trees.IN_GRAPH_TWINS`),
+The two attention ops have an internal twin each, ``*_in_graph`` (:data:`mla_ops.runtime.graph_trees.IN_GRAPH_TWINS`),
 with the same schema and validation, which the Python API calls inside CUDA-graph trees and whose kernel
 selects with ``in_graph=True`` (never a backend that plans on the host). Its fake refuses nothing.
 
@@ -42,15 +42,15 @@ from __future__ import annotations
 import torch
 
 from . import meta, native
-from .capture import current_cuda_device, on_device
-from .graph_trees import IN_GRAPH_TWINS, check_graph_trees
-from .merge import merge_kernel
 from .meta.checks import (
     attention_inputs_are_valid,
     check_attention_inputs,
     check_chunk_values,
     check_merge_inputs,
 )
+from .runtime.capture import current_cuda_device, on_device
+from .runtime.graph_trees import IN_GRAPH_TWINS, check_graph_trees
+from .runtime.merge_dispatch import merge_kernel
 from .selector import route
 
 NAMESPACE = "mla"

@@ -12,7 +12,7 @@ Selection, for tensors on a device of some capability with some ``(dtype, Dqk, D
    lookup.
 
 ``in_graph=True`` selects for a call that torch.compile's CUDA-graph trees will replay without running
-Python (see :mod:`mla_ops.graph_trees`): a backend that plans each batch on the host (``plans_on_host``)
+Python (see :mod:`mla_ops.runtime.graph_trees`): a backend that plans each batch on the host (``plans_on_host``)
 cannot run there. Automatic selection then skips such backends, taking the best one that reads the
 offsets on the device, and an override naming one raises ``ValueError`` (never a silent fallback).
 CPU tensors still run REFERENCE: CUDA-graph trees concern CUDA devices only.
@@ -33,7 +33,7 @@ import torch
 from . import native
 from .backends.base import PrefillBackend
 from .backends.registry import PrefillBackendEnum, replace_backend
-from .config import DeviceCapability, MLADimensions, SelectorConfig
+from .specs import DeviceCapability, MLADimensions, SelectorConfig
 
 logger = logging.getLogger("mla_ops")
 

@@ -71,8 +71,8 @@ def no_host_sync() -> Iterator[None]:
 @contextlib.contextmanager
 def capturing() -> Iterator[None]:
     """Make the current stream look like it is capturing a CUDA graph: to torch's query, and to the C binding
-    beneath it that ``mla_ops.capture.is_capturing`` calls."""
-    from mla_ops import capture
+    beneath it that ``mla_ops.runtime.capture.is_capturing`` calls."""
+    from mla_ops.runtime import capture
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)

@@ -1,4 +1,4 @@
-"""``mla_ops.alloc.empty``: what ``torch.empty`` gives, from a zero-stride template (see the module)."""
+"""``mla_ops.runtime.alloc.empty``: what ``torch.empty`` gives, from a zero-stride template (see the module)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from mla_ops import alloc
+from mla_ops.runtime import alloc
 
 SHAPES_3D = list(itertools.product([0, 1, 2, 17], [0, 1, 3, 16], [1, 2, 128]))
 SHAPES_2D = list(itertools.product([0, 1, 2, 16], [0, 1, 3, 17]))

@@ -23,7 +23,7 @@ import torch
 from mla_ops import DeviceCapability, MLADimensions, SelectorConfig
 from mla_ops.backends.flash_attn import FlashAttnBackend
 from mla_ops.backends.flashinfer import FlashInferBackend
-from mla_ops.info import selection_rules
+from mla_ops.cli.info import selection_rules
 from mla_ops.selector import backend_installed, route, select_backend
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -368,7 +368,7 @@ def test_attention_for_merge_merges_to_what_attention_merges_to(installed):
     """``attention_for_merge`` (what the fused layer op calls) may hand the merge another LSE form, flagged
     base 2, but never another result: on a batch seen before (where a planning backend takes its fast
     path), merging its two parts gives bit for bit what merging :meth:`attention`'s gives."""
-    from mla_ops.merge import merge_kernel
+    from mla_ops.runtime.merge_dispatch import merge_kernel
 
     dqk, dv = DEEPSEEK_DIMS
     installed.require(BF16, DEEPSEEK_DIMS)

@@ -24,8 +24,8 @@ import mla_ops
 from mla_ops.backends import flashinfer as fib
 from mla_ops.backends.flashinfer import FlashInferBackend
 from mla_ops.backends.reference import merge_attn_states_reference
-from mla_ops.config import DEEPSEEK_V3, DeviceCapability, MLADimensions, SelectorConfig
 from mla_ops.selector import backend_installed
+from mla_ops.specs import DEEPSEEK_V3, DeviceCapability, MLADimensions, SelectorConfig
 
 DQK, DV = DEEPSEEK_DIMS
 H = 4
@@ -686,7 +686,7 @@ def test_graph_wrappers_on_sm100_use_fa2():
 
 
 def test_info_selects_flashinfer_and_names_what_runs_inside_graph_trees(fi) -> None:
-    from mla_ops.info import machine_table
+    from mla_ops.cli.info import machine_table
 
     table = machine_table(SM90, SelectorConfig(torch.bfloat16, DEEPSEEK_V3), True)
     row = "  FLASHINFER  yes    flashinfer 0.7.2.post1 BatchPrefillWithRaggedKVCacheWrapper, backend fa3 on SM90\n"

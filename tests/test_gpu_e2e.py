@@ -16,15 +16,15 @@ from utils import reset_compile
 
 import mla_ops
 from mla_ops.backends.registry import PrefillBackendEnum
-from mla_ops.config import DeviceCapability, SelectorConfig
-from mla_ops.demo import attention_fp64
+from mla_ops.cli.demo import attention_fp64
 from mla_ops.model import MLAAttention, MLABatch, MLAConfig, random_batch
+from mla_ops.specs import DeviceCapability, SelectorConfig
 
 pytestmark = pytest.mark.gpu
 
 BACKENDS = ["TRITON", "FLASH_ATTN", "FLASHINFER"]
 CONFIG = MLAConfig(hidden_size=1024, num_heads=16)
-REL_TOL = 2e-2  # bf16 activations through four projections; see mla_ops.demo.REL_TOLERANCE
+REL_TOL = 2e-2  # bf16 activations through four projections; see mla_ops.cli.demo.REL_TOLERANCE
 
 
 def _require(backend: str) -> None:

@@ -1,4 +1,4 @@
-"""The native merge (``mla_ops.native``, ``mla_ops/csrc``) on a CUDA GPU (``pytest -m gpu``).
+"""The native merge (``mla_ops.native``, ``mla_ops/native/csrc``) on a CUDA GPU (``pytest -m gpu``).
 
 It is built here when it is not cached (about a minute): the tests need ``nvcc`` and ``ninja`` and skip,
 saying so, without them. Checked: the op's CUDA key runs the C++ kernel; its results against the fp32
@@ -22,7 +22,7 @@ from utils import native_library_or_skip
 import mla_ops
 from mla_ops import native
 from mla_ops.backends.reference import merge_attn_states_reference
-from mla_ops.merge import merge_kernel
+from mla_ops.runtime.merge_dispatch import merge_kernel
 
 pytestmark = pytest.mark.gpu
 

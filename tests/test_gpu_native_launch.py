@@ -1,4 +1,4 @@
-"""The attention ops' C++ kernels (``mla_ops/csrc/attention_launch.cpp``) on a CUDA GPU (``pytest -m gpu``).
+"""The attention ops' C++ kernels (``mla_ops/native/csrc/attention_launch.cpp``) on a CUDA GPU (``pytest -m gpu``).
 
 With the native library loaded and TRITON selected, a call whose inputs have the layout of an earlier
 TRITON call is launched by the C++ kernel, every other call by the Python kernel. Checked: that layouts are
@@ -165,6 +165,46 @@ def test_selection_change_forgets_the_layouts():
         assert native.remembered_attention_layouts() == 0
     want, _ = _triton_direct(q, k, v, cu, cu, max_q, max_q, scale, True)
     torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def _cuda_key_runs_cpp(name: str = "prefill") -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"mla::{name}", "CUDA")
+
+
+def test_cpp_kernels_hold_the_cuda_key_only_while_a_triton_layout_is_remembered():
+    """Calls of other backends never pass through the C++ kernels: they are registered by the first remembered
+    TRITON layout and unregistered when the layouts are forgotten (a selection change)."""
+    q, k, v, cu, max_q, scale = _new_tokens([16])
+    native.forget_attention()
+    names = ("prefill", "prefill_context_chunk", "prefill_with_chunk")
+    assert not any(_cuda_key_runs_cpp(name) for name in names)
+    torch.ops.mla.prefill(q, k, v, cu, max_q, scale)
+    assert native.attention_kernels_registered() and all(_cuda_key_runs_cpp(name) for name in names)
+    mla_ops.clear_cache()
+    assert not native.attention_kernels_registered() and not any(_cuda_key_runs_cpp(name) for name in names)
+    torch.ops.mla.prefill(q, k, v, cu, max_q, scale)  # registered again: TRITON is still forced
+    assert _cuda_key_runs_cpp()
+
+
+@pytest.mark.parametrize("backend", ["FLASHINFER", "FLASH_ATTN", "REFERENCE"])
+def test_other_backends_never_call_through_the_cpp_kernels(backend):
+    """A FLASHINFER, FLASH_ATTN or REFERENCE call runs the op's Python kernel straight from the dispatcher:
+    the profiler sees no ``mla::_*_python`` twin (the C++ kernel's hand-off) on any path."""
+    native.forget_attention()
+    q, k, v, cu, max_q, scale = _new_tokens([5, 27])
+    qc, kc, vc, cu_q, cu_k, mq, mk, _ = _chunk([5, 27], [40, 3])
+    try:
+        with mla_ops.prefill_backend(backend):
+            mla_ops.prefill(q, k, v, cu, max_q)  # warm: plans, compiles, loads the library
+    except ValueError as exc:  # the selector refuses a forced backend that cannot run here, saying why
+        pytest.skip(f"{backend} does not run here: {exc}")
+    with mla_ops.prefill_backend(backend), torch.profiler.profile() as prof:
+        torch.ops.mla.prefill(q, k, v, cu, max_q, scale)
+        torch.ops.mla.prefill_context_chunk(qc, kc, vc, cu_q, cu_k, mq, mk, scale)
+        mla_ops.prefill_with_context(q, k, v, cu, max_q, [mla_ops.ContextChunk(kc, vc, cu_k, mk)])
+    names = {event.name for event in prof.events()}
+    assert not any(name.startswith("mla::_") and name.endswith("_python") for name in names), names
+    assert not _cuda_key_runs_cpp()
 
 
 def test_config_variable_sends_calls_to_python(monkeypatch):

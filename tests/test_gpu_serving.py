@@ -11,10 +11,10 @@ import torch
 from utils import cu_seqlens_of
 
 import mla_ops
-from mla_ops.config import DeviceCapability, MLADimensions, SelectorConfig
-from mla_ops.demo import attention_fp64
+from mla_ops.cli.demo import attention_fp64
 from mla_ops.model import MLAAttention, MLAConfig, pack_context, random_batch
 from mla_ops.selector import validate_backend
+from mla_ops.specs import DeviceCapability, MLADimensions, SelectorConfig
 
 pytestmark = pytest.mark.gpu
 

@@ -18,8 +18,8 @@ from transformers_cases import needs_transformers
 
 import mla_ops
 from mla_ops.backends.registry import PrefillBackendEnum
-from mla_ops.config import DeviceCapability, MLADimensions, SelectorConfig
 from mla_ops.selector import validate_backend
+from mla_ops.specs import DeviceCapability, MLADimensions, SelectorConfig
 
 pytestmark = [pytest.mark.gpu, needs_transformers]
 

@@ -21,9 +21,9 @@ from utils import GraphBuffers, assert_attention_close, cu_seqlens_of, make_batc
 import mla_ops
 from mla_ops.backends.reference import merge_attn_states_reference
 from mla_ops.backends.triton import TritonBackend
-from mla_ops.config import MLADimensions, SelectorConfig
 from mla_ops.kernels.configs import EXPERIMENTAL_WS_ENV_VAR
-from mla_ops.merge import merge_kernel
+from mla_ops.runtime.merge_dispatch import merge_kernel
+from mla_ops.specs import MLADimensions, SelectorConfig
 
 pytestmark = pytest.mark.gpu
 

@@ -29,11 +29,12 @@ from torch._inductor.utils import run_and_get_code
 from utils import cu_seqlens_of, make_batch, make_qkv
 
 import mla_ops
-from mla_ops import DeviceCapability, MLADimensions, SelectorConfig, graph_trees, selector
+from mla_ops import DeviceCapability, MLADimensions, SelectorConfig, selector
 from mla_ops.backends.base import PrefillBackend
 from mla_ops.backends.flash_attn import FlashAttnBackend
 from mla_ops.backends.flashinfer import FlashInferBackend
 from mla_ops.backends.triton import TritonBackend
+from mla_ops.runtime import graph_trees
 
 BF16 = torch.bfloat16
 SM80, SM90, SM100 = DeviceCapability(8, 0), DeviceCapability(9, 0), DeviceCapability(10, 0)
@@ -187,7 +188,7 @@ def test_selections_inside_and_outside_graph_trees_are_cached_apart(
 
 
 def test_info_names_the_backend_inside_graph_trees(all_installed) -> None:
-    from mla_ops.info import machine_table
+    from mla_ops.cli.info import machine_table
 
     def trees_line() -> str:
         (line,) = [s for s in machine_table(SM90, CONFIG, True).splitlines() if "CUDA-graph trees:" in s]

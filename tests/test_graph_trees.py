@@ -1,4 +1,4 @@
-"""CUDA-graph trees on CPU: how :mod:`mla_ops.graph_trees` reads the options of the ``torch.compile`` being
+"""CUDA-graph trees on CPU: how :mod:`mla_ops.runtime.graph_trees` reads the options of the ``torch.compile`` being
 traced, the fake kernels' compile-time refusal of a host-planning backend, and the deprecated
 :func:`mla_ops.compile_options`.
 
@@ -20,9 +20,10 @@ from torch._inductor import config as inductor_config
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import mla_ops
-from mla_ops import DeviceCapability, graph_trees, selector
+from mla_ops import DeviceCapability, selector
 from mla_ops.backends.flashinfer import FlashInferBackend
 from mla_ops.backends.triton import TritonBackend
+from mla_ops.runtime import graph_trees
 
 BF16 = torch.bfloat16
 

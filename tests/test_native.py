@@ -9,7 +9,8 @@ import warnings
 import pytest
 import torch
 
-from mla_ops import merge, native
+from mla_ops import native
+from mla_ops.runtime import merge_dispatch
 
 
 @pytest.fixture
@@ -18,7 +19,7 @@ def fresh(monkeypatch):
     monkeypatch.setattr(native, "_loaded", None)
     monkeypatch.setattr(native, "_reason", None)
     monkeypatch.setattr(native, "_launches", False)
-    monkeypatch.setattr(merge, "_cuda_merge", None)
+    monkeypatch.setattr(merge_dispatch, "_cuda_merge", None)
     return native
 
 
@@ -51,28 +52,28 @@ def test_a_failed_build_warns_once_and_the_merge_falls_back(fresh, monkeypatch):
 
     monkeypatch.setattr(native, "unavailable_reason", lambda: None)
     monkeypatch.setattr(native, "_build_and_load", failing_build)
-    monkeypatch.setattr(merge, "is_capturing", lambda: False)
+    monkeypatch.setattr(merge_dispatch, "is_capturing", lambda: False)
     with pytest.warns(RuntimeWarning, match=r"could not build the native kernels \(RuntimeError: nvcc fatal"):
-        fn = merge.merge_kernel(torch.device("cuda"))
-    assert fn is merge._triton_or_reference() and fn is not native.merge
+        fn = merge_dispatch.merge_kernel(torch.device("cuda"))
+    assert fn is merge_dispatch._triton_or_reference() and fn is not native.merge
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # neither tried nor reported again
         assert not native.load()
-        assert merge.merge_kernel(torch.device("cuda")) is fn
+        assert merge_dispatch.merge_kernel(torch.device("cuda")) is fn
     assert calls == [1]
     assert "native kernel unavailable: RuntimeError: nvcc fatal : Unsupported gpu architecture" in native.status()
 
 
 def test_no_build_during_cuda_graph_capture(fresh, monkeypatch):
     monkeypatch.setattr(native, "load", lambda: pytest.fail("built during capture"))
-    monkeypatch.setattr(merge, "is_capturing", lambda: True)
-    assert merge.merge_kernel(torch.device("cuda")) is merge._triton_or_reference()
-    assert merge._cuda_merge is None  # decided by the first call outside capture
+    monkeypatch.setattr(merge_dispatch, "is_capturing", lambda: True)
+    assert merge_dispatch.merge_kernel(torch.device("cuda")) is merge_dispatch._triton_or_reference()
+    assert merge_dispatch._cuda_merge is None  # decided by the first call outside capture
 
 
 def test_cpu_tensors_never_touch_the_native_merge(fresh, monkeypatch):
     monkeypatch.setattr(native, "load", lambda: pytest.fail("loaded for CPU tensors"))
-    assert merge.merge_kernel(torch.device("cpu")) is merge.merge_attn_states_reference
+    assert merge_dispatch.merge_kernel(torch.device("cpu")) is merge_dispatch.merge_attn_states_reference
 
 
 def test_build_key_names_everything_the_library_depends_on():
@@ -84,8 +85,10 @@ def test_build_key_names_everything_the_library_depends_on():
         native.build_key(sources, "2.12.0+cu130", "13.0", ["-O3"]),
         native.build_key(sources, "2.11.0+cu130", "12.8", ["-O3"]),
         native.build_key(sources, "2.11.0+cu130", "13.0", ["-O3", "-gencode=arch=compute_100,code=sm_100"]),
+        native.build_key(sources, "2.11.0+cu130", "13.0", ["-O3"], python_abi="cpython-313-x86_64-linux-gnu"),
+        native.build_key(sources, "2.11.0+cu130", "13.0", ["-O3"], compilers="c++: g++ 14.2; nvcc: 13.0"),
     ]
-    assert len({key, *others}) == 5
+    assert len({key, *others}) == 7
 
 
 def test_cache_directory_and_architectures_follow_the_environment(monkeypatch, tmp_path):
@@ -102,7 +105,7 @@ def test_cache_directory_and_architectures_follow_the_environment(monkeypatch, t
 
 
 def test_the_sources_ship_with_the_package():
-    csrc = importlib.resources.files("mla_ops") / "csrc"
+    csrc = importlib.resources.files("mla_ops.native") / "csrc"
     for name in native.SOURCES:
         assert (csrc / name).is_file(), name
     op = (csrc / "merge_attn_states.cpp").read_text()
@@ -177,3 +180,14 @@ def test_nothing_is_remembered_without_the_library(fresh, monkeypatch):
     assert not native.remember_attention(native.PREFILL, t, t, t, cu, cu, 4, 4, 0.25)
     assert native.remembered_attention_layouts() == 0
     native.forget_attention()
+
+
+def test_the_old_name_of_the_off_switch_still_works_and_warns(monkeypatch):
+    monkeypatch.delenv(native.DISABLE_VARIABLE, raising=False)
+    monkeypatch.setenv(native.DEPRECATED_DISABLE_VARIABLE, "0")
+    monkeypatch.setattr(native, "_warned_deprecated_name", False)
+    with pytest.warns(DeprecationWarning, match=r"MLA_OPS_NATIVE_MERGE is deprecated .* set MLA_OPS_NATIVE=0"):
+        assert native.unavailable_reason() == "disabled by MLA_OPS_NATIVE_MERGE=0"
+    # The new name wins where both are set.
+    monkeypatch.setenv(native.DISABLE_VARIABLE, "1")
+    assert native.unavailable_reason() != "disabled by MLA_OPS_NATIVE_MERGE=0"

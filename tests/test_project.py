@@ -53,7 +53,7 @@ def test_demo_runs_eagerly_and_passes() -> None:
 
 
 def test_demo_fails_loudly_when_attention_is_wrong(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    from mla_ops import demo
+    from mla_ops.cli import demo
 
     def wrong(q, k, v, cu_seqlens, max_seqlen, chunks, softmax_scale):
         # Drops the context: exactly the kind of bug the demo must catch.

@@ -22,7 +22,7 @@ from mla_ops import selector as sel
 from mla_ops.backends.flash_attn import FlashAttnBackend
 from mla_ops.backends.flashinfer import FlashInferBackend
 from mla_ops.backends.registry import replace_backend
-from mla_ops.info import selection_rules
+from mla_ops.cli.info import selection_rules
 
 SM80, SM89, SM90, SM100, SM75 = (DeviceCapability(*c) for c in ((8, 0), (8, 9), (9, 0), (10, 0), (7, 5)))
 DEEPSEEK = MLADimensions(128, 64, 128)

@@ -12,10 +12,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from utils import cu_seqlens_of
 
 import mla_ops
-from mla_ops import graph_trees
 from mla_ops.api import SEQUENTIAL_MERGE_MAX_CHUNKS
 from mla_ops.backends.reference import ReferenceBackend, merge_attn_states_reference
-from mla_ops.demo import attention_fp64
+from mla_ops.cli.demo import attention_fp64
+from mla_ops.runtime import graph_trees
 from mla_ops.selector import backend_installed
 
 BF16 = torch.bfloat16

@@ -22,12 +22,12 @@ import torch
 from tp_worker import launch
 
 import mla_ops
-from mla_ops import capture
-from mla_ops.capture import on_device
-from mla_ops.config import DeviceCapability
-from mla_ops.demo import attention_fp64
+from mla_ops.cli.demo import attention_fp64
 from mla_ops.model import MLAAttention, MLAConfig, random_batch
 from mla_ops.parallel import TensorParallelMLAAttention, heads_per_rank, shard_state_dict
+from mla_ops.runtime import capture
+from mla_ops.runtime.capture import on_device
+from mla_ops.specs import DeviceCapability
 
 CONFIG = MLAConfig(hidden_size=128, num_heads=8, q_lora_rank=48, kv_lora_rank=32)
 

@@ -30,11 +30,11 @@ from utils import assert_attention_close, cu_seqlens_of, make_batch, make_qkv, r
 
 from mla_ops.backends.reference import merge_attn_states_reference
 from mla_ops.backends.triton import TritonBackend
-from mla_ops.config import DEEPSEEK_V3, DeviceCapability, MLADimensions, SelectorConfig
 from mla_ops.kernels import configs
 from mla_ops.kernels.attention import attention_triton, head_dim_split
 from mla_ops.kernels.configs import AttentionConfig
 from mla_ops.kernels.merge import merge_attn_states_triton
+from mla_ops.specs import DEEPSEEK_V3, DeviceCapability, MLADimensions, SelectorConfig
 
 # Kernel launches on CPU tensors need the interpreter; conftest enables it on machines without CUDA.
 interpreted = pytest.mark.skipif(

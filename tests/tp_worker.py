@@ -32,7 +32,7 @@ import torch.distributed as dist
 from graph_replays import REPLAYS, StaticBatch, capture, replay_batch, replays
 
 import mla_ops
-from mla_ops.demo import attention_fp64
+from mla_ops.cli.demo import attention_fp64
 from mla_ops.model import MLAAttention, MLABatch, MLAConfig, random_batch
 from mla_ops.parallel import TensorParallelMLAAttention
 

@@ -11,9 +11,9 @@ call, the merges), with less of the package around the backend's work:
   once: the dispatcher's cost for those schemas, and nothing of the package's kernels;
 - ``kernels``: the ops' eager kernels (:data:`mla_ops.ops.EAGER_KERNELS`) called as Python functions:
   validation, routing and the device guard around the backend, without the dispatcher;
-- ``backend``: the selected backend's ``attention`` and the merge function (:func:`mla_ops.merge.merge_kernel`),
-  as the three ops call them (the fused op calls ``attention_for_merge``, which may skip an LSE conversion:
-  that saving is part of "three op calls for one");
+- ``backend``: the selected backend's ``attention`` and the merge function
+  (:func:`mla_ops.runtime.merge_dispatch.merge_kernel`), as the three ops call them (the fused op calls
+  ``attention_for_merge``, which may skip an LSE conversion: that saving is part of "three op calls for one");
 - ``raw``: the backend's library calls (:class:`benchlib.methods.RawLayerAttention`).
 
 :func:`attribute` runs one stack per form (the same weights) in turns, sample by sample, and times the host:
@@ -118,7 +118,7 @@ def backend_attention(backend: Any, device: Any, for_merge: bool = False) -> Cal
     """The ``backend`` form: a layer's attention from ``backend.attention`` (causal, then each chunk) and the
     merge function of ``device``, with no op around them. ``for_merge``: call ``backend.attention_for_merge``
     instead and hand the merge each part's LSE as it comes (base 2 where flagged), as the fused op does."""
-    from mla_ops.merge import merge_kernel
+    from mla_ops.runtime.merge_dispatch import merge_kernel
 
     merge = merge_kernel(device)
     if not for_merge:
@@ -155,8 +155,8 @@ def attention_forms(backend: Any, device: Any, raw_attention: Callable) -> dict[
     import torch
 
     import mla_ops
-    from mla_ops.merge import merge_kernel
     from mla_ops.ops import EAGER_KERNELS
+    from mla_ops.runtime.merge_dispatch import merge_kernel
 
     _targets["backend"], _targets["merge"] = backend, merge_kernel(device)
     ops = torch.ops.mla

@@ -614,7 +614,7 @@ class MergeOp(Method):
     suites = ("merge",)
 
     def __init__(self, device: torch.device) -> None:
-        from mla_ops.merge import merge_kernel
+        from mla_ops.runtime.merge_dispatch import merge_kernel
 
         self.implementation = _merge_fn_name(merge_kernel(device))
         if device.type == "cuda":
@@ -639,13 +639,13 @@ class MergeDirect(Method):
     def unavailable(self, device: torch.device) -> str | None:
         if device.type != "cuda":
             return "on CPU the op runs the reference math (timed as torch_eager_merge)"
-        from mla_ops.merge import merge_kernel
+        from mla_ops.runtime.merge_dispatch import merge_kernel
 
         self.implementation = _merge_fn_name(merge_kernel(device)) + " called directly"
         return None
 
     def prepare(self, p: Problem) -> Prepared:
-        from mla_ops.merge import merge_kernel
+        from mla_ops.runtime.merge_dispatch import merge_kernel
 
         fn, args = merge_kernel(p.device), p.merge
         return Prepared(lambda: fn(*args), _pair)
@@ -833,7 +833,7 @@ class RawLayerAttention:
     """
 
     def __init__(self, raw: Method, device: torch.device) -> None:
-        from mla_ops.merge import merge_kernel
+        from mla_ops.runtime.merge_dispatch import merge_kernel
 
         self.raw, self.device = raw, device
         if isinstance(raw, FlashInferRaw):

@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import torch
 
-from ..config import SUPPORTED_DTYPES, DeviceCapability, SelectorConfig
+from ..specs import SUPPORTED_DTYPES, DeviceCapability, SelectorConfig
 
 _SM80 = DeviceCapability(8, 0)
 
@@ -47,7 +47,7 @@ class PrefillBackend(abc.ABC):
     runs_on_cpu: ClassVar[bool] = False
     #: Whether the backend plans each batch on the host from ``cu_seqlens``. Such a backend needs
     #: :func:`mla_ops.plan_cuda_graph` around manual CUDA graphs, and cannot follow a new batch inside
-    #: a CUDA-graph tree, which replays without running Python (see :mod:`mla_ops.graph_trees`).
+    #: a CUDA-graph tree, which replays without running Python (see :mod:`mla_ops.runtime.graph_trees`).
     plans_on_host: ClassVar[bool] = False
     #: Whether the native library (:mod:`mla_ops.native`) can repeat the backend's CUDA launches by itself:
     #: the ops then hand it each call's launch (:func:`mla_ops.native.remember_attention`).
@@ -145,7 +145,7 @@ class PrefillBackend(abc.ABC):
         Shapes: ``q`` ``[Tq, H, Dqk]``, ``k`` ``[Tk, H, Dqk]``, ``v`` ``[Tk, H, Dv]`` (bf16 or fp16,
         last-dimension stride 1), offsets int32 ``[B+1]``; ``max_seqlen_*`` are upper bounds. All of
         them sit on one device, and the ops call this with that device current
-        (:func:`mla_ops.capture.on_device`), so a library that launches on the current device and
+        (:func:`mla_ops.runtime.capture.on_device`), so a library that launches on the current device and
         stream runs where the tensors are; a caller outside the ops does the same.
 
         Returns ``(out, lse)`` in the package's conventions: ``out`` ``[Tq, H, Dv]`` contiguous in the

@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
-from ..capture import is_capturing, on_device
-from ..config import DeviceCapability, SelectorConfig
+from ..runtime.capture import is_capturing, on_device
+from ..specs import DeviceCapability, SelectorConfig
 from .base import PrefillBackend
 
 _SM80 = DeviceCapability(8, 0)

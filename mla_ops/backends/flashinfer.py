@@ -51,10 +51,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..alloc import empty
-from ..capture import is_capturing, on_device, version_of
-from ..config import DeviceCapability, SelectorConfig
 from ..meta.checks import check_cu_seqlens_values, check_offsets_start_and_order
+from ..runtime.alloc import empty
+from ..runtime.capture import is_capturing, on_device, version_of
+from ..specs import DeviceCapability, SelectorConfig
 from .base import PrefillBackend, dtype_name
 from .flashinfer_replay import RecordedRun, record_run
 

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..capture import is_capturing
-from ..config import DeviceCapability, SelectorConfig
 from ..meta.checks import check_cu_seqlens_values
+from ..runtime.capture import is_capturing
+from ..specs import DeviceCapability, SelectorConfig
 from .base import PrefillBackend
 
 _CHUNK = "mla.prefill_context_chunk"

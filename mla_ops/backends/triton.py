@@ -13,8 +13,8 @@ import importlib.util
 
 import torch
 
-from ..config import DeviceCapability, SelectorConfig
 from ..kernels.configs import gluon_triton_reason, table_large_batch_config
+from ..specs import DeviceCapability, SelectorConfig
 from .base import PrefillBackend
 
 #: Head sizes the kernel is built for: the QK split and the Dv tile are powers of two up to 256.

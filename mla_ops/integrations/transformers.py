@@ -41,7 +41,7 @@ CUDA graphs: under ``torch.compile(mode="reduce-overhead")`` (which ``generate()
 decode steps of a static cache on CUDA) the offsets are computed inside the graph. The calls go
 through :func:`mla_ops.prefill` and :func:`mla_ops.prefill_context_chunk`, which inside CUDA-graph
 trees run the best backend that reads the offsets on the device (TRITON or FLASH_ATTN; see
-:mod:`mla_ops.graph_trees`), so automatic selection replays correctly. A forced FLASHINFER, which
+:mod:`mla_ops.runtime.graph_trees`), so automatic selection replays correctly. A forced FLASHINFER, which
 plans on the host, raises ``ValueError`` at the first compiled call: clear the override, or pass
 ``disable_compile=True`` to ``generate()``.
 
@@ -61,8 +61,8 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import api
-from ..capture import is_capturing, version_of
-from ..config import SUPPORTED_DTYPES
+from ..runtime.capture import is_capturing, version_of
+from ..specs import SUPPORTED_DTYPES
 
 INSTALL_HINT = "pip install 'mla_ops[transformers]'"
 

@@ -48,8 +48,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ..alloc import empty, template
-from ..capture import current_cuda_device, on_device
+from ..runtime.alloc import empty, template
+from ..runtime.capture import current_cuda_device, on_device
 from .configs import (
     CONFIG_ENV_VAR,
     AttentionConfig,
@@ -1077,7 +1077,7 @@ def _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
 
 #: The tensor behind each leading argument of a pointer plan, in :func:`_pointer_addresses`'s order (q, q,
 #: q, k, k, v, out, out, lse, cu_seqlens_q, cu_seqlens_k), as the native launch codes them
-#: (``TensorCode`` in ``mla_ops/csrc/attention_launch.cpp``: q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k).
+#: (``TensorCode`` in ``mla_ops/native/csrc/attention_launch.cpp``: q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k).
 NATIVE_TENSOR_CODES = (0, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6)
 
 

@@ -53,7 +53,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..alloc import empty
+from ..runtime.alloc import empty
 from .configs import head_dim_split
 from .launch import TorchScratch
 from .programs import program_layout

@@ -55,7 +55,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..capture import current_cuda_device
+from ..runtime.capture import current_cuda_device
 
 try:  # Triton >= 3.4: runtime hooks live in triton.knobs
     from triton import knobs as _knobs
@@ -167,7 +167,7 @@ def _native_launch(compiled: Any) -> tuple | None:
     return (launch, coop, pdl) if callable(launch) and scratch == (0, 0) else None
 
 
-#: How the native launch (``mla_ops/csrc/attention_launch.cpp``, ``ParamKind``) stores a parameter of each of
+#: How the native launch (``mla_ops/native/csrc/attention_launch.cpp``, ``ParamKind``) stores a parameter of each of
 #: Triton's scalar types; a pointer parameter is kind 0. A kernel with a parameter of another type is not
 #: launched natively.
 NATIVE_KINDS = {"i32": 1, "i64": 2, "fp32": 3, "f32": 3, "i1": 4, "i8": 4, "i16": 5, "u32": 6, "u64": 7}
@@ -282,7 +282,7 @@ class FixedLaunch:
 class KnownLayout:
     """What a kernel function keeps of a layout it launched before, for its next call of that layout: the
     :class:`FixedLaunch`, templates of its two outputs (``torch.empty_like`` of each gives a fresh output,
-    see :func:`mla_ops.alloc.template`) and whether the caller's input check has accepted the layout."""
+    see :func:`mla_ops.runtime.alloc.template`) and whether the caller's input check has accepted the layout."""
 
     __slots__ = ("checked", "launch", "lse_template", "out_template")
 

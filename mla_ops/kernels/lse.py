@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..capture import on_device
+from ..runtime.capture import on_device
 from .launch import CachedLaunch, pointer_alignment
 
 __all__ = ["lse_base2_to_natural_triton"]

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..alloc import empty, template
-from ..capture import current_cuda_device, on_device
+from ..runtime.alloc import empty, template
+from ..runtime.capture import current_cuda_device, on_device
 from .configs import merge_config
 from .launch import CachedLaunch, FixedLaunch, KnownLayout, pointer_alignment, remember
 

@@ -1,6 +1,6 @@
 """The package's native library: built on first use, cached on disk, loaded once per process.
 
-``mla_ops/csrc`` holds C++ kernels for the CUDA key of four ops, which run a call without a Python frame:
+``mla_ops/native/csrc`` holds C++ kernels for the CUDA key of four ops, which run a call without a Python frame:
 
 - ``mla::merge_attn_states``: checks, outputs and one launch of the CUDA merge beside it;
 - ``mla::prefill`` and ``mla::prefill_context_chunk``: a call whose inputs have the layout of an earlier
@@ -23,7 +23,9 @@ is reported once, as a warning, and not tried again in that process.
 
 Settings (read when :func:`load` first runs):
 
-- ``MLA_OPS_NATIVE_MERGE=0``: never build or load the library (the Python kernels run every call).
+- ``MLA_OPS_NATIVE=0``: never build or load the library (the Python kernels run every call: the merge and
+  TRITON's launches). ``MLA_OPS_NATIVE_MERGE``, its name before it covered the launches too, is read when
+  ``MLA_OPS_NATIVE`` is unset, with a deprecation warning; it goes in the next release.
 - ``MLA_OPS_NATIVE_LAUNCH=0``: load it, but hand it no TRITON launch (the attention ops' Python kernels run).
 - ``MLA_OPS_CACHE_DIR``: where builds are kept (default ``~/.cache/mla_ops``).
 - ``TORCH_CUDA_ARCH_LIST`` (PyTorch's): the architectures to build for, e.g. ``"9.0;10.0"``; by default
@@ -35,9 +37,12 @@ It imports only torch (the extension builder when it builds, the Triton kernels 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
+import subprocess
 import sys
+import sysconfig
 import threading
 import time
 import warnings
@@ -53,6 +58,7 @@ except ImportError:  # pragma: no cover - not POSIX: PyTorch's own lock file onl
 
 __all__ = [
     "SOURCES",
+    "attention_kernels_registered",
     "build_directory",
     "forget_attention",
     "is_built",
@@ -66,11 +72,13 @@ __all__ = [
     "unavailable_reason",
 ]
 
-#: The native sources, in ``mla_ops/csrc``: the CUDA merge kernel, the merge op and the header between
+#: The native sources, in ``mla_ops/native/csrc``: the CUDA merge kernel, the merge op and the header between
 #: them, and the attention ops' launcher.
 SOURCES = ("merge_attn_states_kernel.cu", "merge_attn_states.cpp", "merge_attn_states.h", "attention_launch.cpp")
 
-DISABLE_VARIABLE = "MLA_OPS_NATIVE_MERGE"
+DISABLE_VARIABLE = "MLA_OPS_NATIVE"
+#: The old name of :data:`DISABLE_VARIABLE`, read where that is unset; deprecated.
+DEPRECATED_DISABLE_VARIABLE = "MLA_OPS_NATIVE_MERGE"
 LAUNCH_VARIABLE = "MLA_OPS_NATIVE_LAUNCH"
 CACHE_VARIABLE = "MLA_OPS_CACHE_DIR"
 
@@ -84,10 +92,36 @@ _launches = False
 _load_lock = threading.Lock()
 
 
+_warned_deprecated_name = False
+
+
+def _disable_setting() -> tuple[str, str]:
+    """``(name, value)`` of the setting that turns the library off: ``MLA_OPS_NATIVE``, else its deprecated
+    name (which warns once per process), else ``(MLA_OPS_NATIVE, "1")``."""
+    global _warned_deprecated_name
+    value = os.environ.get(DISABLE_VARIABLE)
+    if value is not None:
+        return DISABLE_VARIABLE, value
+    value = os.environ.get(DEPRECATED_DISABLE_VARIABLE)
+    if value is None:
+        return DISABLE_VARIABLE, "1"
+    if not _warned_deprecated_name:
+        _warned_deprecated_name = True
+        warnings.warn(
+            f"{DEPRECATED_DISABLE_VARIABLE} is deprecated and will be removed in the next release: set "
+            f"{DISABLE_VARIABLE}={value.strip()} instead (it turns off the whole native library, the merge and "
+            "TRITON's launches, as the old name already did)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    return DEPRECATED_DISABLE_VARIABLE, value
+
+
 def unavailable_reason() -> str | None:
     """Why the native library cannot be built here without trying (``None`` where it may be)."""
-    if os.environ.get(DISABLE_VARIABLE, "1").strip() == "0":
-        return f"disabled by {DISABLE_VARIABLE}=0"
+    name, value = _disable_setting()
+    if value.strip() == "0":
+        return f"disabled by {name}=0"
     if torch.version.cuda is None:
         return "this build of torch has no CUDA" + (" (ROCm is not supported)" if torch.version.hip else "")
     if not torch.cuda.is_available():
@@ -115,14 +149,45 @@ def _arch_flags(archs: list[str]) -> list[str]:
     return flags
 
 
-def build_key(sources: dict[str, bytes], torch_version: str, cuda_version: str | None, flags: list[str]) -> str:
+def build_key(
+    sources: dict[str, bytes],
+    torch_version: str,
+    cuda_version: str | None,
+    flags: list[str],
+    python_abi: str = "",
+    compilers: str = "",
+) -> str:
     """The name of a build: a digest of everything the library depends on, so that a changed source, an
-    upgraded torch (whose C++ ABI the library links against) or another GPU never loads a stale build."""
+    upgraded torch (whose C++ ABI the library links against), another Python (the library includes its
+    headers), another compiler or another GPU never loads a stale build."""
     digest = hashlib.sha256()
     for name in sorted(sources):
         digest.update(name.encode() + b"\0" + sources[name] + b"\0")
-    digest.update(f"{torch_version}\0{cuda_version}\0{' '.join(flags)}".encode())
+    digest.update(f"{torch_version}\0{cuda_version}\0{' '.join(flags)}\0{python_abi}\0{compilers}".encode())
     return digest.hexdigest()[:16]
+
+
+def python_abi() -> str:
+    """This interpreter's ABI tag (e.g. ``cpython-312-x86_64-linux-gnu``)."""
+    return sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag or sys.version
+
+
+@functools.cache
+def compilers() -> str:
+    """The host C++ compiler and ``nvcc`` that a build would use, as their ``--version`` output (or
+    ``missing``): run once per process, when a build is first named."""
+    from torch.utils import cpp_extension
+
+    nvcc = os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc") if cpp_extension.CUDA_HOME else "nvcc"
+    found = []
+    for command in (os.environ.get("CXX", "c++"), nvcc):
+        try:
+            done = subprocess.run([command, "--version"], capture_output=True, text=True, timeout=30, check=False)
+            lines = [line for line in done.stdout.splitlines() if line.strip()]
+            found.append(f"{command}: {' | '.join(lines) or 'no version'}")
+        except (OSError, subprocess.SubprocessError):
+            found.append(f"{command}: missing")
+    return "; ".join(found)
 
 
 def build_directory(key: str) -> Path:
@@ -140,7 +205,9 @@ def _build() -> tuple[Path, str, list[str]]:
     """The build directory, library name and architecture flags of this machine's build."""
     flags = _arch_flags(architectures())
     sources = {name: (_CSRC / name).read_bytes() for name in SOURCES}
-    key = build_key(sources, torch.__version__, torch.version.cuda, CXX_FLAGS + CUDA_FLAGS + flags)
+    key = build_key(
+        sources, torch.__version__, torch.version.cuda, CXX_FLAGS + CUDA_FLAGS + flags, python_abi(), compilers()
+    )
     return build_directory(key), f"mla_ops_native_{key}", flags
 
 
@@ -328,20 +395,20 @@ def remember_attention(
     launch cannot be repeated natively (:func:`mla_ops.kernels.attention.known_native_launch`).
     """
     if _loaded is None:
-        from .capture import is_capturing
+        from ..runtime.capture import is_capturing
 
         if is_capturing():
             return False
         load()
     if not _launches:
         return False
-    from .kernels.attention import known_native_launch
+    from ..kernels.attention import known_native_launch
 
     causal = op == PREFILL
     launch = known_native_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
     if launch is None:
         return False
-    from .kernels.configs import CONFIG_ENV_VAR
+    from ..kernels.configs import CONFIG_ENV_VAR
 
     torch.ops.mla_native.remember_attention(
         op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, launch.function,
@@ -356,6 +423,12 @@ def forget_attention() -> None:
     :func:`mla_ops.selector.clear_cache` calls this); a no-op where none can have been handed."""
     if _launches:
         torch.ops.mla_native.forget_attention()
+
+
+def attention_kernels_registered() -> bool:
+    """Whether the attention ops' CUDA key runs the library's C++ kernels now: only while a TRITON layout is
+    remembered, so that calls of the other backends never pass through them."""
+    return bool(torch.ops.mla_native.attention_kernels_registered()) if _launches else False
 
 
 def remembered_attention_layouts() -> int:

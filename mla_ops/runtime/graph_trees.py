@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .selector import backend_for
+from ..selector import backend_for
 
 #: Twins of the two attention ops that the Python API calls while ``torch.compile`` traces for CUDA-graph
 #: trees (:func:`routes_in_graph`). :mod:`mla_ops.ops` defines them with the same schemas, validation and

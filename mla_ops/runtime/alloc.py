@@ -10,7 +10,7 @@ such a tensor, which is not dense, lays its result out contiguously, exactly as 
 whenever it has more than one element (with one element or none it would keep the zero strides, so
 those sizes go to ``torch.empty``).
 
-It imports only torch and :mod:`mla_ops.capture`.
+It imports only torch and :mod:`mla_ops.runtime.capture`.
 """
 
 from __future__ import annotations

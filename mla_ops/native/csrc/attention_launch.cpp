@@ -321,6 +321,29 @@ Outputs prefill_with_chunk(const at::Tensor& q, const at::Tensor& k, const at::T
 }
 
 // mla_native::remember_attention: see mla_ops.native.remember_attention, which calls it.
+// The C++ kernels take the attention ops' CUDA key only while a layout is remembered: a process whose calls
+// never run TRITON (FLASHINFER, FLASH_ATTN) keeps the ops' Python kernels on that key, and pays no hop through
+// this file. The registration is a torch::Library of our own, made by the first remembered layout and
+// destroyed (which unregisters its kernels) when the table is forgotten.
+std::mutex registration_mutex;
+std::unique_ptr<torch::Library> kernels;
+
+void register_kernels() {
+  const std::lock_guard<std::mutex> lock(registration_mutex);
+  if (kernels != nullptr) return;
+  auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "mla", c10::DispatchKey::CUDA, __FILE__,
+                                                  static_cast<uint32_t>(__LINE__));
+  library->impl("prefill", TORCH_FN(prefill));
+  library->impl("prefill_context_chunk", TORCH_FN(prefill_context_chunk));
+  library->impl("prefill_with_chunk", TORCH_FN(prefill_with_chunk));
+  kernels = std::move(library);
+}
+
+void unregister_kernels() {
+  const std::lock_guard<std::mutex> lock(registration_mutex);
+  kernels.reset();
+}
+
 void remember_attention(int64_t op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q, int64_t max_k, double scale,
                         int64_t function, at::IntArrayRef grid, int64_t block, int64_t shared_bytes,
@@ -368,21 +391,32 @@ void remember_attention(int64_t op, const at::Tensor& q, const at::Tensor& k, co
   launch->head_dim_v = v.size(2);
   launch->device = q.device().index();
   if (config.has_value()) launch->config = std::string(config->data(), config->size());
-  const std::lock_guard<std::mutex> lock(table_mutex);
-  if (table.size() >= kMaxLayouts) table.clear();
-  table[*key] = std::move(launch);
-  table_empty.store(false, std::memory_order_relaxed);
+  {
+    const std::lock_guard<std::mutex> lock(table_mutex);
+    if (table.size() >= kMaxLayouts) table.clear();
+    table[*key] = std::move(launch);
+    table_empty.store(false, std::memory_order_relaxed);
+  }
+  register_kernels();
 }
 
 void forget_attention() {
-  const std::lock_guard<std::mutex> lock(table_mutex);
-  table.clear();
-  table_empty.store(true, std::memory_order_relaxed);
+  {
+    const std::lock_guard<std::mutex> lock(table_mutex);
+    table.clear();
+    table_empty.store(true, std::memory_order_relaxed);
+  }
+  unregister_kernels();
 }
 
 int64_t remembered_attention_layouts() {
   const std::lock_guard<std::mutex> lock(table_mutex);
   return static_cast<int64_t>(table.size());
+}
+
+bool kernels_registered() {
+  const std::lock_guard<std::mutex> lock(registration_mutex);
+  return kernels != nullptr;
 }
 
 }  // namespace
@@ -396,10 +430,5 @@ TORCH_LIBRARY_FRAGMENT(mla_native, m) {
       &mla_native::remember_attention);
   m.def("forget_attention() -> ()", &mla_native::forget_attention);
   m.def("remembered_attention_layouts() -> int", &mla_native::remembered_attention_layouts);
-}
-
-TORCH_LIBRARY_IMPL(mla, CUDA, m) {
-  m.impl("prefill", &mla_native::prefill);
-  m.impl("prefill_context_chunk", &mla_native::prefill_context_chunk);
-  m.impl("prefill_with_chunk", &mla_native::prefill_with_chunk);
+  m.def("attention_kernels_registered() -> bool", &mla_native::kernels_registered);
 }

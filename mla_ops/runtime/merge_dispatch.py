@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from . import native
-from .backends.reference import merge_attn_states_reference
+from .. import native
+from ..backends.reference import merge_attn_states_reference
 from .capture import is_capturing
 
 #: ``(prefix_out, prefix_lse, suffix_out, suffix_lse, *, prefix_lse_base2=False, suffix_lse_base2=False,
@@ -44,7 +44,7 @@ def merge_kernel(device: torch.device) -> MergeFn:
 
 def _triton_or_reference() -> MergeFn:
     try:
-        from .kernels.merge import merge_attn_states_triton
+        from ..kernels.merge import merge_attn_states_triton
     except ImportError:
         return merge_attn_states_reference
     return merge_attn_states_triton

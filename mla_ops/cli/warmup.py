@@ -14,11 +14,11 @@ import time
 
 import torch
 
-from . import native
-from .backends.registry import PrefillBackendEnum
-from .config import DEEPSEEK_V3, DeviceCapability, SelectorConfig
+from .. import native
+from ..backends.registry import PrefillBackendEnum
+from ..selector import validate_backend
+from ..specs import DEEPSEEK_V3, DeviceCapability, SelectorConfig
 from .info import parse_dims
-from .selector import validate_backend
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,12 +12,11 @@ import importlib.metadata
 
 import torch
 
-from . import native
-from .backends.base import PrefillBackend
-from .backends.registry import PrefillBackendEnum
-from .config import DEEPSEEK_V3, DeviceCapability, MLADimensions, SelectorConfig
-from .merge import merge_description
-from .selector import (
+from .. import native
+from ..backends.base import PrefillBackend
+from ..backends.registry import PrefillBackendEnum
+from ..runtime.merge_dispatch import merge_description
+from ..selector import (
     ENV_VAR,
     backend_priorities,
     current_override,
@@ -25,7 +24,8 @@ from .selector import (
     unsupported_platform_reason,
     validate_backend,
 )
-from .version import __version__
+from ..specs import DEEPSEEK_V3, DeviceCapability, MLADimensions, SelectorConfig
+from ..version import __version__
 
 _LIBRARIES = {
     "torch": "torch",

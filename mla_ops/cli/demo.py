@@ -15,10 +15,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .api import ContextChunk
-from .config import DeviceCapability, SelectorConfig
-from .model import MLAAttention, MLABatch, MLAConfig, pack_context, random_batch
-from .selector import ENV_VAR, current_override, route
+from ..api import ContextChunk
+from ..model import MLAAttention, MLABatch, MLAConfig, pack_context, random_batch
+from ..selector import ENV_VAR, current_override, route
+from ..specs import DeviceCapability, SelectorConfig
 
 # bf16 activations between the projections already cost ~0.4% relative error; an attention kernel
 # that is wrong by even one masked row or a wrong LSE base lands far above this.

@@ -21,7 +21,7 @@ Calling :func:`plan_cuda_graph` is cheap when no backend that plans on the host 
 can call it unconditionally. Each backend keeps what it plans (see
 :meth:`mla_ops.backends.base.PrefillBackend.plan_cuda_graph`).
 
-For ``torch.compile``'s CUDA-graph trees see :mod:`mla_ops.graph_trees`.
+For ``torch.compile``'s CUDA-graph trees see :mod:`mla_ops.runtime.graph_trees`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .backends.registry import PrefillBackendEnum, created_backends
+from ..backends.registry import PrefillBackendEnum, created_backends
 from .capture import is_capturing
 
 

@@ -1,0 +1,1 @@
+"""The command line: ``python -m mla_ops {info,demo,warmup}``."""
