@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-_DTYPES = (torch.bfloat16, torch.float16)
+from ..specs import SUPPORTED_DTYPES as _DTYPES
 
 #: The largest ``max_seqlen`` the kernels can index (they count tokens in int32).
 MAX_SEQLEN_LIMIT = 2**31 - 1

@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 
 from . import meta, native
+from .backends.base import VarlenCall
 from .meta.checks import (
     attention_inputs_are_valid,
     check_attention_inputs,
@@ -108,40 +109,29 @@ def _attention_kernels(in_graph: bool, remember: bool):
     a CUDA call that ran a backend whose launches the native library can repeat hands it the launch
     (:func:`mla_ops.native.remember_attention`), after the input check accepted the inputs."""
 
-    def prefill(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
-        if not attention_inputs_are_valid(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True):
-            check_attention_inputs(
-                "mla.prefill", (q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale), True
-            )
+    def run(op: int, name: str, call: VarlenCall):
+        # The inputs are checked once per op call, with the op's name in every message.
+        if not attention_inputs_are_valid(*call):
+            check_attention_inputs(name, call[:8], call.causal)
+        q = call.q
         device = q.device
-        backend = route(device, q.dtype, q.shape[2], v.shape[2], in_graph)
+        backend = route(device, q.dtype, q.shape[2], call.v.shape[2], in_graph)
         if device.type != "cuda" or device.index == current_cuda_device():  # on_device's no-switch case, inline
-            result = backend.attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
+            result = backend.attention(call)
             # Only where the device is current: the C++ kernel hands other calls back (see remember_attention).
             if remember and backend.launches_natively and device.type == "cuda":
-                native.remember_attention(
-                    native.PREFILL, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale
-                )
+                native.remember_attention(op, call)
             return result
         with on_device(device):
-            return backend.attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
+            return backend.attention(call)
+
+    def prefill(q, k, v, cu_seqlens, max_seqlen, softmax_scale):
+        call = VarlenCall(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
+        return run(native.PREFILL, "mla.prefill", call)
 
     def prefill_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale):
-        if not attention_inputs_are_valid(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False):
-            check_attention_inputs(
-                "mla.prefill_context_chunk", (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale), False
-            )
-        device = q.device
-        backend = route(device, q.dtype, q.shape[2], v.shape[2], in_graph)
-        if device.type != "cuda" or device.index == current_cuda_device():
-            result = backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
-            if remember and backend.launches_natively and device.type == "cuda":
-                native.remember_attention(
-                    native.PREFILL_CONTEXT_CHUNK, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale
-                )
-            return result
-        with on_device(device):
-            return backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
+        call = VarlenCall(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, False)
+        return run(native.PREFILL_CONTEXT_CHUNK, "mla.prefill_context_chunk", call)
 
     return prefill, prefill_context_chunk
 
@@ -149,18 +139,12 @@ def _attention_kernels(in_graph: bool, remember: bool):
 def _prefill_with_chunk(q, k, v, cu_seqlens, max_seqlen, k_chunk, v_chunk, cu_seqlens_k, max_seqlen_k, softmax_scale):
     # Each part is checked as its own op checks it, with that op's messages; then that the chunk's values
     # are as wide as the new tokens', which the merge of the two ops' outputs would check.
-    if not attention_inputs_are_valid(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True):
-        check_attention_inputs(
-            "mla.prefill", (q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale), True
-        )
-    if not attention_inputs_are_valid(
-        q, k_chunk, v_chunk, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, softmax_scale, False
-    ):
-        check_attention_inputs(
-            "mla.prefill_context_chunk",
-            (q, k_chunk, v_chunk, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, softmax_scale),
-            False,
-        )
+    new = VarlenCall(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
+    chunk = VarlenCall(q, k_chunk, v_chunk, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, softmax_scale, False)
+    if not attention_inputs_are_valid(*new):
+        check_attention_inputs("mla.prefill", new[:8], True)
+    if not attention_inputs_are_valid(*chunk):
+        check_attention_inputs("mla.prefill_context_chunk", chunk[:8], False)
     dv = v.shape[2]
     if v_chunk.shape[2] != dv:
         check_chunk_values(v, v_chunk)
@@ -168,12 +152,8 @@ def _prefill_with_chunk(q, k, v, cu_seqlens, max_seqlen, k_chunk, v_chunk, cu_se
     backend = route(device, q.dtype, q.shape[2], dv, False)
     # Neither part's result leaves this op: each may keep its library's base-2 LSE for the merge to read.
     with on_device(device):
-        out, lse, base2 = backend.attention_for_merge(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True
-        )
-        out_c, lse_c, base2_c = backend.attention_for_merge(
-            q, k_chunk, v_chunk, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, softmax_scale, False
-        )
+        out, lse, base2 = backend.attention_for_merge(new)
+        out_c, lse_c, base2_c = backend.attention_for_merge(chunk)
     # Each part's launch is handed over as its op's kernel hands it (see _attention_kernels): the C++ kernel
     # launches a call whose two parts are remembered, and merges them as below.
     # (Only natural-log LSEs: the C++ kernel's merge reads no base-2 one.)
@@ -183,13 +163,8 @@ def _prefill_with_chunk(q, k, v, cu_seqlens, max_seqlen, k_chunk, v_chunk, cu_se
         and device.type == "cuda"
         and device.index == current_cuda_device()
     ):
-        native.remember_attention(
-            native.PREFILL, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale
-        )
-        native.remember_attention(
-            native.PREFILL_CONTEXT_CHUNK, q, k_chunk, v_chunk, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k,
-            softmax_scale,
-        )  # fmt: skip
+        native.remember_attention(native.PREFILL, new)
+        native.remember_attention(native.PREFILL_CONTEXT_CHUNK, chunk)
     return merge_kernel(device)(out_c, lse_c, out, lse, prefix_lse_base2=base2_c, suffix_lse_base2=base2)
 
 

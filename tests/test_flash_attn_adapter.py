@@ -25,6 +25,7 @@ from utils import DEEPSEEK_DIMS, RaggedBatch, assert_attention_close, cu_seqlens
 import mla_ops
 import mla_ops.backends.flash_attn as fa
 from mla_ops import DeviceCapability, MLADimensions, SelectorConfig
+from mla_ops.backends.base import VarlenCall
 from mla_ops.backends.flash_attn import FlashAttnBackend
 from mla_ops.backends.registry import PrefillBackendEnum
 from mla_ops.selector import backend_installed
@@ -68,8 +69,8 @@ class Chain:
 
     def run(self, path: str, q, k, v, cu_q, cu_k, max_q, max_k, scale):
         if path == "prefill":
-            return self.backend.attention(q, k, v, cu_q, cu_q, max_q, max_q, scale, True)
-        return self.backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, False)
+            return self.backend.attention(VarlenCall(q, k, v, cu_q, cu_q, max_q, max_q, scale, True))
+        return self.backend.attention(VarlenCall(q, k, v, cu_q, cu_k, max_q, max_k, scale, False))
 
 
 # --- the chain -------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from utils import DEEPSEEK_DIMS, assert_attention_close, cu_seqlens_of, make_bat
 
 import mla_ops
 from mla_ops.backends import flashinfer as fib
+from mla_ops.backends.base import VarlenCall
 from mla_ops.backends.flashinfer import FlashInferBackend
 from mla_ops.backends.reference import merge_attn_states_reference
 from mla_ops.selector import backend_installed
@@ -54,10 +55,10 @@ class Installed:
         return self.backend.plan_count
 
     def prefill(self, q, k, v, cu, max_seqlen, scale=SCALE):
-        return self.backend.attention(q, k, v, cu, cu, max_seqlen, max_seqlen, scale, True)
+        return self.backend.attention(VarlenCall(q, k, v, cu, cu, max_seqlen, max_seqlen, scale, True))
 
     def chunk(self, q, k, v, cu_q, cu_k, max_q, max_k, scale=SCALE):
-        return self.backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, False)
+        return self.backend.attention(VarlenCall(q, k, v, cu_q, cu_k, max_q, max_k, scale, False))
 
     def prefill_batch(self, batch, max_seqlen=None):
         return self.prefill(batch.q, batch.k, batch.v, batch.cu_seqlens, max_seqlen or batch.max_seqlen)
@@ -169,8 +170,8 @@ def test_cutlass_falls_back_to_fa2_past_its_work_capacity(monkeypatch):
     for limit, kernel in ((12, "cutlass"), (11, "fa2")):
         monkeypatch.setattr(fib, "CUTLASS_MAX_WORK_ITEMS", limit)
         backend, module = install(SM100)
-        _check_prefill(*backend.attention(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 300, 300,
-                                          SCALE, True), batch)  # fmt: skip
+        call = VarlenCall(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 300, 300, SCALE, True)
+        _check_prefill(*backend.attention(call), batch)
         assert [w.backend for w in module.created] == [kernel]
 
 
@@ -359,17 +360,17 @@ def test_attention_for_merge_hands_over_flashinfers_base2_lse_once_a_batch_is_pl
         (batch.q, chunk.k, chunk.v, batch.cu_seqlens, chunk.cu_seqlens, 13, 7, SCALE, False),
     ]  # fmt: skip
     for args in calls:
-        first_out, first_lse, first_base2 = fi.backend.attention_for_merge(*args)  # plans the batch
-        out, lse = fi.backend.attention(*args)
+        first_out, first_lse, first_base2 = fi.backend.attention_for_merge(VarlenCall(*args))  # plans the batch
+        out, lse = fi.backend.attention(VarlenCall(*args))
         assert first_base2 is False and torch.equal(first_out, out) and torch.equal(first_lse, lse)
-        got_out, got_lse, base2 = fi.backend.attention_for_merge(*args)
+        got_out, got_lse, base2 = fi.backend.attention_for_merge(VarlenCall(*args))
         assert base2 is True and got_lse.shape == lse.shape and got_lse.stride() == (1, H)
         assert torch.equal(got_out, out) and torch.equal(got_lse * math.log(2.0), lse)
     assert fi.plans == 2
     padded = make_batch([3, 8], H, DQK, DV, BF16, padding=4)
     args = (padded.q, padded.k, padded.v, padded.cu_seqlens, padded.cu_seqlens, 8, 8, SCALE, True)
     for _ in range(2):
-        out, lse, base2 = fi.backend.attention_for_merge(*args)
+        out, lse, base2 = fi.backend.attention_for_merge(VarlenCall(*args))
         assert base2 is False and bool(torch.isneginf(lse[:, 11:]).all())
 
 
@@ -427,10 +428,10 @@ def test_later_calls_of_a_plan_replay_its_kernel_call_without_run():
     with backend_installed(backend):
         for _ in range(10):
             out, lse = backend.attention(
-                batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 13, 13, SCALE, True
+                VarlenCall(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 13, 13, SCALE, True)
             )
             out_c, lse_c = backend.attention(
-                batch.q, chunk.k, chunk.v, batch.cu_seqlens, chunk.cu_seqlens, 13, 6, SCALE, False
+                VarlenCall(batch.q, chunk.k, chunk.v, batch.cu_seqlens, chunk.cu_seqlens, 13, 6, SCALE, False)
             )
     runs = [len(w.run_log) for w in module.created]
     assert runs == [1, 1]  # run() served the first call of each plan, which recorded its kernel call
@@ -448,7 +449,7 @@ def test_a_replanned_wrapper_records_again():
             batch = make_batch(lengths, H, DQK, DV, BF16, seed=seed)
             for _ in range(3):
                 out, lse = backend.attention(
-                    batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 6, 6, SCALE, True
+                    VarlenCall(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 6, 6, SCALE, True)
                 )
             _check_prefill(out, lse, batch)
     assert sum(len(w.run_log) for w in module.created) == 3  # the first call of each batch's plan
@@ -463,12 +464,16 @@ def test_a_recorded_call_holds_no_reference_to_the_call_tensors():
     batch = make_batch([5, 3], H, DQK, DV, BF16)
     q = batch.q.clone()
     with backend_installed(backend):
-        out, lse = backend.attention(q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 5, 5, SCALE, True)
+        out, lse = backend.attention(
+            VarlenCall(q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 5, 5, SCALE, True)
+        )
         refs = [weakref.ref(t) for t in (q, out, lse)]
         del q, out, lse
         gc.collect()
         assert [r() for r in refs] == [None, None, None]
-        out, lse = backend.attention(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 5, 5, SCALE, True)
+        out, lse = backend.attention(
+            VarlenCall(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 5, 5, SCALE, True)
+        )
     _check_prefill(out, lse, batch)
 
 
@@ -485,7 +490,7 @@ def test_a_run_that_a_replay_would_not_reproduce_is_never_replayed(module_kwargs
     with backend_installed(backend):
         for _ in range(4):
             out, lse = backend.attention(
-                batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 7, 7, SCALE, True
+                VarlenCall(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 7, 7, SCALE, True)
             )
             _check_prefill(out, lse, batch)
     (wrapper,) = module.created
@@ -522,8 +527,8 @@ def test_strided_v_is_passed_without_a_copy_and_misaligned_inputs_are_copied(fi)
 def test_the_simulated_device_picks_the_kernel(capability, kernel):
     backend, module = install(capability)
     batch = make_batch([5, 6], H, DQK, DV, BF16)
-    _check_prefill(*backend.attention(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 6, 6, SCALE,
-                                      True), batch)  # fmt: skip
+    call = VarlenCall(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 6, 6, SCALE, True)
+    _check_prefill(*backend.attention(call), batch)
     assert [w.backend for w in module.created] == [kernel]
 
 
@@ -676,10 +681,10 @@ def test_graph_wrappers_on_sm100_use_fa2():
     cu = cu_seqlens_of([6, 4])
     with backend_installed(backend):
         mla_ops.plan_cuda_graph(cu)
-        backend.attention(q, k, v, cu, cu, 16, 16, SCALE, True)
+        backend.attention(VarlenCall(q, k, v, cu, cu, 16, 16, SCALE, True))
         cu.copy_(cu_seqlens_of([2, 12]))
         mla_ops.plan_cuda_graph(cu)  # a cutlass graph wrapper would refuse this re-plan
-        out, lse = backend.attention(q, k, v, cu, cu, 16, 16, SCALE, True)
+        out, lse = backend.attention(VarlenCall(q, k, v, cu, cu, 16, 16, SCALE, True))
         mla_ops.release_cuda_graph_buffers()
     assert [w.backend for w in module.created] == ["fa2"]
     assert_attention_close(out, lse, q, k, v, cu, cu, SCALE, True)

@@ -19,6 +19,7 @@ from utils import DEEPSEEK_DIMS, GraphBuffers, assert_attention_close, cu_seqlen
 import mla_ops
 import mla_ops.backends.flash_attn as fa
 from mla_ops import DeviceCapability, MLADimensions, SelectorConfig
+from mla_ops.backends.base import VarlenCall
 from mla_ops.backends.flash_attn import FlashAttnBackend
 
 pytestmark = pytest.mark.gpu
@@ -76,7 +77,7 @@ def test_each_installed_implementation(name, path):
     chunk = make_batch(slices, 16, DQK, DV, BF16, DEVICE, strided_v=True, seed=2)
     cu = batch.cu_seqlens
     k, v, cu_k, max_k = (batch.k, batch.v, cu, 2048) if path == "causal" else (chunk.k, chunk.v, chunk.cu_seqlens, 4096)
-    out, lse = backend.attention(batch.q, k, v, cu, cu_k, 2048, max_k, 0.093, path == "causal")
+    out, lse = backend.attention(VarlenCall(batch.q, k, v, cu, cu_k, 2048, max_k, 0.093, path == "causal"))
     assert_attention_close(out, lse, batch.q, k, v, cu, cu_k, 0.093, causal=path == "causal")
 
 
@@ -156,8 +157,12 @@ def test_fa4_capture_refuses_to_compile_until_warm_up(monkeypatch):
 
     def step():
         return (
-            *backend.attention(bufs.q, bufs.k, bufs.v, bufs.cu, bufs.cu, bufs.budget, bufs.budget, scale, True),
-            *backend.attention(bufs.q, bufs.kc, bufs.vc, bufs.cu, bufs.cu_k, bufs.budget, bufs.budget_k, scale, False),
+            *backend.attention(
+                VarlenCall(bufs.q, bufs.k, bufs.v, bufs.cu, bufs.cu, bufs.budget, bufs.budget, scale, True)
+            ),
+            *backend.attention(
+                VarlenCall(bufs.q, bufs.kc, bufs.vc, bufs.cu, bufs.cu_k, bufs.budget, bufs.budget_k, scale, False)
+            ),
         )
 
     bufs.load([100, 0, 300, 7], [500, 3, 0, 200])

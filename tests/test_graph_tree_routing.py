@@ -30,7 +30,7 @@ from utils import cu_seqlens_of, make_batch, make_qkv
 
 import mla_ops
 from mla_ops import DeviceCapability, MLADimensions, SelectorConfig, selector
-from mla_ops.backends.base import PrefillBackend
+from mla_ops.backends.base import PrefillBackend, VarlenCall
 from mla_ops.backends.flash_attn import FlashAttnBackend
 from mla_ops.backends.flashinfer import FlashInferBackend
 from mla_ops.backends.triton import TritonBackend
@@ -261,7 +261,7 @@ def test_in_graph_twins_select_with_in_graph(all_installed) -> None:
             planned = all_installed.plan_count
             got = getattr(torch.ops.mla, twin)(*args)
             assert all_installed.plan_count == planned, f"mla::{twin} ran FLASHINFER"
-            want = inside.attention(*attention_args)
+            want = inside.attention(VarlenCall(*attention_args))
             assert all(torch.equal(g, w) for g, w in zip(got, want)), f"mla::{twin} did not run {inside.name}"
             getattr(torch.ops.mla, op)(*args)
             assert all_installed.plan_count == planned + 1, f"mla::{op} must still run FLASHINFER"

@@ -10,22 +10,22 @@ import pytest
 import torch
 
 from mla_ops import native
+from mla_ops.backends.base import VarlenCall
 from mla_ops.runtime import merge_dispatch
 
 
 @pytest.fixture
-def fresh(monkeypatch):
+def fresh():
     """The loader as in a new process (nothing tried yet), restored afterwards."""
-    monkeypatch.setattr(native, "_loaded", None)
-    monkeypatch.setattr(native, "_reason", None)
-    monkeypatch.setattr(native, "_launches", False)
-    monkeypatch.setattr(merge_dispatch, "_cuda_merge", None)
-    return native
+    saved = native.LOADER.state()
+    native.LOADER.reset()
+    yield native.LOADER
+    native.LOADER.restore(saved)
 
 
 def test_disabled_by_the_environment(fresh, monkeypatch):
     monkeypatch.setenv(native.DISABLE_VARIABLE, "0")
-    monkeypatch.setattr(native, "_build_and_load", lambda: pytest.fail("built although disabled"))
+    monkeypatch.setattr(fresh, "build", lambda: pytest.fail("built although disabled"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not native.load()
@@ -35,7 +35,7 @@ def test_disabled_by_the_environment(fresh, monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal of a machine without CUDA")
 def test_refuses_quietly_without_cuda(fresh, monkeypatch):
     monkeypatch.delenv(native.DISABLE_VARIABLE, raising=False)
-    monkeypatch.setattr(native, "_build_and_load", lambda: pytest.fail("built without CUDA"))
+    monkeypatch.setattr(fresh, "build", lambda: pytest.fail("built without CUDA"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not native.load()
@@ -51,7 +51,7 @@ def test_a_failed_build_warns_once_and_the_merge_falls_back(fresh, monkeypatch):
         raise RuntimeError("Error building extension 'mla_ops_native':\nnvcc fatal : Unsupported gpu architecture")
 
     monkeypatch.setattr(native, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(native, "_build_and_load", failing_build)
+    monkeypatch.setattr(fresh, "build", failing_build)
     monkeypatch.setattr(merge_dispatch, "is_capturing", lambda: False)
     with pytest.warns(RuntimeWarning, match=r"could not build the native kernels \(RuntimeError: nvcc fatal"):
         fn = merge_dispatch.merge_kernel(torch.device("cuda"))
@@ -68,7 +68,7 @@ def test_no_build_during_cuda_graph_capture(fresh, monkeypatch):
     monkeypatch.setattr(native, "load", lambda: pytest.fail("built during capture"))
     monkeypatch.setattr(merge_dispatch, "is_capturing", lambda: True)
     assert merge_dispatch.merge_kernel(torch.device("cuda")) is merge_dispatch._triton_or_reference()
-    assert merge_dispatch._cuda_merge is None  # decided by the first call outside capture
+    assert fresh.loaded is None  # decided by the first call outside capture
 
 
 def test_cpu_tensors_never_touch_the_native_merge(fresh, monkeypatch):
@@ -131,7 +131,7 @@ def test_a_build_killed_midway_does_not_block_the_next(fresh, monkeypatch, tmp_p
         (directory / f"{name}.so").write_bytes(b"")
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
-    native._build_and_load()
+    fresh.build()  # the real build, with the builder replaced above
     assert seen["stale_lock"] is False
     assert seen["name"] == name and seen["build_directory"] == str(directory) and not seen["is_python_module"]
     assert "-gencode=arch=compute_90,code=sm_90" in seen["extra_cuda_cflags"]
@@ -148,7 +148,7 @@ def test_the_first_merges_of_two_threads_build_once(fresh, monkeypatch):
         time.sleep(0.05)
 
     monkeypatch.setattr(native, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(native, "_build_and_load", slow_build)
+    monkeypatch.setattr(fresh, "build", slow_build)
     results = []
     threads = [threading.Thread(target=lambda: results.append(native.load())) for _ in range(4)]
     for t in threads:
@@ -166,10 +166,9 @@ def test_launch_status_says_how_triton_launches(fresh, monkeypatch):
     assert native.launch_status() == (
         f"launched through Python: native library unavailable: disabled by {native.DISABLE_VARIABLE}=0"
     )
-    monkeypatch.setattr(native, "_loaded", True)
-    monkeypatch.setattr(native, "_launches", True)
+    fresh.loaded = fresh.launches = True
     assert native.launch_status() == "a layout's repeated calls launched from C++"
-    monkeypatch.setattr(native, "_launches", False)  # nothing to forget in the library this test never loaded
+    fresh.launches = False  # nothing to forget in the library this test never loaded
 
 
 def test_nothing_is_remembered_without_the_library(fresh, monkeypatch):
@@ -177,15 +176,14 @@ def test_nothing_is_remembered_without_the_library(fresh, monkeypatch):
     monkeypatch.setenv(native.DISABLE_VARIABLE, "0")
     t = torch.zeros(4, 2, 16, dtype=torch.bfloat16)
     cu = torch.tensor([0, 4], dtype=torch.int32)
-    assert not native.remember_attention(native.PREFILL, t, t, t, cu, cu, 4, 4, 0.25)
+    assert not native.remember_attention(native.PREFILL, VarlenCall(t, t, t, cu, cu, 4, 4, 0.25, True))
     assert native.remembered_attention_layouts() == 0
     native.forget_attention()
 
 
-def test_the_old_name_of_the_off_switch_still_works_and_warns(monkeypatch):
+def test_the_old_name_of_the_off_switch_still_works_and_warns(fresh, monkeypatch):
     monkeypatch.delenv(native.DISABLE_VARIABLE, raising=False)
     monkeypatch.setenv(native.DEPRECATED_DISABLE_VARIABLE, "0")
-    monkeypatch.setattr(native, "_warned_deprecated_name", False)
     with pytest.warns(DeprecationWarning, match=r"MLA_OPS_NATIVE_MERGE is deprecated .* set MLA_OPS_NATIVE=0"):
         assert native.unavailable_reason() == "disabled by MLA_OPS_NATIVE_MERGE=0"
     # The new name wins where both are set.

@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from mla_ops.backends.base import VarlenCall
+
 from . import timing
 from .methods import relative_difference
 
@@ -85,10 +87,10 @@ def _dispatch_ops() -> tuple[Any, Any, Any]:
             library.define(schema)
 
         def prefill(q, k, v, cu, max_q, scale):
-            return _targets["backend"].attention(q, k, v, cu, cu, max_q, max_q, scale, True)
+            return _targets["backend"].attention(VarlenCall(q, k, v, cu, cu, max_q, max_q, scale, True))
 
         def chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-            return _targets["backend"].attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, False)
+            return _targets["backend"].attention(VarlenCall(q, k, v, cu_q, cu_k, max_q, max_k, scale, False))
 
         def merge(prefix_out, prefix_lse, suffix_out, suffix_lse):
             return _targets["merge"](prefix_out, prefix_lse, suffix_out, suffix_lse)
@@ -124,20 +126,20 @@ def backend_attention(backend: Any, device: Any, for_merge: bool = False) -> Cal
     if not for_merge:
 
         def causal(q, k, v, cu, max_q, scale):
-            return backend.attention(q, k, v, cu, cu, max_q, max_q, scale, True)
+            return backend.attention(VarlenCall(q, k, v, cu, cu, max_q, max_q, scale, True))
 
         def chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-            return backend.attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, False)
+            return backend.attention(VarlenCall(q, k, v, cu_q, cu_k, max_q, max_k, scale, False))
 
         return _chained(causal, chunk, merge)
 
     def attention(q, k, v, cu_seqlens, max_seqlen, chunks, softmax_scale):
         out, lse, base2 = backend.attention_for_merge(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True
+            VarlenCall(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
         )
         for k_c, v_c, cu_k, max_k in chunks:
             out_c, lse_c, base2_c = backend.attention_for_merge(
-                q, k_c, v_c, cu_seqlens, cu_k, max_seqlen, max_k, softmax_scale, False
+                VarlenCall(q, k_c, v_c, cu_seqlens, cu_k, max_seqlen, max_k, softmax_scale, False)
             )
             out, lse = merge(out_c, lse_c, out, lse, prefix_lse_base2=base2_c, suffix_lse_base2=base2)
             base2 = False

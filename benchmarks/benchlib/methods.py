@@ -131,8 +131,10 @@ class DirectMethod(Method):
         self.implementation = f"{type(backend).__name__}.attention called directly"
 
     def prepare(self, p: Problem) -> Prepared:
-        args, causal, attention = p.attention_args(), p.causal, self.backend.attention
-        return Prepared(lambda: attention(*args, causal), _pair)
+        from mla_ops.backends.base import VarlenCall
+
+        call, attention = VarlenCall(*p.attention_args(), p.causal), self.backend.attention
+        return Prepared(lambda: attention(call), _pair)
 
 
 class TritonRaw(Method):

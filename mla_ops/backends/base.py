@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -34,6 +34,29 @@ _SM80 = DeviceCapability(8, 0)
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")
+
+
+class VarlenCall(NamedTuple):
+    """One ragged attention call, as the ops hand it to a backend (and to the native library) once its inputs
+    are validated: the argument list of both ops' paths, in one value.
+
+    ``q`` ``[Tq, H, Dqk]``, ``k`` ``[Tk, H, Dqk]``, ``v`` ``[Tk, H, Dv]`` (bf16 or fp16, last-dimension stride
+    1, one device); ``cu_seqlens_q``/``cu_seqlens_k`` int32 ``[B+1]`` offsets; ``max_seqlen_q``/``max_seqlen_k``
+    upper bounds of the sequences' lengths; ``softmax_scale`` the scale of ``q @ k^T``. ``causal=True`` is the
+    new-tokens path: ``k``/``v`` are the new tokens themselves and ``cu_seqlens_k`` is ``cu_seqlens_q`` (the
+    same tensor). ``causal=False`` is a context chunk: ``k``/``v`` hold the chunk, packed as ``cu_seqlens_k``
+    says, and a sequence may have no keys. Being a tuple, it unpacks in the field order in one step.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    softmax_scale: float
+    causal: bool
 
 
 class PrefillBackend(abc.ABC):
@@ -124,27 +147,10 @@ class PrefillBackend(abc.ABC):
     # --- execution ---------------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        softmax_scale: float,
-        causal: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Ragged attention of ``q`` over ``k``/``v``, on validated inputs.
-
-        ``causal=True`` is the new-tokens path: ``k``/``v`` are the new tokens themselves and
-        ``cu_seqlens_k`` is ``cu_seqlens_q`` (the same tensor). ``causal=False`` is a context chunk:
-        ``k``/``v`` hold the chunk, packed as ``cu_seqlens_k`` says, and a sequence may have no keys.
-
-        Shapes: ``q`` ``[Tq, H, Dqk]``, ``k`` ``[Tk, H, Dqk]``, ``v`` ``[Tk, H, Dv]`` (bf16 or fp16,
-        last-dimension stride 1), offsets int32 ``[B+1]``; ``max_seqlen_*`` are upper bounds. All of
-        them sit on one device, and the ops call this with that device current
+    def attention(self, call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ragged attention of ``call.q`` over ``call.k``/``call.v``, on validated inputs (:class:`VarlenCall`
+        gives the shapes and both paths). All tensors sit on one device, and the ops call this with that device
+        current
         (:func:`mla_ops.runtime.capture.on_device`), so a library that launches on the current device and
         stream runs where the tensors are; a caller outside the ops does the same.
 
@@ -154,18 +160,7 @@ class PrefillBackend(abc.ABC):
         callers. Rows past ``cu_seqlens_q[-1]`` are padding: their ``out`` is unspecified.
         """
 
-    def attention_for_merge(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        softmax_scale: float,
-        causal: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def attention_for_merge(self, call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """:meth:`attention` for a result that goes straight into the merge and nowhere else.
 
         Returns ``(out, lse, lse_base2)``: ``out`` as :meth:`attention` returns it; ``lse`` float32
@@ -174,7 +169,5 @@ class PrefillBackend(abc.ABC):
         LSE directly (their ``*_lse_base2`` keywords), so a library whose LSE is base 2 saves the
         conversion kernel that :meth:`attention` launches. Default: :meth:`attention`, natural log.
         """
-        out, lse = self.attention(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
-        )
+        out, lse = self.attention(call)
         return out, lse, False

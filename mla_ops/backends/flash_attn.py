@@ -44,7 +44,7 @@ import torch
 
 from ..runtime.capture import is_capturing, on_device
 from ..specs import DeviceCapability, SelectorConfig
-from .base import PrefillBackend
+from .base import PrefillBackend, VarlenCall
 
 _SM80 = DeviceCapability(8, 0)
 _SM90 = DeviceCapability(9, 0)
@@ -744,8 +744,8 @@ class FlashAttnBackend(PrefillBackend):
                 cu, cu_k = offsets(lengths), offsets(slices)
                 for v in (rand(10, num_heads, dv), kv[..., dqk:]):
                     for bound in (8, 4096):
-                        self.attention(q, k, v, cu, cu, bound, bound, scale, True)
-                        self.attention(q, k[:4], v[:4], cu, cu_k, bound, bound, scale, False)
+                        self.attention(VarlenCall(q, k, v, cu, cu, bound, bound, scale, True))
+                        self.attention(VarlenCall(q, k[:4], v[:4], cu, cu_k, bound, bound, scale, False))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -762,7 +762,8 @@ class FlashAttnBackend(PrefillBackend):
             self._routes[key] = adapter
         return adapter
 
-    def attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    def attention(self, call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = call
         max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
         # Host-side ints and shapes alone decide these cases (no sync): no tokens, no sequences (the
         # kernels reject a batch of 0), no query rows (a grid of 0 blocks is a launch error), no keys.

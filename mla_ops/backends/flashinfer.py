@@ -55,7 +55,7 @@ from ..meta.checks import check_cu_seqlens_values, check_offsets_start_and_order
 from ..runtime.alloc import empty
 from ..runtime.capture import is_capturing, on_device, version_of
 from ..specs import DeviceCapability, SelectorConfig
-from .base import PrefillBackend, dtype_name
+from .base import PrefillBackend, VarlenCall, dtype_name
 from .flashinfer_replay import RecordedRun, record_run
 
 logger = logging.getLogger("mla_ops")
@@ -800,7 +800,8 @@ class FlashInferBackend(PrefillBackend):
         self._batches.move_to_end(batch_key)
         return plan
 
-    def attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    def attention(self, call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = call
         cu_k = None if causal else cu_seqlens_k  # causal: the new tokens over themselves, one offsets tensor
         plan = self._hot_plan(q, v, cu_seqlens_q, cu_k, softmax_scale, causal)
         if plan is not None:
@@ -829,9 +830,8 @@ class FlashInferBackend(PrefillBackend):
             raise _capture_error(f"{name} is not registered for CUDA graphs")
         return self._run_eager(call)
 
-    def attention_for_merge(
-        self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
-    ):
+    def attention_for_merge(self, call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = call
         # The common eager call hands FlashInfer's base-2 [T, H] LSE over as an [H, T] view: the merge
         # converts it as it reads it, so the transpose-and-scale kernel of attention() is not launched.
         cu_k = None if causal else cu_seqlens_k

@@ -14,7 +14,7 @@ import torch
 from ..meta.checks import check_cu_seqlens_values
 from ..runtime.capture import is_capturing
 from ..specs import DeviceCapability, SelectorConfig
-from .base import PrefillBackend
+from .base import PrefillBackend, VarlenCall
 
 _CHUNK = "mla.prefill_context_chunk"
 _LN2 = math.log(2.0)
@@ -153,7 +153,8 @@ class ReferenceBackend(PrefillBackend):
     def describe(self, capability: DeviceCapability | None, config: SelectorConfig) -> str:
         return "PyTorch matmul/logsumexp, fp32 accumulation (host-synchronising, not capturable)"
 
-    def attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    def attention(self, call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = call
         if causal:
             check_cu_seqlens_values("mla.prefill", cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens")
         else:

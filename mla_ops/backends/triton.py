@@ -15,7 +15,7 @@ import torch
 
 from ..kernels.configs import gluon_triton_reason, table_large_batch_config
 from ..specs import DeviceCapability, SelectorConfig
-from .base import PrefillBackend
+from .base import PrefillBackend, VarlenCall
 
 #: Head sizes the kernel is built for: the QK split and the Dv tile are powers of two up to 256.
 MAX_HEAD_DIM = 256
@@ -69,13 +69,13 @@ class TritonBackend(PrefillBackend):
             text += "; large batches: the Hopper kernel written in Gluon (TMA producer warp, two consumer warpgroups)"
         return text
 
-    def attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    def attention(self, call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
         kernel = self._kernel
         if kernel is None:  # imported on first use, then kept: an import statement per call costs a microsecond
             from ..kernels.attention import attention_triton
 
             kernel = self._kernel = attention_triton
-        return kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+        return kernel(*call)  # attention_triton takes VarlenCall's fields in its order
 
     def warmup(self, device: torch.device, config: SelectorConfig, num_heads: int) -> None:
         """Compile every kernel variant a model with ``config`` and ``num_heads`` heads will launch.

@@ -48,6 +48,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -56,8 +57,13 @@ try:
 except ImportError:  # pragma: no cover - not POSIX: PyTorch's own lock file only
     fcntl = None
 
+if TYPE_CHECKING:
+    from ..backends.base import VarlenCall
+
 __all__ = [
+    "LOADER",
     "SOURCES",
+    "Loader",
     "attention_kernels_registered",
     "build_directory",
     "forget_attention",
@@ -84,29 +90,18 @@ CACHE_VARIABLE = "MLA_OPS_CACHE_DIR"
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 
-# None: not tried yet; True: loaded; False: tried and failed, or disabled (_reason says why).
-_loaded: bool | None = None
-_reason: str | None = None
-# Whether TRITON launches are handed to the library (MLA_OPS_NATIVE_LAUNCH), read when it loads.
-_launches = False
-_load_lock = threading.Lock()
-
-
-_warned_deprecated_name = False
-
 
 def _disable_setting() -> tuple[str, str]:
     """``(name, value)`` of the setting that turns the library off: ``MLA_OPS_NATIVE``, else its deprecated
     name (which warns once per process), else ``(MLA_OPS_NATIVE, "1")``."""
-    global _warned_deprecated_name
     value = os.environ.get(DISABLE_VARIABLE)
     if value is not None:
         return DISABLE_VARIABLE, value
     value = os.environ.get(DEPRECATED_DISABLE_VARIABLE)
     if value is None:
         return DISABLE_VARIABLE, "1"
-    if not _warned_deprecated_name:
-        _warned_deprecated_name = True
+    if not LOADER.warned_deprecated_name:
+        LOADER.warned_deprecated_name = True
         warnings.warn(
             f"{DEPRECATED_DISABLE_VARIABLE} is deprecated and will be removed in the next release: set "
             f"{DISABLE_VARIABLE}={value.strip()} instead (it turns off the whole native library, the merge and "
@@ -272,6 +267,42 @@ def _compile_and_load(directory: Path, name: str, flags: list[str]) -> None:
         print(f"mla_ops: native kernels ready in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
+class Loader:
+    """What this process knows of the native library, and how it builds it: one instance, :data:`LOADER`.
+
+    ``loaded`` is ``None`` until :func:`load` has tried, then whether the library is loaded (``reason`` says
+    why not); ``launches`` whether TRITON launches are handed to it (``MLA_OPS_NATIVE_LAUNCH``, read when it
+    loads); ``build`` compiles (where needed) and loads it. Tests replace ``build`` and start from
+    :meth:`reset`, on this object, rather than patching module globals.
+    """
+
+    def __init__(self) -> None:
+        self.build: Callable[[], None] = _build_and_load
+        self.lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what was tried, as in a new process (a library loaded already stays loaded in the process)."""
+        self.loaded: bool | None = None
+        self.reason: str | None = None
+        self.launches = False
+        self.warned_deprecated_name = False
+
+    def state(self) -> dict[str, object]:
+        """What :meth:`restore` puts back."""
+        return {name: getattr(self, name) for name in ("loaded", "reason", "launches", "warned_deprecated_name")}
+
+    def restore(self, state: dict[str, object]) -> None:
+        """Put back what :meth:`state` returned, and the default ``build``."""
+        for name, value in state.items():
+            setattr(self, name, value)
+        self.build = _build_and_load
+
+
+#: This process's loader.
+LOADER = Loader()
+
+
 def load() -> bool:
     """Build and load the native library, once per process; whether it is loaded.
 
@@ -279,25 +310,25 @@ def load() -> bool:
     CUDA call keeps running the Python kernels (the merge the Triton kernel). Call it outside CUDA-graph
     capture.
     """
-    if _loaded is not None:
-        return _loaded
-    with _load_lock:  # two threads' first merges build and load once
-        if _loaded is None:
-            _try_load()
-    return _loaded
+    loader = LOADER
+    if loader.loaded is not None:
+        return loader.loaded
+    with loader.lock:  # two threads' first merges build and load once
+        if loader.loaded is None:
+            _try_load(loader)
+    return bool(loader.loaded)
 
 
-def _try_load() -> None:
-    global _loaded, _reason, _launches
-    _reason = unavailable_reason()
-    if _reason is None:
+def _try_load(loader: Loader) -> None:
+    reason = unavailable_reason()
+    if reason is None:
         try:
-            _build_and_load()
+            loader.build()
         except Exception as exc:  # the builder raises OSError, RuntimeError, CalledProcessError, ...
             lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-            _reason = f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"
+            reason = f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"
             warnings.warn(
-                f"mla_ops: could not build the native kernels ({_reason}); merge_attn_states runs the Triton "
+                f"mla_ops: could not build the native kernels ({reason}); merge_attn_states runs the Triton "
                 "merge and TRITON's attention calls launch through Python, at more host time per call. It needs "
                 "nvcc and ninja (the CUDA toolkit matching "
                 f"torch's CUDA {torch.version.cuda}, and `pip install ninja`); set {DISABLE_VARIABLE}=0 "
@@ -305,9 +336,10 @@ def _try_load() -> None:
                 RuntimeWarning,
                 stacklevel=4,  # from _try_load, load and merge_kernel to the code that merged
             )
-    _loaded = _reason is None
-    _launches = (
-        _loaded
+    loader.reason = reason
+    loader.loaded = reason is None
+    loader.launches = (
+        reason is None
         and os.environ.get(LAUNCH_VARIABLE, "1").strip() != "0"
         and hasattr(torch.ops.mla_native, "remember_attention")  # what the library registers
     )
@@ -315,15 +347,15 @@ def _try_load() -> None:
 
 def is_loaded() -> bool:
     """Whether the native library is loaded in this process (it then runs every CUDA ``merge_attn_states``)."""
-    return bool(_loaded)
+    return bool(LOADER.loaded)
 
 
 def status(fallback: str = "Triton kernel") -> str:
     """What a CUDA merge runs, in one line for ``python -m mla_ops info``: the native kernel, or ``fallback``
     (what runs without it) with why; builds nothing."""
-    if _loaded:
+    if LOADER.loaded:
         return "native CUDA kernel"
-    reason = _reason if _loaded is False else unavailable_reason()
+    reason = LOADER.reason if LOADER.loaded is False else unavailable_reason()
     if reason is not None:
         return f"{fallback} (native kernel unavailable: {reason})"
     if is_built():
@@ -336,9 +368,9 @@ def launch_status() -> str:
     ``python -m mla_ops info``; builds nothing."""
     if os.environ.get(LAUNCH_VARIABLE, "1").strip() == "0":
         return f"launched through Python: {LAUNCH_VARIABLE}=0"
-    if _loaded:
-        return "a layout's repeated calls launched from C++" if _launches else "launched through Python"
-    reason = _reason if _loaded is False else unavailable_reason()
+    if LOADER.loaded:
+        return "a layout's repeated calls launched from C++" if LOADER.launches else "launched through Python"
+    reason = LOADER.reason if LOADER.loaded is False else unavailable_reason()
     if reason is not None:
         return f"launched through Python: native library unavailable: {reason}"
     return "a layout's repeated calls launched from C++ once the native library is loaded (by the first CUDA call)"
@@ -372,48 +404,37 @@ def merge(
 PREFILL, PREFILL_CONTEXT_CHUNK = 0, 1
 
 
-def remember_attention(
-    op: int,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-) -> bool:
+def remember_attention(op: int, call: VarlenCall) -> bool:
     """Hand the library the launch that a TRITON call of ``op`` (:data:`PREFILL` or
     :data:`PREFILL_CONTEXT_CHUNK`) made for these inputs, so that the op's C++ kernel repeats it for every
     later call of their layout; whether it was handed. Loads the library first where that has not been
     tried (not during CUDA-graph capture: then it only returns ``False``).
 
     For the ops' Python kernels to call after a successful TRITON call, once their input check accepted
-    these inputs: the C++ kernel skips that check for inputs of a remembered layout. For ``PREFILL`` pass
-    ``cu_seqlens`` and ``max_seqlen`` as both the query and the key arguments, as that op's kernel does.
+    these inputs: the C++ kernel skips that check for inputs of a remembered layout. For ``PREFILL`` the call
+    holds ``cu_seqlens`` and ``max_seqlen`` as both the query and the key arguments, as that op's kernel makes it.
     Nothing is handed where the library is not loaded, ``MLA_OPS_NATIVE_LAUNCH=0`` is set, or the call's
     launch cannot be repeated natively (:func:`mla_ops.kernels.attention.known_native_launch`).
     """
-    if _loaded is None:
+    loader = LOADER
+    if loader.loaded is None:
         from ..runtime.capture import is_capturing
 
         if is_capturing():
             return False
         load()
-    if not _launches:
+    if not loader.launches:
         return False
     from ..kernels.attention import known_native_launch
 
-    causal = op == PREFILL
-    launch = known_native_launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+    launch = known_native_launch(*call)
     if launch is None:
         return False
     from ..kernels.configs import CONFIG_ENV_VAR
 
     torch.ops.mla_native.remember_attention(
-        op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, launch.function,
-        list(launch.grid), launch.block, launch.shared_bytes, list(launch.kinds), list(launch.values),
-        os.environ.get(CONFIG_ENV_VAR),
+        op, *call[:8], launch.function, list(launch.grid), launch.block, launch.shared_bytes, list(launch.kinds),
+        list(launch.values), os.environ.get(CONFIG_ENV_VAR),
     )  # fmt: skip
     return True
 
@@ -421,17 +442,17 @@ def remember_attention(
 def forget_attention() -> None:
     """Forget every launch handed to the library (the ops' routing may have changed:
     :func:`mla_ops.selector.clear_cache` calls this); a no-op where none can have been handed."""
-    if _launches:
+    if LOADER.launches:
         torch.ops.mla_native.forget_attention()
 
 
 def attention_kernels_registered() -> bool:
     """Whether the attention ops' CUDA key runs the library's C++ kernels now: only while a TRITON layout is
     remembered, so that calls of the other backends never pass through them."""
-    return bool(torch.ops.mla_native.attention_kernels_registered()) if _launches else False
+    return bool(torch.ops.mla_native.attention_kernels_registered()) if LOADER.launches else False
 
 
 def remembered_attention_layouts() -> int:
     """How many input layouts the attention ops' C++ kernels launch by themselves now (0 where the library
     is not loaded or ``MLA_OPS_NATIVE_LAUNCH=0``)."""
-    return int(torch.ops.mla_native.remembered_attention_layouts()) if _launches else 0
+    return int(torch.ops.mla_native.remembered_attention_layouts()) if LOADER.launches else 0

@@ -27,7 +27,8 @@ __all__ = ["empty", "template"]
 #: per batch) the table starts over, which costs one ``torch.empty`` per shape.
 MAX_TEMPLATES = 4096
 
-_templates: dict[tuple, torch.Tensor] = {}
+#: The templates, by ``(shape, dtype, device)``: this module's only state (clearing it is always safe).
+TEMPLATES: dict[tuple, torch.Tensor] = {}
 
 
 def template(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
@@ -36,14 +37,14 @@ def template(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
     strides), or during CUDA-graph capture (a template made there would hold on to the graph's private
     memory pool after the graph is gone). A caller that allocates one shape again and again may keep it."""
     key = (shape, dtype, device)
-    found = _templates.get(key)
+    found = TEMPLATES.get(key)
     if found is None:
         if math.prod(shape) <= 1 or is_capturing():
             return None
-        if len(_templates) >= MAX_TEMPLATES:
-            _templates.clear()
+        if len(TEMPLATES) >= MAX_TEMPLATES:
+            TEMPLATES.clear()
         # Made in whichever mode: empty_like's result follows the mode of each call, not the template's.
-        found = _templates[key] = torch.empty((), dtype=dtype, device=device).expand(shape)
+        found = TEMPLATES[key] = torch.empty((), dtype=dtype, device=device).expand(shape)
     return found
 
 
@@ -53,7 +54,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     ``shape`` is a tuple of ints. The result is the same as ``torch.empty``'s in shape, strides, dtype
     and device, and, like it, an inference tensor exactly when called under ``torch.inference_mode``.
     """
-    found = _templates.get((shape, dtype, device))
+    found = TEMPLATES.get((shape, dtype, device))
     if found is None:
         found = template(shape, dtype, device)
         if found is None:

@@ -7,6 +7,7 @@ imports, else the reference (PyTorch ops, which run on CUDA too).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -20,8 +21,6 @@ from .capture import is_capturing
 #: an input check to call first (the Triton kernel calls it once per layout of its inputs).
 MergeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
-_cuda_merge: MergeFn | None = None
-
 
 def merge_kernel(device: torch.device) -> MergeFn:
     """The merge function for tensors on ``device``: ``(prefix_out, prefix_lse, suffix_out, suffix_lse)``, with
@@ -32,16 +31,14 @@ def merge_kernel(device: torch.device) -> MergeFn:
     (:func:`mla_ops.native.load`, which compiles once per machine); a call during capture, before that,
     gets the Triton kernel and leaves the choice to a later call.
     """
-    global _cuda_merge
     if device.type != "cuda":
         return merge_attn_states_reference
-    if _cuda_merge is None:
-        if is_capturing():
-            return _triton_or_reference()
-        _cuda_merge = native.merge if native.load() else _triton_or_reference()
-    return _cuda_merge
+    if native.LOADER.loaded is None and is_capturing():
+        return _triton_or_reference()
+    return native.merge if native.load() else _triton_or_reference()
 
 
+@functools.cache
 def _triton_or_reference() -> MergeFn:
     try:
         from ..kernels.merge import merge_attn_states_triton
