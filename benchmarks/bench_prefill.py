@@ -234,7 +234,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--ratio-rounds",
         type=int,
         help="rounds of each op against its own raw call, samples taken in turns "
-        f"(default: {timing.DEFAULT_ROUNDS} on GPU, 3 on CPU; bench_overhead.py uses the same)",
+        f"(default: {timing.DEFAULT_ROUNDS} on GPU, 3 on CPU)",
     )
     cli.add_device(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or counter")
