@@ -5,7 +5,8 @@ Small prefill batches are launch-bound: a layer is a dozen kernels of a few micr
 measures how much replaying the whole stack from one captured ``torch.cuda.CUDAGraph`` saves, per
 backend: the median over five samples of ``--iters`` back-to-back forwards, eager and replayed, after
 ten untimed ones, and the largest difference between the replayed and the eager output. Needs a
-CUDA device; without one it says so and exits.
+CUDA device; without one it says so and exits. Writes ``graphs.csv``, ``graphs.md`` and
+``graphs.env.json`` into ``benchmarks/results/<gpu-slug>/`` (or ``--out``).
 
     python benchmarks/bench_graphs.py [--layers 4] [--heads 16] [--lengths 128,128,128,128]
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +30,7 @@ from benchlib import report as R
 if TYPE_CHECKING:
     import torch
 
-#: The CSV's columns and those of the Markdown file written beside it.
+#: The columns of graphs.csv, and of graphs.md for those with a header.
 FIELDS = R.Fields(
     ("backend", "backend"),
     ("eager_ms", "eager ms", ".3f"),
@@ -75,7 +77,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--lengths", default="128,128,128,128", help="new tokens per sequence, comma-separated")
     parser.add_argument("--iters", type=int, default=50, help="forwards per timing sample")
     parser.add_argument("--backends", default="TRITON,FLASH_ATTN,FLASHINFER", help="comma-separated backends")
-    cli.add_out_csv(parser)
+    cli.add_out_dir(parser)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
@@ -94,6 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mla_ops.model import random_batch
 
     device = P.require_cuda("bench_graphs.py", "capturing and replaying CUDA graphs")
+    started = time.perf_counter()
     dtype = torch.bfloat16
     backends, env = R.start_run(
         "bench_graphs.py", argv, device, dtype, **P.stack_settings(args), lengths=args.lengths, iters=args.iters
@@ -118,18 +121,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
     for name, why in skipped.items():
-        print(f"{name:<11} skipped: {why}")
         rows.append({"backend": name, "note": f"skipped: {why}"})
-    env["not_measured"] = skipped
-    if args.out:
-        intro = (
-            f"A stack of {args.layers} MLA layers (hidden {args.hidden}, H={args.heads}) on new tokens "
-            f"{args.lengths}: milliseconds per forward, eager and replayed from one CUDA graph (median over five "
-            f"samples of {args.iters} back-to-back forwards)."
-        )
-        md = R.results_markdown(f"CUDA-graph replay: {env['gpu']}", env, intro, FIELDS.table(rows))
-        paths = R.write_results_beside(args.out, FIELDS.keys, rows, env, md)
-        print("wrote " + ", ".join(str(p) for p in paths))
+    R.end_run(env, skipped, started)
+    intro = (
+        f"A stack of {args.layers} MLA layers (hidden {args.hidden}, H={args.heads}) on new tokens "
+        f"{args.lengths}: milliseconds per forward, eager and replayed from one CUDA graph (median over five "
+        f"samples of {args.iters} back-to-back forwards)."
+    )
+    md = R.results_markdown(f"CUDA-graph replay: {env['gpu']}", env, intro, FIELDS.table(rows))
+    R.write_run(args.out or R.default_out_dir(device), "graphs", FIELDS.keys, rows, env, md)
     return 0
 
 

@@ -9,7 +9,7 @@ kernel, PyTorch SDPA (memory-efficient kernel) and FlexAttention with a document
 checked once against the fp32 reference before timing; each op is then measured against its own raw
 call, samples taken in turns in several rounds, which gives its overhead ratio.
 
-Writes ``results.csv``, ``results.md``, ``results.png`` and ``results.env.json`` into
+Writes ``prefill.csv``, ``prefill.md``, ``prefill.png`` and ``prefill.env.json`` into
 ``benchmarks/results/<gpu-slug>/`` (or ``--out``). Without a GPU it times the REFERENCE backend on tiny
 shapes, which keeps the script testable anywhere. See ``benchmarks/README.md`` for the columns.
 """
@@ -200,8 +200,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = cli.parser(
         "Benchmark MLA prefill (Dqk=192, Dv=128): every valid mla_ops backend through the public ops, and raw "
         "FlashInfer / FlashAttention-4 / bundled FlashAttention-2 / SDPA / FlexAttention baselines, in TFLOP/s "
-        "(merge in GB/s), with each op's overhead against its own raw call. Writes results.csv, results.md, "
-        "results.png and results.env.json. Without a GPU it times the REFERENCE backend on tiny shapes."
+        "(merge in GB/s), with each op's overhead against its own raw call. Writes prefill.csv, prefill.md, "
+        "prefill.png and prefill.env.json. Without a GPU it times the REFERENCE backend on tiny shapes."
     )
     cli.add_out_dir(parser)
     parser.add_argument(
@@ -234,22 +234,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--ratio-rounds",
         type=int,
         help="rounds of each op against its own raw call, samples taken in turns "
-        f"(default: {timing.DEFAULT_ROUNDS} on GPU, 3 on CPU; bench_overhead.py uses the same)",
+        f"(default: {timing.DEFAULT_ROUNDS} on GPU, 3 on CPU)",
     )
     cli.add_device(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or counter")
     parser.add_argument(
         "--append",
         action="store_true",
-        help="merge into the results.csv already in the output folder: its rows of the shapes measured now are "
+        help="merge into the prefill.csv already in the output folder: its rows of the shapes measured now are "
         "replaced, the others kept (to split a long run into several commands)",
     )
     parser.add_argument(
         "--from-csv",
         type=Path,
         metavar="CSV",
-        help="re-render results.md and results.png from an existing results.csv (and its "
-        "results.env.json) without measuring, e.g. on a machine with matplotlib",
+        help="re-render prefill.md and prefill.png from an existing prefill.csv (and its "
+        "prefill.env.json) without measuring, e.g. on a machine with matplotlib",
     )
     args = parser.parse_args(argv)
     if args.ratio_rounds is not None and args.ratio_rounds < 1:
@@ -264,7 +264,8 @@ def replot(csv_path: Path, out_dir: Path | None) -> int:
     out_dir = out_dir or csv_path.parent
     for note in R.write_prefill_report(R.load_prefill_rows(csv_path), R.read_env(csv_path), out_dir):
         print(note)
-    print(f"wrote {out_dir / 'results.md'}" + ("" if not (out_dir / "results.png").exists() else " and results.png"))
+    md, png = (out_dir / f"{R.PREFILL_STEM}{ext}" for ext in (".md", ".png"))
+    print(f"wrote {md}" + (f" and {png.name}" if png.exists() else ""))
     return 0
 
 
@@ -351,9 +352,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         env["sm_clock_after_each_shape_mhz"] = clocks.summary()
     env["measure_s"] = round(time.perf_counter() - measure_start, 1)
     env["elapsed_s"] = round(time.perf_counter() - started, 1)
-    if args.append and (out_dir / "results.csv").is_file():
-        rows = R.merge_rows(R.load_prefill_rows(out_dir / "results.csv"), rows, [s.id for s in all_shapes])
-        previous = out_dir / "results.env.json"
+    previous_csv = out_dir / f"{R.PREFILL_STEM}.csv"
+    if args.append and previous_csv.is_file():
+        rows = R.merge_rows(R.load_prefill_rows(previous_csv), rows, [s.id for s in all_shapes])
+        previous = out_dir / f"{R.PREFILL_STEM}.env.json"
         if previous.is_file():
             old = json.loads(previous.read_text())
             env["appended_to"] = [*old.get("appended_to", []), f"{old.get('date')}: {old.get('command')}"]
@@ -370,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("WRONG results (exceed the tolerance): " + ", ".join(wrong))
     for note in notes:
         print("note: " + note)
-    written = ", ".join(p.name for p in sorted(out_dir.glob("results.*")))
+    written = ", ".join(p.name for p in sorted(out_dir.glob(f"{R.PREFILL_STEM}.*")))
     print(f"wrote {written} to {out_dir}: {env['elapsed_s']:.0f} s in all, {env['measure_s']:.0f} s measuring")
     return 0
 

@@ -12,7 +12,7 @@ with CUDA events of its own, inside the layer (where it also waits for the slowe
 Each GPU count runs in its own ``torchrun --standalone`` job, started by this script. With fewer
 GPUs than a count asks for, that count is skipped with a message (and the script exits 0 after what
 it could measure); without a GPU it exits with a message. Results go to
-``benchmarks/results/<gpu>/tp.csv`` and ``tp.md`` unless ``--out`` is given. Timing: CUDA events
+``benchmarks/results/<gpu>/tp.csv``, ``tp.md`` and ``tp.env.json`` unless ``--out`` is given. Timing: CUDA events
 around every phase of every iteration, after warm-up iterations; each figure is a median, and for
 ``P`` GPUs the slowest rank's.
 """
@@ -347,8 +347,9 @@ def drive(args: argparse.Namespace, argv: Sequence[str]) -> None:
     command = R.command_line("bench_tp.py", argv)
     report = render_markdown(rows, env, args, command, skipped)
     (out_dir / "tp.md").write_text(report)
+    R.write_json(out_dir / "tp.env.json", {**env, "command": command, "not_measured": skipped})
     print(report)
-    print(f"bench_tp: wrote {out_dir / 'tp.csv'} and {out_dir / 'tp.md'}")
+    print(f"bench_tp: wrote tp.csv, tp.md and tp.env.json to {out_dir}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

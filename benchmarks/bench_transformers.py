@@ -181,9 +181,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "of the timer's samples. *speed-up vs first* and *rel diff* (of the logits) are against the first "
         "implementation measured for that shape (transformers' `sdpa`)."
     )
-    out_dir = args.out or R.default_out_dir(device)
-    paths = R.write_results_beside(
-        out_dir / "transformers.csv",
+    paths = R.write_results(
+        args.out or R.default_out_dir(device),
+        "transformers",
         FIELDS.keys,
         rows,
         env,

@@ -4,7 +4,7 @@
 For DeepSeek's (Dqk, Dv) = (192, 128) in bfloat16 it times every candidate configuration on:
 
 - the new-tokens (causal) path: 4 x 4096 tokens at H=16, 2 x 8192 at H=128, and a mixed batch
-  [512, 1024, 2048, 3000, 700] at H=128 (the reference shapes of bench_prefill.py and bench_overhead.py);
+  [512, 1024, 2048, 3000, 700] at H=128 (the reference shapes of bench_prefill.py);
 - the context-chunk (non-causal) path: 1024 new tokens over 8192 of context, at H=16 and H=128;
 
 with ``v`` the strided view MLA produces, after first checking each candidate against the package's

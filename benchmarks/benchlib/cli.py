@@ -37,13 +37,6 @@ def add_out_dir(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<gpu-slug>/)")
 
 
-def add_out_csv(parser: argparse.ArgumentParser) -> None:
-    """``--out``: the CSV file of a script that only prints unless told where to write."""
-    parser.add_argument(
-        "--out", type=Path, help="CSV file to write, with <stem>.md and <stem>.env.json beside it (default: print only)"
-    )
-
-
 def add_backends(parser: argparse.ArgumentParser, help: str = "backends to measure (default: all valid here)") -> None:
     """``--backends NAME ...``: the names :func:`benchlib.methods.backends_to_time` takes."""
     parser.add_argument("--backends", nargs="+", metavar="NAME", help=help)

@@ -328,20 +328,15 @@ class FlashAttnRaw(Method):
     take ``Dv != Dqk`` and the strided ``v`` as they are. The FlashAttention-2 kernels need
     ``Dv == Dqk``: ``v`` is widened the way the backend widens it (a wider window over ``v``'s own
     storage, here the ``k_nope`` channels before it; no copy), outside the timed region, and the output's
-    ``Dv`` columns are read back as a view. ``contiguous_output=True`` times the copy of those columns
-    into the contiguous ``[T, H, Dv]`` the op contract promises as well (named ``<name>+copy``), which
-    splits an op's gap into that copy's cost and the op layer's.
+    ``Dv`` columns are read back as a view.
     """
 
-    def __init__(self, impl: str, contiguous_output: bool = False) -> None:
-        self.impl_name, self.impl = impl, FLASH_IMPLS[impl]
-        self.contiguous_output = contiguous_output
-        self.name = self.impl.method + ("+copy" if contiguous_output else "")
+    def __init__(self, impl: str) -> None:
+        self.impl = FLASH_IMPLS[impl]
+        self.name = self.impl.method
         self.implementation = self.impl.label + (
             ", v widened to Dqk as FLASH_ATTN widens it, output sliced to Dv" if self.impl.pads_v else ""
         )
-        if contiguous_output:
-            self.implementation += " and made contiguous"
         self._function: Callable[..., Any] | None = None
 
     def unavailable(self, device: torch.device) -> str | None:
@@ -409,9 +404,6 @@ class FlashAttnRaw(Method):
         q, k, _, cu_q, cu_k, max_q, max_k, scale = p.attention_args()
         v, first = self.widen(p.v)
         causal, call = p.causal, self.call
-        if self.contiguous_output:
-            fn = lambda: call(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)[0][..., first : first + DV].contiguous()
-            return Prepared(fn, lambda r: (r, None))
         fn = lambda: call(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
         return Prepared(fn, lambda r: (r[0][..., first : first + DV], None))
 

@@ -228,11 +228,6 @@ def cpu_shapes() -> list[Shape]:
     return _shape_set((2, 4), (16, 32, 64), 128, {(2, 32), (4, 64)}, (16, 40, 64, 24), 16, (64, 128), (4, 64), 256)
 
 
-def reference_shapes(device: torch.device) -> list[Shape]:
-    """The reference shapes (tag ``ref``) of the device's set: the shapes of the op-overhead figures."""
-    return [s for s in (gpu_shapes() if device.type == "cuda" else cpu_shapes()) if "ref" in s.tags]
-
-
 #: Context-chunk shapes of the Triton tuning sweep: 1024 new tokens over 8192 of context.
 TUNING_CHUNK_SHAPES = (Shape("chunk", 16, (1024,), (8192,)), Shape("chunk", 128, (1024,), (8192,)))
 

@@ -515,13 +515,6 @@ def write_results(
     return paths
 
 
-def write_results_beside(
-    csv_path: Path, fieldnames: Sequence[str], rows: list[dict[str, Any]], env: dict[str, Any], markdown: str
-) -> list[Path]:
-    """:func:`write_results` for a script told a CSV file: ``<stem>.md`` and ``<stem>.env.json`` go beside it."""
-    return write_results(csv_path.parent, csv_path.name.removesuffix(".csv"), fieldnames, rows, env, markdown)
-
-
 def end_run(env: dict[str, Any], not_measured: dict[str, str], started: float) -> None:
     """Print what was not measured and why, and add it to the record ``env`` with the seconds since
     ``started`` (a ``time.perf_counter()`` reading)."""
@@ -576,9 +569,11 @@ def save_small_png(fig: Any, path: Path) -> None:
         path.write_bytes(buffer.getvalue())
 
 
-# --- bench_prefill's report: results.csv, results.md, results.png ------------------------------------
+# --- bench_prefill's report: prefill.csv, prefill.md, prefill.png ------------------------------------
 
-#: The columns of ``results.csv`` (described in benchmarks/README.md).
+#: The name bench_prefill's files share: ``prefill.csv``, ``prefill.env.json``, ``prefill.md``, ``prefill.png``.
+PREFILL_STEM = "prefill"
+#: The columns of ``prefill.csv`` (described in benchmarks/README.md).
 PREFILL_FIELDS = [
     "suite",
     "shape",
@@ -641,7 +636,7 @@ def add_best_baseline(rows: list[dict[str, Any]]) -> None:
 
 
 def load_prefill_rows(csv_path: Path) -> list[dict[str, Any]]:
-    """Rows of a results.csv, with numbers parsed and text columns kept as text."""
+    """Rows of a prefill.csv, with numbers parsed and text columns kept as text."""
     return read_csv(csv_path, _PREFILL_TEXT)
 
 
@@ -654,27 +649,28 @@ def merge_rows(old: list[dict[str, Any]], new: list[dict[str, Any]], order: Sequ
 
 
 def write_prefill_outputs(rows: list[dict[str, Any]], env: dict[str, Any], out_dir: Path) -> list[str]:
-    """Write results.csv, results.env.json, results.md and results.png; returns notes (why no PNG, say)."""
-    write_csv(out_dir / "results.csv", PREFILL_FIELDS, rows)
-    write_json(out_dir / "results.env.json", env)
+    """Write prefill.csv, prefill.env.json, prefill.md and prefill.png; returns notes (why no PNG, say)."""
+    write_csv(out_dir / f"{PREFILL_STEM}.csv", PREFILL_FIELDS, rows)
+    write_json(out_dir / f"{PREFILL_STEM}.env.json", env)
     # The report is rendered from the CSV as written, so a later --from-csv re-render gives the same
     # figures; rendering the unrounded rows could round a derived column differently in its last digit.
-    return write_prefill_report(load_prefill_rows(out_dir / "results.csv"), env, out_dir)
+    return write_prefill_report(load_prefill_rows(out_dir / f"{PREFILL_STEM}.csv"), env, out_dir)
 
 
 def write_prefill_report(rows: list[dict[str, Any]], env: dict[str, Any], out_dir: Path) -> list[str]:
-    """Write results.md and results.png from rows; returns notes."""
+    """Write prefill.md and prefill.png from rows; returns notes."""
     out_dir.mkdir(parents=True, exist_ok=True)
     notes = []
-    note = render_prefill_plot(rows, env, out_dir / "results.png")
+    png = out_dir / f"{PREFILL_STEM}.png"
+    note = render_prefill_plot(rows, env, png)
     markdown = render_prefill_markdown(rows, env)
     if note is None:
-        markdown = markdown.replace("## Environment", "![TFLOP/s against length](results.png)\n\n## Environment", 1)
+        markdown = markdown.replace("## Environment", f"![TFLOP/s against length]({png.name})\n\n## Environment", 1)
     else:
         notes.append(note)
         markdown += f"\nNo plot: {note}\n"
-        (out_dir / "results.png").unlink(missing_ok=True)  # a plot left by an earlier run would not match
-    (out_dir / "results.md").write_text(markdown)
+        png.unlink(missing_ok=True)  # a plot left by an earlier run would not match
+    (out_dir / f"{PREFILL_STEM}.md").write_text(markdown)
     return notes
 
 
@@ -786,12 +782,12 @@ def render_prefill_plot(rows: list[dict[str, Any]], env: dict[str, Any], path: P
         import matplotlib.pyplot as plt
     except ImportError:
         return (
-            "matplotlib is not installed, so no results.png was written; install it (pip install matplotlib) "
+            "matplotlib is not installed, so no prefill.png was written; install it (pip install matplotlib) "
             f"and rerun with --from-csv {path.with_suffix('.csv')}"
         )
     prows = [r for r in rows if r.get("series") and r["suite"] != "merge" and r.get("tflops") is not None]
     if not prows:
-        return "no plottable rows (the length sweeps were not run), so no results.png was written"
+        return "no plottable rows (the length sweeps were not run), so no prefill.png was written"
     series = _ordered(r["series"] for r in prows)
     heads = sorted({r["heads"] for r in prows})
     methods = _ordered(r["method"] for r in prows)
