@@ -2,6 +2,7 @@
 
 They validate metadata and allocate outputs with ``new_empty``: no device query, no data access, no
 GPU library. ``torch.compile`` and ``FakeTensorMode`` use them to propagate shapes.
+Design: docs/design/ops.md (Registration, Validation).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Everything except :func:`check_cu_seqlens_values` looks only at metadata (shape, dtype, device,
 strides), so it costs no device sync and works on fake tensors under ``torch.compile``, where it
 turns bad input into an error at trace time. :func:`check_cu_seqlens_values` reads the offsets and is
-only called where they are already on the host.
+only called where they are already on the host. Design: docs/design/ops.md (Validation).
 """
 
 from __future__ import annotations

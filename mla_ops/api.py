@@ -1,14 +1,9 @@
 """The Python API: thin wrappers over the ``mla`` ops that fill in defaults.
 
-Every function here is traceable by ``torch.compile(fullgraph=True)``: it only calls the ops and
-reads static shapes. Under ``torch.compile`` the wrappers validate their inputs in Python before
-calling an op, so that without ``fullgraph`` a bad input surfaces as the package's own
-``ValueError``/``TypeError`` (Dynamo falls back to eager there) rather than wrapped in a
-``TorchRuntimeError`` raised from the fake kernel.
-
-While ``torch.compile`` traces for CUDA-graph trees (``mode="reduce-overhead"``), :func:`prefill` and
-:func:`prefill_context_chunk` call the ops' in-graph twins instead, which never run a backend that plans
-on the host (:mod:`mla_ops.runtime.graph_trees`).
+:func:`prefill`, :func:`prefill_context_chunk`, :func:`merge_attn_states`, :func:`prefill_with_context` and
+:func:`pack_chunks`, all traceable by ``torch.compile(fullgraph=True)``. Under ``torch.compile`` they validate
+in Python first, and inside CUDA-graph trees the attention wrappers call the ops' in-graph twins.
+Design: docs/design/ops.md and docs/design/graph-trees.md.
 """
 
 from __future__ import annotations

@@ -1,40 +1,9 @@
 """Registration of the ``mla`` custom ops.
 
-The ops are declared with ``torch.library.Library.define`` and given kernels with ``impl``, which is
-the cheapest dispatch path PyTorch offers from Python (measured in DESIGN.md: about 10 us per call
-against 21 us for ``torch.library.custom_op``). They are forward-only: there is no autograd formula.
-
-- ``CPU`` and ``CUDA``: one Python kernel per op for both. It validates the inputs and runs the backend
-  that :func:`mla_ops.selector.route` picks (on CPU that is always REFERENCE), with the inputs'
-  device current (:func:`mla_ops.runtime.capture.on_device`): the kernel libraries launch on the current
-  device and stream, so a call on ``cuda:1`` tensors while ``cuda:0`` is current runs on ``cuda:1``,
-  on its current stream, and leaves ``cuda:0`` current afterwards. ``merge_attn_states`` runs the merge
-  function of its inputs' device (:func:`mla_ops.runtime.merge_dispatch.merge_kernel`), which launches there by itself.
-  The three public ops' Python kernels are registered for every backend key (``CompositeExplicitAutograd``)
-  rather than for ``CUDA``, so that the native library (:mod:`mla_ops.native`), once loaded, registers C++
-  kernels for ``CUDA`` that take over without overriding a registration. The attention ops' C++ kernels
-  launch remembered TRITON calls themselves and pass every other call to the Python kernel through the
-  op's internal twin (:data:`PYTHON_TWINS`), to which the Python kernel hands each TRITON call's launch
-  once its check has accepted the inputs (:func:`mla_ops.native.remember_attention`).
-  ``_check_merge_inputs``, an internal op, is :func:`mla_ops.meta.checks.check_merge_inputs` for the
-  merge's C++ kernel to raise the op's errors with.
-- ``Meta``/fake: :mod:`mla_ops.meta` (shapes), plus :func:`mla_ops.runtime.graph_trees.check_graph_trees`, which
-  refuses a host-planning backend inside CUDA-graph trees at compile time.
-
-The two attention ops have an internal twin each, ``*_in_graph`` (:data:`mla_ops.runtime.graph_trees.IN_GRAPH_TWINS`),
-with the same schema and validation, which the Python API calls inside CUDA-graph trees and whose kernel
-selects with ``in_graph=True`` (never a backend that plans on the host). Its fake refuses nothing.
-
-One more internal op, ``prefill_with_chunk`` (:data:`FUSED_SCHEMA`), is what :func:`mla_ops.prefill_with_context`
-calls eagerly for the common layer of one context chunk: ``prefill``, ``prefill_context_chunk`` and
-``merge_attn_states`` in one kernel, with the same validation, routing and device guard as the three
-ops, the same backend calls and the same merge, so it returns exactly what the three return. One op
-call instead of three is one dispatch and one routing instead of three; and since neither part's
-result leaves the op, the backend calls are :meth:`~mla_ops.backends.base.PrefillBackend.attention_for_merge`,
-which may hand the merge a library's base-2 LSE unconverted. Traced code keeps the three ops (the API
-calls this one only outside ``torch.compile``). Like the attention ops, its Python kernel is registered for
-``CompositeExplicitAutograd`` with a twin (:data:`PYTHON_TWINS`): the native library's C++ kernel launches
-a call whose two parts have remembered TRITON layouts, and merges them natively, without a Python frame.
+The schemas (:data:`SCHEMAS`, :data:`FUSED_SCHEMA`, :data:`CHECK_MERGE_SCHEMA`), the Python kernels of CPU and
+CUDA (check, route, run the backend on the inputs' device), the fakes' registration, and the internal twins:
+``*_in_graph`` for CUDA-graph trees, ``_*_python`` (:data:`PYTHON_TWINS`) for the native library's C++
+kernels. Declared with ``Library.define`` and ``impl``, forward-only. Design: docs/design/ops.md.
 """
 
 from __future__ import annotations

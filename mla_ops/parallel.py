@@ -1,31 +1,10 @@
 """Tensor parallelism for :class:`mla_ops.model.MLAAttention`: the heads split over a process group.
 
-Each of the ``P`` ranks of a ``torch.distributed`` process group holds ``H / P`` of the layer's ``H``
-heads, in the Megatron layout:
-
-- ``q_proj`` (or ``q_b_proj``) and ``kv_b_proj``: the output rows of its heads (column-parallel);
-- ``q_a_proj``, ``q_a_layernorm``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``: whole (replicated), since
-  the latents and the rotary key are per token, not per head;
-- ``o_proj``: the input columns of its heads (row-parallel), followed by an all-reduce.
-
-Activations are replicated: every rank takes the same hidden states, positions, offsets and latent
-context chunks, computes its heads' attention and its share of ``o_proj``, and one all-reduce (a sum of
-``[T, hidden_size]``) gives every rank the whole output. Rank ``r`` holds heads ``r*H/P ... (r+1)*H/P - 1``.
-
-The attention ops need nothing for this but ``H / P`` heads per call: ``q``/``k``/``v`` of
-``[T, H/P, D]``, the same offsets on every rank, and no communication inside them. Each rank's
-backend, FlashInfer plans, CUDA graphs and compiled graphs are its own and are keyed on its device and
-its head count. ``tests/test_tensor_parallel.py`` (gloo, CPU) and ``tests/test_gpu_multi.py`` (NCCL,
-every CUDA backend, eagerly, under ``torch.compile`` and in captured CUDA graphs) check that the split
-layer gives the unsplit layer's output.
-
-Run one process per GPU, e.g. ``torchrun --nproc-per-node 2 script.py``, with
-``torch.cuda.set_device(local_rank)`` and ``torch.distributed.init_process_group("nccl")`` (``"gloo"``
-for CPU tensors) before building the layer::
-
-    dense = MLAAttention(MLAConfig.deepseek_v3(), device="cuda", dtype=torch.bfloat16)  # same weights on every rank
-    layer = TensorParallelMLAAttention.from_dense(dense)  # H / P heads here
-    out = layer(hidden, positions, cu_seqlens, max_seqlen, context)  # [T, hidden_size] on every rank
+:class:`TensorParallelMLAAttention` holds ``H / P`` of the layer's heads on each of ``P`` ranks (Megatron
+layout: column-parallel ``q_proj``/``q_b_proj`` and ``kv_b_proj``, replicated latent projections,
+row-parallel ``o_proj`` followed by one all-reduce); :func:`shard_state_dict` cuts an unsplit checkpoint
+into a rank's share. Usage: README.md (Tensor parallelism); tests: ``tests/test_tensor_parallel.py`` (gloo)
+and ``tests/test_gpu_multi.py`` (NCCL).
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """Device-capability selector for MLA prefill backends.
 
-Selection, for tensors on a device of some capability with some ``(dtype, Dqk, Dv)``:
-
-1. CPU tensors always run REFERENCE (the only backend with CPU kernels). An override is still read,
-   so a misspelt name fails here too, but it concerns CUDA devices only;
-2. on CUDA, an explicit override (``set_prefill_backend``, the ``prefill_backend`` context manager,
-   or the ``MLA_OPS_PREFILL_BACKEND`` environment variable) is validated and used, or it raises;
-3. otherwise the priority list of the device's capability family is walked and the first valid
-   backend wins; this is cached on ``(capability, dtype, Dqk, Dv, in_graph)``;
-4. the ops cache the result per ``(device, dtype, Dqk, Dv, in_graph)``, so a warm call costs one dict
-   lookup.
-
-``in_graph=True`` selects for a call that torch.compile's CUDA-graph trees will replay without running
-Python (see :mod:`mla_ops.runtime.graph_trees`): a backend that plans each batch on the host (``plans_on_host``)
-cannot run there. Automatic selection then skips such backends, taking the best one that reads the
-offsets on the device, and an override naming one raises ``ValueError`` (never a silent fallback).
-CPU tensors still run REFERENCE: CUDA-graph trees concern CUDA devices only.
-
-The capability is an argument everywhere, so tests can simulate any GPU on a CPU-only machine.
+The priority lists per capability family, the override (``set_prefill_backend``, ``prefill_backend``,
+``MLA_OPS_PREFILL_BACKEND``), cached selection (:func:`select_backend`) and per-call routing
+(:func:`route`, :func:`backend_for`), with ``in_graph`` for CUDA-graph trees; :func:`backend_installed` swaps
+in another backend instance for tests. The capability is an argument everywhere, so any GPU's rules can be
+computed on a machine without one. Design: docs/design/backends.md (Selection).
 """
 
 from __future__ import annotations

@@ -15,11 +15,18 @@ import mla_ops
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _quick_start() -> list[str]:
+def _readme_section(title: str) -> str:
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```(?:bash|sh)?\n(.*?)```", section, flags=re.S)
+    return readme.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def _quick_start_lines() -> list[str]:
+    blocks = re.findall(r"```(?:bash|sh)?\n(.*?)```", _readme_section("Quick start"), flags=re.S)
     return [line.strip() for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def _quick_start() -> list[str]:
+    return [line for line in _quick_start_lines() if not line.startswith("#")]
 
 
 def test_quick_start_is_exactly_two_commands() -> None:
@@ -27,6 +34,23 @@ def test_quick_start_is_exactly_two_commands() -> None:
     assert len(commands) == 2, commands
     assert commands[0].endswith("python -m mla_ops demo")
     assert "pytest" in commands[1]
+
+
+def test_quick_start_names_the_cpu_build_of_torch_before_any_install() -> None:
+    # Read top-down, the block must offer PyTorch's CPU wheel before a command that would resolve torch from
+    # PyPI, whose default build is a CUDA one of several GB.
+    lines = _quick_start_lines()
+    cpu = next(i for i, line in enumerate(lines) if "download.pytorch.org/whl/cpu" in line)
+    first_install = next(i for i, line in enumerate(lines) if "pip install" in line and not line.startswith("#"))
+    assert cpu < first_install, lines
+
+
+def test_readme_usage_runs_on_cpu_as_written() -> None:
+    section = _readme_section("Using it")
+    code = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+    namespace: dict = {"__name__": "readme_usage"}
+    exec(compile(code, str(ROOT / "README.md"), "exec"), namespace)
+    assert namespace["out"].device.type == "cpu"
 
 
 def test_ci_runs_the_readme_test_command_verbatim() -> None:

@@ -1,9 +1,8 @@
 """The interface every MLA prefill backend implements.
 
 A backend is an object. The registry creates one per process (``PrefillBackendEnum.X.backend()``), the
-selector hands it to the ops, and whatever state it keeps (FlashInfer's plans and workspaces, the
-FlashAttention implementations it found) lives on it. A test builds its own instance around a
-stand-in library and installs it with :func:`mla_ops.selector.backend_installed`.
+selector hands it to the ops, and whatever state it keeps lives on it. A test builds its own instance around
+a stand-in library and installs it with :func:`mla_ops.selector.backend_installed`.
 
 A backend writes:
 
@@ -16,6 +15,8 @@ A backend writes:
 - :meth:`~PrefillBackend.describe`, and :meth:`~PrefillBackend.warmup`,
   :meth:`~PrefillBackend.plan_cuda_graph`, :meth:`~PrefillBackend.release_cuda_graph_state` where it
   compiles just in time or plans on the host.
+
+Design: docs/design/backends.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,9 @@
 """FLASH_ATTN: FlashAttention's varlen forward kernel, through the first implementation present.
 
-The chain, best first (the first one that is importable *and* serves the device and head dims wins):
-
-1. ``flash_attn.cute`` (FlashAttention-4, pip ``flash-attn-4``: CuTe DSL kernels compiled just in
-   time), on SM90 and SM100/SM110, the architectures whose head dims its own validation checks.
-   ``Dv != Dqk`` natively, LSE already float32 ``[H, T]`` in natural log: nothing is padded or copied.
-2. ``flash_attn_interface`` (FlashAttention-3, built from flash-attention's ``hopper/``), SM90 only.
-   Its kernels take ``Dv != Dqk`` natively, so nothing is padded.
-3. ``flash_attn`` (FlashAttention-2), SM80 and newer. Its kernels need one head dim for q, k and v,
-   so ``v`` is widened to ``Dqk`` and the output is sliced back to ``Dv``.
-4. PyTorch's bundled FlashAttention-2, ``torch.ops.aten._flash_attention_forward`` (present in CUDA
-   builds of torch), widened the same way.
-
-FlashAttention-4 compiles each kernel variant on first use, which must not happen inside CUDA-graph
-capture: :meth:`FlashAttnBackend.warmup` (``python -m mla_ops warmup``) compiles the variants the ops
-use, and a call under capture that would still compile raises ``RuntimeError`` saying so.
-
-Widening ``v`` without copying it. Attention is linear in the columns of ``v``: output column ``c``
-is ``P @ v[:, c]``, where ``P`` depends on ``q`` and ``k`` only. The columns added to reach ``Dqk``
-therefore only feed output columns that are sliced away, and they may hold anything, even NaN. In
-MLA, ``v`` is usually a view such as ``kv_nope[..., 128:]`` of a ``[T, H, 256]`` tensor, so the
-storage holds ``Dqk - Dv`` readable elements right before (or after) every row of ``v``; a wider
-``as_strided`` window over the same storage is then a valid ``[T, H, Dqk]`` input and costs nothing.
-Otherwise ``v`` is copied once into a zero-padded ``[T, H, Dqk]`` buffer.
-
-Every implementation reads ``cu_seqlens`` on the device and treats ``max_seqlen`` as an upper bound
-(it only sizes the launch grid), so this backend never synchronises with the host and can be
-captured in a CUDA graph with ``max_seqlen`` set to the token budget.
+The chain, best first: ``flash_attn.cute`` (FlashAttention-4), ``flash_attn_interface`` (FlashAttention-3),
+``flash_attn`` (FlashAttention-2) and PyTorch's bundled FlashAttention-2, the last two with ``v`` widened to
+``Dqk`` (without a copy where its storage allows). :meth:`FlashAttnBackend.warmup` compiles FlashAttention-4's
+variants ahead of CUDA-graph capture. Design: docs/design/backends.md (FLASH_ATTN).
 """
 
 from __future__ import annotations

@@ -1,39 +1,10 @@
 """FLASHINFER: MLA prefill through ``flashinfer.BatchPrefillWithRaggedKVCacheWrapper``.
 
-FlashInfer splits attention into a host-side ``plan()`` (it reads the offsets on the host and builds
-a work schedule) and a device-side ``run()``. This module plans once per batch and reuses the plan
-for every layer:
-
-- **Eager calls** look the plan up by the identity of the offsets tensors plus the layer
-  configuration (heads, head dims, dtype, softmax scale, causal). A tensor's identity is
-  ``(device, data_ptr, _version, numel)``, and the cache holds a strong reference to every offsets
-  tensor it keys on, so the caching allocator cannot hand the same address to the next batch while
-  the plan lives. An in-place write bumps ``_version`` and forces a new plan; views share the
-  version counter and reuse the plan. A write that bypasses the counter (a custom kernel writing
-  into the tensor, ``.data``) is not seen: give each batch its own offsets tensor, or write them
-  with PyTorch ops. A plan miss reads the offsets on the host: one device sync per batch, the
-  documented exception to the no-sync rule. Tensors created under ``torch.inference_mode()`` have
-  no version counter; for them every call reads the offsets on the host and re-plans only if they
-  changed (correct, but it syncs at each call; create the offsets outside inference mode to avoid
-  that). The plans of the last :data:`MAX_CACHED_BATCHES` batches are kept; the oldest batch's
-  wrappers go back to a pool for reuse. A plan's first call runs ``wrapper.run()`` and records the
-  kernel call it makes; later calls replay that call (:mod:`.flashinfer_replay`).
-- **CUDA graphs.** When ``cu_seqlens`` was registered with :func:`mla_ops.plan_cuda_graph`, the op
-  uses wrappers built with ``use_cuda_graph=True`` and static indptr buffers of the backend. Their
-  batch size is fixed to the registered buffer's ``B`` plus one padding sequence that covers the
-  rows ``[cu_seqlens[-1], T)`` of the token budget ``T`` with no keys (FlashInfer's ``run()``
-  requires ``q.shape[0] == qo_indptr[-1]``, and a key-less sequence costs a few empty tiles). The
-  eager warm-up call creates and plans them; capture only runs them; every later
-  :func:`mla_ops.plan_cuda_graph` re-plans them through :meth:`FlashInferBackend.plan_cuda_graph`.
-  Capturing a call that has no planned graph wrapper raises ``RuntimeError``.
-
-Kernels (FlashInfer's ``backend=``): ``"fa3"`` on SM90, ``"cutlass"`` on SM100 for the head dims its
-kernel is built for, ``"fa2"`` otherwise. The CUTLASS wrapper refuses to be re-planned in CUDA-graph
-mode (its plan allocates new buffers each time), so graphs on SM100 use ``"fa2"``.
-
-The wrappers share one float workspace per device and assume that calls on a device are issued
-from one thread, on one stream. All of this state lives on the :class:`FlashInferBackend` instance;
-a test builds one around a stand-in library (``FlashInferBackend(library=module)``).
+:class:`FlashInferBackend` plans once per batch (keyed on the offsets tensors' identity and version) and
+reuses the plan for every layer, replays the planned kernel call (:mod:`.flashinfer_replay`), converts the
+LSE to the package's convention, and keeps the CUDA-graph wrappers :func:`mla_ops.plan_cuda_graph` plans.
+All its state (workspaces, plans, wrappers) lives on the instance, per device.
+Design: docs/design/flashinfer.md.
 """
 
 from __future__ import annotations

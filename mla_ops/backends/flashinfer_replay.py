@@ -1,22 +1,8 @@
 """Replaying a planned FlashInfer wrapper's kernel call without ``run()``'s per-call Python.
 
-``BatchPrefillWithRaggedKVCacheWrapper.run()`` re-derives, on every call, what its ``plan()``
-already fixed: it resolves PDL support, checks the dtypes and the row count against the plan, stages
-the LSE, allocates or checks the outputs, assembles some twenty-five arguments and finally calls its
-compiled module's ``ragged_run``. On a small eager batch that Python costs more than the kernel.
-
-:func:`record_run` makes one real ``run()`` call through a recording stand-in for the wrapper's
-module, which forwards the call and keeps the arguments. Everything in them but the five tensors of
-the call (``q``, ``k``, ``v``, ``out`` and the LSE buffer) depends only on the plan and on what the
-plan fixes (row count, heads, head dims, dtype, device), so :class:`RecordedRun` repeats the module
-call with the next call's tensors in those five places. This relies on nothing but the shape of
-``run()`` itself (it ends in one ``ragged_run`` call that writes ``out`` and the LSE), which is
-checked rather than assumed: the first recording of each compiled module replays the call into
-fresh buffers and compares the results bit for bit with ``run()``'s. A module whose replay differs,
-or a ``run()`` that made other than one module call, is never replayed (``run()`` serves it).
-
-A recording belongs to one plan of one wrapper: re-planning makes it stale, so the owner drops it
-then. Used for eager calls only: graph capture replays the wrapper's launches with no host cost.
+:func:`record_run` makes one real ``run()`` call through a recording stand-in for the wrapper's module;
+:class:`RecordedRun` repeats that module call with the next call's tensors, once a replay has matched
+``run()`` bit for bit. Eager calls only. Design: docs/design/flashinfer.md (Replaying the planned kernel call).
 """
 
 from __future__ import annotations

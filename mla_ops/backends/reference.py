@@ -2,6 +2,7 @@
 
 This is the CPU path of every op and the ground truth of the tests. It reads ``cu_seqlens`` on the
 host, so on CUDA it synchronises and cannot be captured in a CUDA graph; use it there only to debug.
+Design: docs/design/backends.md.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Each backend lives in its own module and is imported only when first asked for; no backend module
 imports its library at import time, so importing ``mla_ops`` never imports FlashInfer, flash-attn or
-Triton. Adding a backend means adding its module and one line here (and placing it in the selector's
-priority lists). This is the only place that reads the ``"module:Class"`` strings.
+Triton. This is the only place that reads the ``"module:Class"`` strings. Adding a backend:
+CONTRIBUTING.md (Adding a backend).
 """
 
 from __future__ import annotations

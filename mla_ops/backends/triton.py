@@ -1,9 +1,9 @@
-"""TRITON: the package's own varlen flash-attention kernel (``mla_ops.kernels.attention``).
+"""TRITON: the package's own varlen flash-attention kernels (:mod:`mla_ops.kernels`).
 
-It reads ``cu_seqlens`` on the device and never synchronises, so it runs unchanged under
-``torch.compile`` and inside captured CUDA graphs; :meth:`TritonBackend.warmup` compiles its kernels
-ahead of time so that capture never meets a just-in-time compile. Triton itself is imported only when
-the kernels are first used, so this module imports (and reports why it is unavailable) without it.
+It reads ``cu_seqlens`` on the device and never synchronises, so it runs unchanged under ``torch.compile``
+and inside captured CUDA graphs; :meth:`TritonBackend.warmup` compiles its kernels ahead of time. Triton
+itself is imported only when the kernels are first used, so this module imports (and reports why it is
+unavailable) without it. Design: docs/design/triton-kernels.md.
 """
 
 from __future__ import annotations

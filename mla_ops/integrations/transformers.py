@@ -1,53 +1,13 @@
 """Hugging Face transformers models with their attention computed by the ``mla`` ops.
 
-Importing this module registers an attention function and a mask function under the name
-``"mla_ops"`` in transformers' ``AttentionInterface`` and ``AttentionMaskInterface``::
+Importing this module registers an attention function and a mask function under the name ``"mla_ops"``
+in transformers' ``AttentionInterface`` and ``AttentionMaskInterface``::
 
     import mla_ops.integrations.transformers  # noqa: F401  (registers "mla_ops")
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16, attn_implementation="mla_ops")
-    # or, on a loaded model: model.set_attn_implementation("mla_ops")
 
-Every attention call of the model then runs through :func:`mla_ops.prefill` (causal attention of the
-new tokens over themselves), :func:`mla_ops.prefill_context_chunk` (the new tokens over the cached
-prefix, when there is one) and :func:`mla_ops.merge_attn_states`.
-
-How a call is laid out for the ops:
-
-- **No mask, no cache** (one sequence per row): the rows are the sequences; nothing is gathered.
-- **2-D padding mask** (left or right padding, or both): the real tokens are gathered into a packed
-  varlen batch; padding positions are never computed and their output is 0.
-- **KV cache** (keys longer than the queries): the queries are the last tokens of the keys; they attend
-  causally to themselves and non-causally to the cached prefix, and the two parts are merged.
-- **Packed sequences**: several sequences in one row, told apart by ``position_ids`` that restart
-  (a position that is not its predecessor's plus one starts a sequence, as transformers' own
-  mask builder decides), or given as ``cu_seq_lens_q``/``cu_seq_lens_k`` keyword arguments.
-
-The mask function hands the model's 2-D padding mask (or ``None``) through to the attention function,
-as transformers' FlashAttention integration does, so no 4-D mask is ever built.
-
-Host synchronisation: the offsets and gather indices are computed on the device from the mask (sums,
-cumulative sums, a stable partition), with static shapes as ``max_seqlen`` bounds, so a call reads
-nothing back to the host with one exception: packed sequences found through ``position_ids`` have a
-data-dependent count. A call with no padding mask, no cached prefix and ``position_ids`` (models pass
-them on every call) therefore reads that count once per forward pass when running eagerly; the layers
-of the pass share the result while the ``position_ids`` tensor is unchanged. Under ``torch.compile``
-or CUDA-graph capture nothing is read: each row gets the upper bound of one sequence per token, most
-of them empty (correct, but every kernel launch is sized for that many sequences). Passing the
-tokenizer's ``attention_mask`` (``generate()`` always does) or ``cu_seq_lens_q``/``cu_seq_lens_k``
-avoids both. FLASHINFER plans each batch on the host (see :mod:`mla_ops.backends.flashinfer`); the
-offsets of one forward pass are one tensor for every layer, so it plans once per pass.
-
-CUDA graphs: under ``torch.compile(mode="reduce-overhead")`` (which ``generate()`` applies to the
-decode steps of a static cache on CUDA) the offsets are computed inside the graph. The calls go
-through :func:`mla_ops.prefill` and :func:`mla_ops.prefill_context_chunk`, which inside CUDA-graph
-trees run the best backend that reads the offsets on the device (TRITON or FLASH_ATTN; see
-:mod:`mla_ops.runtime.graph_trees`), so automatic selection replays correctly. A forced FLASHINFER, which
-plans on the host, raises ``ValueError`` at the first compiled call: clear the override, or pass
-``disable_compile=True`` to ``generate()``.
-
-Not supported, with an error that says so: attention dropout, sliding windows, logit soft-capping,
-attention sinks, position biases, 4-D or custom masks and mask overlays, and gradients (the ops are
-forward-only: run under ``torch.no_grad()``, as ``generate()`` does).
+What is supported: README.md (Hugging Face transformers). How a call is laid out for the ops, and when it
+reads anything back to the host: docs/design/transformers.md.
 """
 
 from __future__ import annotations

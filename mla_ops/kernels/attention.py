@@ -1,39 +1,9 @@
 """Varlen flash-attention forward for MLA prefill, in Triton.
 
-:func:`attention_triton` is the entry point for every GPU and Triton's interpreter. On Hopper it hands
-large batches to :mod:`mla_ops.kernels.attention_sm90` (written in Gluon) where that kernel covers the
-inputs; everything else runs the ``tl.dot`` kernel below.
-
-One program computes ``BLOCK_M`` query rows of one head of one sequence against all the keys that
-those rows see, with an online softmax in base 2 (``log2(e)`` is folded into the scale so the inner
-loop calls ``exp2``) and fp32 accumulators. Design points:
-
-- **Varlen, no host sync, a grid that does not grow with max_seqlen.** ``cu_seqlens`` are read on
-  the device. Query blocks are numbered in a packed "slot" space: sequence ``b`` owns the slots from
-  ``cu_seqlens_q[b] // BLOCK_M + b``, which is at least as many as it has blocks, so
-  ``Tq // BLOCK_M + B`` slots per head cover any batch that fits in ``q``. A grid sized from
-  ``B * cdiv(max_seqlen, BLOCK_M)`` instead would launch mostly empty programs when ``max_seqlen``
-  is a CUDA graph's token budget, and each of those holds a whole SM's shared memory while it
-  exits. Each program finds its sequence with one vectorised pass over ``cu_seqlens``.
-- **Dqk != Dv, no padding of 192 to 256.** The QK product is split into two ``tl.dot`` calls whose
-  widths are powers of two (192 = 128 + 64; other widths pad only the second part, with masks), and
-  both accumulate into one fp32 score tile.
-- **Mask-free main loop.** Key tiles that every row of the block sees in full run without any mask
-  or bounds code; only the causal diagonal and the ragged tail of a sequence take the masked loop.
-- **Softmax overlapped with P @ V (``ovl``, optional).** :func:`_attend_tiles_overlapped` computes
-  each tile's softmax while the previous tile's P @ V runs on the tensor cores, with no branch and
-  no product in flight across a step's end: either makes ptxas serialise every wgmma of the kernel
-  (``benchmarks/compile_sm90.py`` reports it).
-- **Heaviest blocks first, L2-friendly order.** Causal blocks near a sequence's end do the most
-  work, so each sequence's blocks are launched last-first and the light ones fill the tail.
-  Programs are grouped by sets of heads whose K/V fits in L2 (heads vary fastest), so the blocks
-  reading one head's K/V run close together in time.
-- **Empty rows.** A row that sees no key (an empty context chunk, a zero-length sequence) gets
-  ``out = 0`` and ``lse = -inf``, never NaN. Rows past ``cu_seqlens_q[-1]`` (the padding of a CUDA
-  graph's token budget) get ``lse = -inf`` from a few extra programs, so a later merge weighs them 0
-  and writes ``out = 0`` there; their ``out`` here is left unwritten (the package leaves padding
-  contents unspecified), because zeroing a large budget would cost as much as attending a small
-  batch. No valid row ever reads a padding row.
+:func:`attention_triton` is the entry point for every GPU and Triton's interpreter: on Hopper it hands large
+batches to :mod:`mla_ops.kernels.attention_sm90` where that kernel covers the inputs, and runs the ``tl.dot``
+kernel below for everything else. It also resolves the launch configuration and describes launches for the
+native library. Design: docs/design/triton-kernels.md.
 """
 
 from __future__ import annotations

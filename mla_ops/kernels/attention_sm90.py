@@ -1,46 +1,9 @@
 """Varlen flash-attention forward for Hopper (SM90) in Gluon, with FlashAttention-3's structure.
 
-Gluon is Triton's explicit-layout language: a kernel states its own partitions, shared-memory buffers,
-mbarriers and tensor-core waits, where ``tl.dot`` code leaves them to compiler passes. Those passes
-are what :mod:`mla_ops.kernels.attention` cannot get past on Hopper with Triton 3.6 (the automatic warp
-specialisation hangs; a wait follows every non-accumulating product). Written out, one program per
-128 query rows of one head of one sequence is:
-
-- a **producer** warp that issues every TMA load: the block's Q once (its ``D_A``- and ``D_B``-channel
-  parts: DeepSeek's 192 = 128 + 64), then each key tile's K parts and its V, into two rings (keys,
-  values) of ``STAGES`` buffers, each buffer guarded by a *ready* mbarrier (the TMA completes it) and
-  an *empty* one (both consumers arrive on it when done with the buffer);
-- two **consumer** warpgroups of 64 query rows each, in partitions of their own, so that the warp
-  schedulers run one's softmax while the other's products occupy the tensor cores. A consumer issues
-  both parts of ``Q @ K^T`` before one wait, runs the online softmax in base 2, and ``P @ V`` from
-  registers: one product after the other (``OVERLAP`` off), or with the previous tile's ``P @ V`` in
-  flight while it waits for a tile's scores and runs their softmax (``OVERLAP``, FlashAttention-3's
-  intra-warpgroup overlap). With ``PINGPONG`` the two consumers also take turns issuing their products
-  through a pair of mbarriers (FlashAttention-3's ping-pong) instead of leaving the order to the
-  schedulers.
-
-A *work item* is one such block of one head. By default each program takes one; with ``persistent``
-(config flag ``pers``) the grid has one program per multiprocessor (one fits: 208 KiB of shared memory)
-and the producer takes items for its program from a global counter, in the order the hardware would
-start programs of their own, until none is left. It hands each item's number to the consumers through
-shared memory with the item's Q; tiles are counted over all of a program's items (so the rings' phases
-run on from item to item); and the consumers release Q through a second mbarrier once an item's last
-scores are in, so that the next item's Q and first tiles load under the last ``P @ V`` and the stores,
-which a program of its own would start cold.
-
-Contract points, as in :mod:`mla_ops.kernels.attention` (whose module docstring has the reasons):
-programs are numbered in the same packed slot space (the grid does not grow with ``max_seqlen``), the
-last block of a sequence first and heads grouped for L2; a row without visible keys gets ``out = 0``,
-``lse = -inf``; extra programs write ``lse = -inf`` into padding rows past ``cu_seqlens_q[-1]`` and
-leave their ``out`` unwritten. Values come through a descriptor each program builds on the device over
-its own sequence's and head's rows, so the rows of a tile past the sequence read as zeros, never as a
-neighbour's NaN (``0 * NaN`` in ``P @ V`` is NaN); keys past it are masked in the scores, which a NaN
-there cannot cross (``where`` selects).
-
-Covers: bfloat16 and float16; ``Dqk = D_A + D_B`` with ``D_A > D_B`` both powers of two (192, 96, 80...;
-a lone power of two goes to the other kernel) and ``Dv`` a power of two, within the shared memory
-:func:`sm90_shared_memory` counts; a non-negative scale; tensors whose base, row and head strides are
-16-byte aligned with unit channel stride (:func:`sm90_unsupported_reason` says what else is refused).
+A TMA producer warp and two consumer warpgroups per program, optionally overlapping each tile's softmax with
+the previous tile's P @ V (``ovl``) and in persistent programs (``pers``), with the same contract and program
+numbering as :mod:`mla_ops.kernels.attention`. :func:`sm90_unsupported_reason` says which inputs it does not
+cover. Design: docs/design/triton-kernels.md (The Gluon kernel).
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
 """Launch configurations of the Triton kernels, chosen from tables rather than autotuned.
 
-Autotuning on first call would run benchmarks (and allocate, and synchronise) the first time a shape
-is seen, which can be in the middle of CUDA graph capture. The kernels therefore read a fixed table,
-keyed on the device's architecture and on ``(Dqk, Dv, causal, dtype)``. ``benchmarks/tune_triton.py``
-sweeps candidate configurations on a GPU and prints the best ones; copy them into the tables below.
-
-For experiments, ``MLA_OPS_TRITON_CONFIG="BLOCK_M,BLOCK_N,num_warps,num_stages[,FLAG...]"`` overrides
-the attention table for every call. The flags, in any order (see :class:`AttentionConfig`):
-
-- ``tma`` (or ``1``): load K/V through TMA tensor descriptors; ``ptr`` (or ``0``): pointer loads (default);
-- ``qo``: also load Q and store the output through TMA descriptors;
-- ``ws``: warp-specialise the key loop (needs ``tma``, ``qo`` and, on Hopper, 4 warps; not with ``lazy``).
-  Experimental: a GPU launch of it is refused unless ``MLA_OPS_TRITON_EXPERIMENTAL_WS=1`` (see
-  :func:`refuse_unproven_warp_specialization`);
-- ``lazy``: rescale the accumulator only when a row's max grew by more than 2^8;
-- ``ovl``: overlap each key tile's softmax with the previous tile's P @ V product (not with ``ws``
-  or ``lazy``);
-- ``gluon``: the Hopper kernel written in Gluon (``128,BLOCK_N,4,STAGES,gluon``; of the other flags only
-  ``ovl``, ``pp`` and ``pers``);
-- ``pp``: with ``gluon,ovl``, the Gluon kernel's two consumer warpgroups take turns issuing their products;
-- ``pers``: with ``gluon``, persistent programs: one per multiprocessor, each taking work items until none is left.
-
-e.g. ``128,64,4,2,tma,qo,ws``, ``128,64,8,3,tma,qo,lazy``, ``128,64,8,3,tma,ovl`` or ``128,128,4,2,gluon,ovl,pp``.
-
-This module does not import Triton, so the tables can be read (and tested) without it.
+The tables (keyed on the device's architecture and ``(Dqk, Dv, causal, dtype)``), :class:`AttentionConfig`,
+the ``MLA_OPS_TRITON_CONFIG`` override and its flags, and the rules that refuse what cannot run. It does
+not import Triton, so the tables can be read (and tested) without it.
+Design: docs/design/launch-configs.md.
 """
 
 from __future__ import annotations

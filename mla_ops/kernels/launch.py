@@ -1,45 +1,10 @@
 """Launching a compiled Triton kernel again without Triton's per-call dispatch.
 
-``kernel[grid](*args)`` on a ``@triton.jit`` function binds the arguments, computes their
-specialisation (pointer alignment, integer divisibility), hashes a cache key, looks the compiled
-kernel up and checks its globals: tens of microseconds of Python per launch, which on small eager
-batches is the whole cost of the op. :class:`CachedLaunch` does that once per *variant* and then calls
-the compiled kernel's launcher directly.
-
-A variant is named by a key that the caller builds, and the key must determine Triton's
-specialisation of every argument: the caller puts in it the exact value of every integer argument
-that Triton specialises (not only its divisibility), each pointer's 16-byte alignment, the dtypes,
-the constexpr values and the launch options. A key finer than Triton's costs a compile that Triton's
-cache then answers; a coarser one would launch the wrong binary, so never leave a specialised input
-out.
-
-A caller that launches the same *layout* again and again (the same shapes, strides, scalars and grid;
-only the tensors' addresses differ) can go one step further: it passes ``layout=`` (a key that fixes
-every argument but the leading, per-call ones, and fixes the grid) when it launches, and later
-:meth:`CachedLaunch.relaunch` with only the leading arguments. That skips rebuilding the scalar
-arguments, the constexpr dictionary and the specialisation key, which is most of what is left of the
-Python cost per launch. Passing the leading tensors as device addresses skips, per pointer, the
-launcher's call of ``data_ptr()`` and its driver query (``cuPointerGetAttribute``). A caller may also
-keep the :class:`FixedLaunch` that a launch returns in a table of its own, with templates of its outputs
-(:class:`KnownLayout`), as the attention and merge kernels do: a call of a known layout then costs one
-lookup, its outputs' ``torch.empty_like`` and the launch. Where the installed
-Triton's ``CudaLauncher.__call__`` is one this module knows (:data:`KNOWN_LAUNCHER_CALLS`), a launch calls
-the compiled kernel's C ``launch`` directly, with what that ``__call__`` would pass.
-
-Triton's launch hooks (profilers such as Proton add them) are honoured: the hook chains are read on
-every launch, and launch metadata is built only when a hook is installed.
-
-Kernels that build TMA descriptors on the device (``tl.make_tensor_descriptor``) write them into a
-global scratch buffer that Triton's launcher allocates for every launch, through the allocator of
-``triton.set_allocator``. Every launch here, direct or through the JIT function, supplies its own for
-the duration of the launch (:class:`TorchScratch`): a ``torch.empty`` on the current device and stream, so the
-buffer comes from PyTorch's caching allocator, or from the graph's private pool during CUDA-graph
-capture, and is released in stream order after the launch, and the caller's allocator, if any, is back in
-place afterwards.
-
-Used only on CUDA tensors whose device is the current device (the launcher, like Triton's own, loads
-the kernel into the current context), with a Triton that has the ``knobs`` runtime of 3.4 and newer;
-anywhere else every launch goes through the JIT function, as before.
+:class:`CachedLaunch` keeps each compiled variant after its first launch and, per layout, the finished
+argument list (:class:`FixedLaunch`, :class:`KnownLayout`), so a repeated call replaces only its tensors;
+:data:`KNOWN_LAUNCHER_CALLS` names the Triton launchers it may call directly, and :class:`TorchScratch`
+supplies device-side descriptors' scratch from PyTorch's allocator.
+Design: docs/design/triton-kernels.md (The launcher).
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """A base-2 ``[n, H]`` log-sum-exp into the package's natural-log ``[H, n]`` one, in Triton.
 
-FlashInfer writes each row's LSE as ``log2`` of its sum, token-major; the ops return the natural log,
-head-major. The conversion is one multiply by ``ln 2`` and a transpose: ``torch.mul(lse.t(), ln2,
-out=out)`` computes it, but on a small eager batch its host time (a TensorIterator built per call, about
-7 µs on an H200's host) is more than the kernel's. This kernel does the same multiply, bit for bit, and
-is launched through :class:`~mla_ops.kernels.launch.CachedLaunch`: after a layout's first launch a call
-costs the launch.
-
-Each program converts a ``BLOCK_T x BLOCK_H`` tile: loads contiguous along the heads of a token, stores
-contiguous along the tokens of a head.
+FLASHINFER's conversion of its LSE: the multiply of ``torch.mul(lse.t(), ln2, out=out)`` bit for bit,
+launched through :class:`~mla_ops.kernels.launch.CachedLaunch` to spare the per-call TensorIterator.
+Design: docs/design/triton-kernels.md (The merge and LSE kernels).
 """
 
 from __future__ import annotations

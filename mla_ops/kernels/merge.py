@@ -6,15 +6,8 @@ For each token ``t`` and head ``h``, with ``a = prefix_lse[h, t]`` and ``b = suf
     out = (prefix_out * exp(a - m) + suffix_out * exp(b - m)) / (exp(a - m) + exp(b - m))
     lse = m + log(exp(a - m) + exp(b - m))
 
-``+inf`` and ``-inf`` both mark a side that attended to no key: it gets weight 0 and its output is
-not even read (so NaN there cannot leak). Both sides empty gives ``out = 0`` and ``lse = -inf``. A
-NaN LSE on either side gives NaN in ``out`` and ``lse``: a NaN must never look like a valid zero.
-
-The kernel is memory-bound: each program handles ``BLOCK_T`` tokens of one head, so its ``lse`` loads
-are contiguous along ``T`` and each output row is one contiguous ``Dv``-wide (256-byte for bf16
-``Dv = 128``) vector load and store. It comes in two signatures over one body: with the inputs' strides,
-and, for inputs that are all contiguous (as the ops return them), without, since the launcher's host
-time grows with the number of arguments and the merge op's is mostly host time on small batches.
+``+inf`` and ``-inf`` mark a side without keys (weight 0, not read); a NaN LSE gives NaN. Two signatures over
+one body: with strides, and without for all-contiguous inputs. Design: docs/design/triton-kernels.md.
 """
 
 from __future__ import annotations

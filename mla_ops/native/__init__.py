@@ -1,37 +1,13 @@
 """The package's native library: built on first use, cached on disk, loaded once per process.
 
-``mla_ops/native/csrc`` holds C++ kernels for the CUDA key of four ops, which run a call without a Python frame:
-
-- ``mla::merge_attn_states``: checks, outputs and one launch of the CUDA merge beside it;
-- ``mla::prefill`` and ``mla::prefill_context_chunk``: a call whose inputs have the layout of an earlier
-  call that ran the TRITON backend repeats that call's launch of the compiled Triton kernel (two outputs
-  and one ``cuLaunchKernel``); every other call runs the ops' Python kernels, as without the library.
-  :func:`remember_attention`, which the ops call after a TRITON call, hands it the launches;
-  ``attention_launch.cpp`` says what a layout holds and why that is enough.
-- ``mla::prefill_with_chunk``, the internal fused layer op: where both its parts' layouts are remembered,
-  both launches and the native merge; every other call runs its Python kernel.
-
-:func:`load` compiles the sources with PyTorch's extension builder (``torch.utils.cpp_extension.load``: it
-needs ``nvcc`` and ``ninja``) into a directory keyed by the sources, the torch and CUDA versions and the
-GPUs' architectures, then loads the library, which registers the C++ kernels over the Python ones. Until it
-is loaded, and on any machine where it cannot be built, the ops' Python kernels run every CUDA call (the
-merge through the Triton merge, :mod:`mla_ops.kernels.merge`).
-
-The first CUDA merge or TRITON attention call outside CUDA-graph capture calls :func:`load` (``python -m
-mla_ops warmup`` does it ahead of time), which prints a progress line while it compiles; a build that fails
-is reported once, as a warning, and not tried again in that process.
-
-Settings (read when :func:`load` first runs):
-
-- ``MLA_OPS_NATIVE=0``: never build or load the library (the Python kernels run every call: the merge and
-  TRITON's launches). ``MLA_OPS_NATIVE_MERGE``, its name before it covered the launches too, is read when
-  ``MLA_OPS_NATIVE`` is unset, with a deprecation warning; it goes in the next release.
-- ``MLA_OPS_NATIVE_LAUNCH=0``: load it, but hand it no TRITON launch (the attention ops' Python kernels run).
-- ``MLA_OPS_CACHE_DIR``: where builds are kept (default ``~/.cache/mla_ops``).
-- ``TORCH_CUDA_ARCH_LIST`` (PyTorch's): the architectures to build for, e.g. ``"9.0;10.0"``; by default
-  those of the visible GPUs.
-
-It imports only torch (the extension builder when it builds, the Triton kernels when it remembers a launch).
+``mla_ops/native/csrc`` holds C++ kernels for the CUDA key of ``merge_attn_states``, ``prefill``,
+``prefill_context_chunk`` and the fused ``prefill_with_chunk``. This module builds them (:func:`load`, with
+PyTorch's extension builder, into ``$MLA_OPS_CACHE_DIR/native/<key>``), reports their status, and hands them
+TRITON launches (:func:`remember_attention`); the attention ops' C++ kernels hold the CUDA key only while a
+TRITON layout is remembered. ``MLA_OPS_NATIVE=0`` keeps the whole library unloaded (``MLA_OPS_NATIVE_MERGE``,
+its deprecated name, still works for one release); ``MLA_OPS_NATIVE_LAUNCH=0`` loads it without handing it
+launches. It imports only torch (the extension builder when it builds, the Triton kernels when it remembers a
+launch). Design: docs/design/native.md.
 """
 
 from __future__ import annotations

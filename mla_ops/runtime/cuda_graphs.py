@@ -1,27 +1,10 @@
 """Host-side planning for CUDA graphs.
 
-A captured graph replays kernels with the arguments they were captured with, so every ragged batch
-it serves must live in the same static buffers: ``q``/``k``/``v`` sized for a token budget and
-``cu_seqlens`` sized for a maximum batch (unused sequences have length 0). Backends that read
-``cu_seqlens`` on the device (TRITON, FLASH_ATTN) need nothing more. FLASHINFER plans its work on the
-host, so it must be told the lengths before capture and again before every replay:
-
-.. code-block:: python
-
-    mla_ops.plan_cuda_graph(cu_seqlens, cu_seqlens_k=[chunk.cu_seqlens_k for chunk in chunks])
-    model(...)                       # one eager warm-up call, outside capture
-    with torch.cuda.graph(graph):
-        model(...)
-    ...
-    cu_seqlens.copy_(next_offsets)   # a new batch in the same buffers
-    mla_ops.plan_cuda_graph(cu_seqlens, cu_seqlens_k=[...])
-    graph.replay()
-
-Calling :func:`plan_cuda_graph` is cheap when no backend that plans on the host is in use, so code
-can call it unconditionally. Each backend keeps what it plans (see
-:meth:`mla_ops.backends.base.PrefillBackend.plan_cuda_graph`).
-
-For ``torch.compile``'s CUDA-graph trees see :mod:`mla_ops.runtime.graph_trees`.
+:func:`plan_cuda_graph` tells the backends that plan on the host (FLASHINFER) the lengths in a graph's static
+offsets buffers, before capture and before every replay; it is cheap for the others, so code can call it
+unconditionally. :func:`release_cuda_graph_buffers` drops what they planned. Usage: README.md (torch.compile
+and CUDA graphs); design: docs/design/flashinfer.md (CUDA graphs). For CUDA-graph trees see
+:mod:`mla_ops.runtime.graph_trees`.
 """
 
 from __future__ import annotations

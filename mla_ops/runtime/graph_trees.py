@@ -1,39 +1,10 @@
 """The MLA ops under ``torch.compile``'s CUDA-graph trees (``mode="reduce-overhead"``).
 
-A tree replays its graphs without running any Python, so a backend that plans each batch on the host
-(FLASHINFER) cannot run inside them: its plan would be the one made when the graph was recorded.
-
-The routing rule: while ``torch.compile`` traces for CUDA-graph trees (:func:`routes_in_graph`),
-:func:`mla_ops.prefill` and :func:`mla_ops.prefill_context_chunk` call twins of the ops
-(:data:`IN_GRAPH_TWINS`) whose kernels select with ``in_graph=True``: the best backend that reads the
-offsets on the device (FLASH_ATTN or TRITON). An explicit override naming a backend that plans on the
-host raises ``ValueError`` there (:func:`mla_ops.selector.select_backend`), never falls back. So
-automatic selection compiles with the plain mode although FLASHINFER leads the SM90 list.
-
-Model code that calls ``torch.ops.mla.prefill`` itself is not routed: there the ops' fake kernels
-refuse a host-planning backend at compile time (:func:`check_graph_trees`), instead of letting the
-tree fail at its first run.
-
-PyTorch internals this module relies on, none of them public API:
-
-- the backend Dynamo calls, ``tx.output.compiler_fn`` of ``InstructionTranslator.current_tx()``
-  (``torch._dynamo.symbolic_convert``), and its ``get_compiler_config()``, which Inductor's
-  ``torch._TorchCompileInductorWrapper`` defines and Dynamo's ``WrapBackendDebug`` forwards: the
-  options of the ``torch.compile`` call being traced;
-- Inductor's config, ``torch._inductor.config.triton.cudagraphs``, which holds those options while
-  Inductor compiles;
-- ``torch._guards.TracingContext.try_get()``, to tell a trace under ``torch.compile`` from any other;
-- Dynamo taking a function marked ``_dynamo_marked_constant`` as a constant (what
-  ``torch.compiler.assume_constant_result`` sets).
-
-They were exercised with torch 2.11.0+cu130 on an H200 (``benchmarks/bench_graph_trees.py``, whose
-results are in ``benchmarks/results/h200/graph_trees.md``) and with 2.13.0 CPU builds in CI, and are
-present in the sources of torch 2.6, the floor in ``pyproject.toml``. An internal that is missing or
-changed reads as "not under CUDA-graph trees" (no routing, no refusal), never as an error;
-tests/test_graph_trees.py and tests/test_graph_tree_routing.py fail on such a torch.
-
-This module imports nothing of Inductor or Dynamo at import time: importing them takes seconds, and
-the fake kernels call :func:`check_graph_trees` in every compile.
+:func:`routes_in_graph` (whether a trace is for CUDA-graph trees), :data:`IN_GRAPH_TWINS` (the ops' twins
+whose kernels never run a backend that plans on the host), :func:`check_graph_trees` (the fake kernels'
+compile-time refusal for direct op calls) and the deprecated :func:`compile_options`. It reads PyTorch
+internals, listed in the design page, and imports nothing of Inductor or Dynamo at import time.
+Design: docs/design/graph-trees.md.
 """
 
 from __future__ import annotations

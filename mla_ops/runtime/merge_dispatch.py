@@ -2,7 +2,7 @@
 
 CPU tensors use the PyTorch reference. CUDA tensors use the native merge (:mod:`mla_ops.native`, built
 and loaded by the first CUDA call outside CUDA-graph capture), else the Triton kernel when Triton
-imports, else the reference (PyTorch ops, which run on CUDA too).
+imports, else the reference (PyTorch ops, which run on CUDA too). Design: docs/design/native.md.
 """
 
 from __future__ import annotations

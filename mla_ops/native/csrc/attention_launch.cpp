@@ -3,7 +3,7 @@
 // kernel (two outputs and one cuLaunchKernel, no Python frame); every other call runs the ops' Python
 // kernels (mla::_prefill_python, mla::_prefill_context_chunk_python), as it would without this file.
 //
-// mla_ops/native.py builds this file with the native merge and loads it; mla_ops.ops, after a TRITON call
+// mla_ops.native builds this file with the native merge and loads it; mla_ops.ops, after a TRITON call
 // through the Python kernel, hands the launch it made to mla_native::remember_attention, with the inputs,
 // and the inputs' layout names it from then on. A layout is everything the Python kernel's input check,
 // its routing and the Triton kernel's launch read of the inputs: every tensor's sizes, strides, dtype,

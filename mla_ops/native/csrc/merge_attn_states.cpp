@@ -1,5 +1,5 @@
 // The CUDA kernel of mla::merge_attn_states, in C++: the op's whole eager call (checks, two outputs,
-// one launch) without a Python frame. mla_ops/native.py builds this file with the CUDA kernel
+// one launch) without a Python frame. mla_ops.native builds this file with the CUDA kernel
 // (merge_attn_states_kernel.cu) on first use and loads it; loading registers:
 //
 // - mla::merge_attn_states for the CUDA key, over the Python kernel that mla_ops.ops registers for
@@ -54,7 +54,7 @@ bool inputs_are_valid(const at::Tensor& prefix_out, const at::Tensor& prefix_lse
   TORCH_CHECK(false,
               "mla.merge_attn_states: the native kernel refused inputs that mla_ops' input check accepts "
               "(a bug in mla_ops: please report it with the inputs' shapes, strides, dtypes and devices); "
-              "set MLA_OPS_NATIVE_MERGE=0 to run the Triton merge meanwhile");
+              "set MLA_OPS_NATIVE=0 to run the Triton merge meanwhile (it turns the whole native library off)");
 }
 
 std::tuple<at::Tensor, at::Tensor> merge(const at::Tensor& prefix_out, const at::Tensor& prefix_lse,
