@@ -159,3 +159,19 @@ def test_capture_without_plan_raises(flashinfer):
         torch.cuda.graph(graph),
     ):
         mla_ops.prefill(b.q, b.k, b.v, b.cu_seqlens, 64)
+
+
+def test_hopper_keeps_fa3_where_blackwell_gets_the_trtllm_kernel(flashinfer):
+    """FlashInfer's trtllm-gen DeepSeek kernel is the SM100 path only: on an SM90 device both paths plan fa3,
+    whether or not the installed FlashInfer has ``trtllm_ragged_attention_deepseek``."""
+    capability = DeviceCapability.of(torch.device(CUDA))
+    if capability != DeviceCapability(9, 0):
+        pytest.skip(f"checks an SM90 device; this one has compute capability {capability}")
+    assert flashinfer.eager_kernel(capability, DQK, DV, BF16) == "fa3"
+    assert flashinfer.describe(capability, SelectorConfig(BF16)).endswith("backend fa3 on SM90")
+    b = make_batch([300, 17, 0], 16, DQK, DV, BF16, CUDA, seed=31)
+    c = make_batch([64, 0, 5], 16, DQK, DV, BF16, CUDA, seed=32)
+    mla_ops.prefill(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen)
+    mla_ops.prefill_context_chunk(b.q, c.k, c.v, b.cu_seqlens, c.cu_seqlens, b.max_seqlen, c.max_seqlen)
+    plans = [plan for group in flashinfer._batches.values() for plan in group.plans.values()]
+    assert plans and {plan.kernel for plan in plans if plan.wrapper is not None} == {"fa3"}
