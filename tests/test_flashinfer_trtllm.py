@@ -4,7 +4,8 @@ The kernel has not run on hardware in this project; these tests hold the adapter
 (:mod:`mla_ops.backends.flashinfer_trtllm`) to what flashinfer-python 0.7.2.post1 documents and checks:
 when it is chosen (SM100, bf16, its three head-dim pairs, eager calls, the function present) and when
 not (SM90 keeps fa3, fp16 and other dims keep the ragged wrapper, CUDA graphs keep fa2); planning once
-per batch; the length mirrors exactly where a sequence has no queries or no keys; packed ``q``; the
+per batch; sequences without queries or keys compacted away on the device, with no host read per
+call; packed ``q``; the
 zeroed workspace sized for the softmax statistics. Correct attention on both paths, empty rows, padding
 rows, strided ``v`` and the LSE conventions are the contract's (tests/test_backend_contract.py runs this
 path as ``FLASHINFER-trtllm-standin``).
@@ -101,21 +102,24 @@ def test_a_flashinfer_without_the_function_keeps_cutlass_and_says_why():
         "flashinfer 0.7.2.post1 BatchPrefillWithRaggedKVCacheWrapper, backend cutlass on SM100 (fa2 in CUDA graphs); "
         "trtllm-gen unavailable: flashinfer 0.7.2.post1 has no prefill.trtllm_ragged_attention_deepseek"
     )
+    assert backend.describe(None, SelectorConfig(BF16)).endswith(
+        "else fa2; trtllm-gen unavailable: flashinfer 0.7.2.post1 has no prefill.trtllm_ragged_attention_deepseek"
+    )
 
 
-def test_a_function_without_the_length_mirrors_is_too_old_to_use():
+def test_a_function_without_out_and_lse_is_too_old_to_use():
     module = standins.flashinfer_module()
 
     def trtllm_ragged_attention_deepseek(
         query, key, value, workspace_buffer, seq_lens, max_q_len, max_kv_len, bmm1_scale, bmm2_scale, o_sf_scale,
-        batch_size, window_left, cum_seq_lens_q, cum_seq_lens_kv, enable_pdl, is_causal, return_lse, out=None, lse=None,
+        batch_size, window_left, cum_seq_lens_q, cum_seq_lens_kv, enable_pdl, is_causal, return_lse,
     ):  # fmt: skip
         raise AssertionError("an old function must not be called")
 
     module.prefill.trtllm_ragged_attention_deepseek = trtllm_ragged_attention_deepseek
     function, problem = trt.trtllm_function(module)
     assert function is None
-    assert problem == "flashinfer 0.7.2.post1's trtllm_ragged_attention_deepseek lacks q_seq_lens_cpu, kv_seq_lens_cpu"
+    assert problem == "flashinfer 0.7.2.post1's trtllm_ragged_attention_deepseek lacks out, lse"
     backend = FlashInferBackend(library=module, workspace_bytes=1 << 20, capability=SM100)
     assert backend.eager_kernel(SM100, DQK, DV, BF16) == "cutlass"
 
@@ -145,16 +149,39 @@ def test_sixty_layers_on_one_batch_plan_once_and_pass_the_exact_bounds():
     assert call["scale"] == SCALE and call["enable_pdl"] is False and call["mirrors"] is False
 
 
-def test_length_mirrors_go_only_with_batches_that_have_an_empty_sequence():
+def test_empty_sequences_are_compacted_away_on_the_device():
+    """The kernel only ever sees sequences with queries and keys: a batch with an empty one is gathered into
+    such a batch (by indices built when planning) and scattered back, rows without keys get 0 and -inf."""
     backend, module = install()
     full = make_batch([6, 9], H, DQK, DV, BF16, seed=2)
     prefill(backend, full)
     chunk(backend, full, make_batch([4, 1], H, DQK, DV, BF16, seed=3))
-    with_empty = make_batch([6, 0, 9], H, DQK, DV, BF16, seed=4)
+    with_empty = make_batch([6, 0, 9], H, DQK, DV, BF16, padding=3, seed=4)
     prefill(backend, with_empty)
     out, lse = chunk(backend, full, make_batch([0, 5], H, DQK, DV, BF16, seed=5))  # the first has no context
-    assert [c["mirrors"] for c in module.trtllm_calls] == [False, False, True, True]
+    seen = [(c["batch_size"], c["q"].shape[0], c["k"].shape[0], c["mirrors"]) for c in module.trtllm_calls]
+    assert seen == [(2, 15, 15, False), (2, 15, 5, False), (2, 15, 15, False), (1, 9, 5, False)]
     assert torch.equal(out[:6], torch.zeros_like(out[:6])) and torch.isneginf(lse[:, :6]).all()
+    # No sequence with both: nothing to launch, every row is empty.
+    out, lse = chunk(backend, make_batch([3, 0], H, DQK, DV, BF16), make_batch([0, 4], H, DQK, DV, BF16, seed=6))
+    assert len(module.trtllm_calls) == 4 and torch.isneginf(lse[:, :3]).all()
+
+
+def test_planned_calls_read_nothing_on_the_host():
+    backend, module = install()
+    batch = make_batch([6, 0, 9], H, DQK, DV, BF16, padding=2, seed=8)
+    keys = make_batch([0, 3, 5], H, DQK, DV, BF16, seed=9)
+    cu_q, cu_k = batch.cu_seqlens, keys.cu_seqlens
+    calls = (
+        lambda: backend.attention(batch.q, batch.k, batch.v, cu_q, cu_q, 9, 9, SCALE, True),
+        lambda: backend.attention(batch.q, keys.k, keys.v, cu_q, cu_k, 9, 5, SCALE, False),
+    )
+    first = [call() for call in calls]  # plans: reads the offsets on the host once per batch
+    with standins.no_host_sync():
+        later = [call() for call in calls for _ in range(3)]
+    assert backend.plan_count == 2 and len(module.trtllm_calls) == 8
+    for (out, lse), (want_out, want_lse) in zip(later, [first[0]] * 3 + [first[1]] * 3):
+        assert torch.equal(out[:15], want_out[:15]) and torch.equal(lse[:, :15], want_lse[:, :15])
 
 
 def test_without_the_mirrors_the_stand_in_gives_garbage_for_rows_without_keys():

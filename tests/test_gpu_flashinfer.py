@@ -92,7 +92,9 @@ def test_replayed_kernel_calls_give_run_s_results_bit_for_bit(flashinfer, dtype)
             assert torch.equal(out[:1317].view(torch.int16), first[0][:1317].view(torch.int16))
             assert torch.equal(lse.view(torch.int32), first[1].view(torch.int32))
     plans = [plan for group in flashinfer._batches.values() for plan in group.plans.values()]
-    assert plans and all(plan.recorded and plan.replay is not None for plan in plans if plan.wrapper is not None)
+    # The trtllm-gen kernel (SM100, bf16) is a function call, not a wrapper's module call: nothing to replay.
+    recorded = [plan for plan in plans if plan.wrapper is not None and plan.kernel != "trtllm-gen"]
+    assert plans and all(plan.recorded and plan.replay is not None for plan in recorded)
     assert_attention_close(*later[-1], b.q, c.k, c.v, b.cu_seqlens, c.cu_seqlens, SCALE, causal=False)
 
 

@@ -540,10 +540,10 @@ class FlashInferBackend(PrefillBackend):
             return f"unavailable: {self._library_problem}"
         head = f"flashinfer {version} BatchPrefillWithRaggedKVCacheWrapper"
         if capability is None:
-            return (
-                f"{head}; backend fa3 on SM90, cutlass on SM100 (heads {sorted(CUTLASS_HEAD_DIMS)}), else fa2; "
-                f"eager bf16 calls on SM100 run trtllm_ragged_attention_deepseek ({_TRTLLM_UNTESTED})"
-            )
+            text = f"{head}; backend fa3 on SM90, cutlass on SM100 (heads {sorted(CUTLASS_HEAD_DIMS)}), else fa2; "
+            if self.trtllm() is None:
+                return text + f"trtllm-gen unavailable: {self.trtllm_problem()}"
+            return text + f"eager bf16 calls on SM100 run trtllm_ragged_attention_deepseek ({_TRTLLM_UNTESTED})"
         dqk, dv = config.head_dim_qk, config.head_dim_v
         eager = self.eager_kernel(capability, dqk, dv, config.dtype)
         graph = choose_kernel(capability, dqk, dv, cuda_graph=True)

@@ -26,10 +26,12 @@ What the library documents, and what this module does about it:
   ``kv_nope`` is passed as it is). ``q`` and ``out`` are cut to the rows the batch covers.
 - **Empty sequences.** By default the function "assumes every row has positive query and KV lengths"; a
   sequence with no keys (an empty context chunk) or no queries takes an undefined kernel path. The plan
-  knows the lengths on the host, so a batch where every sequence has both runs the kernel directly, and a
-  batch with an empty one passes the documented ``q_seq_lens_cpu``/``kv_seq_lens_cpu`` mirrors, with which
-  the function writes ``out = 0``, ``lse = -inf`` for those rows and compacts the rest before the launch
-  (FlashInfer's own ragged wrapper does the same when it routes to this function).
+  knows the lengths on the host, so a batch where every sequence has both runs the kernel directly. For a
+  batch with an empty one, the plan builds, once, device index tensors of the rows of the sequences that
+  have both; each call gathers those rows, runs the kernel on that all-active batch, scatters the results
+  back and writes ``out = 0``, ``lse = -inf`` into the rows of sequences without keys. This is the
+  compaction the function performs itself when given its ``q_seq_lens_cpu``/``kv_seq_lens_cpu`` mirrors,
+  with the host work moved from every call to the plan: a planned call reads nothing on the host.
 - **Workspace.** FlashInfer's tests give the trtllm-gen kernels a zero-initialised workspace of their own,
   separate from the ragged wrapper's float workspace, and the launcher carves the LSE's softmax statistics
   out of it: ``8 * H * B * roundup(max_q, 256)`` bytes plus a 1 MiB guard, failing the call when the
@@ -37,13 +39,14 @@ What the library documents, and what this module does about it:
   each plan needs (:func:`workspace_bytes_needed`).
 - **Graph rules.** Planning reads the offsets on the host, like the wrapper's kernels (the FLASHINFER
   backend ``plans_on_host``). CUDA graphs do not use this kernel: a graph's padding sequences have length 0,
-  and the mirrors that make such a batch correct drive a host-side compaction that a replay cannot follow
-  when the lengths change. Inside graphs the backend keeps the ragged wrapper's fa2 kernel, as before.
+  and the compaction that makes such a batch correct is built on the host for each batch, which a replay
+  with other lengths cannot follow. Inside graphs the backend keeps the ragged wrapper's fa2 kernel, as before.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +64,7 @@ TRTLLM_HEAD_DIMS: frozenset[tuple[int, int]] = frozenset({(192, 128), (128, 128)
 TRTLLM_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16,)
 
 #: The keyword parameters this module passes; a FlashInfer whose function lacks one is too old for it.
-_REQUIRED_KEYWORDS = ("out", "lse", "q_seq_lens_cpu", "kv_seq_lens_cpu")
+_REQUIRED_KEYWORDS = ("out", "lse")
 
 #: The launcher's trailing guard after the softmax statistics (``kTrtllmGenSoftmaxStatsGuardBytes``).
 _SOFTMAX_STATS_GUARD_BYTES = 1 << 20
@@ -133,19 +136,40 @@ class TrtllmWorkspaces:
 
 
 @dataclass
+class _Compaction:
+    """The rows of a batch's sequences that have both queries and keys, as device index tensors."""
+
+    q_rows: torch.Tensor  # int64 [n_active]: the query rows of those sequences
+    kv_rows: torch.Tensor  # int64 [kv_active]: their key rows
+    keyless_rows: torch.Tensor | None  # int64: query rows of sequences without keys (out 0, lse -inf), or None
+
+
+@dataclass
 class _Plan:
     num_rows: int  # qo_indptr[-1]: the query rows the batch covers
     num_kv_rows: int  # kv_indptr[-1]
-    batch_size: int
-    max_q_len: int  # the exact longest lengths, read on the host when planning
+    batch_size: int  # of the batch the kernel sees: the sequences with queries and keys
+    max_q_len: int  # the exact longest lengths among them, read on the host when planning
     max_kv_len: int
-    cum_q: torch.Tensor  # int32 [B+1] on the device
+    cum_q: torch.Tensor  # int32 [B+1] on the device, of the batch the kernel sees
     cum_kv: torch.Tensor
     seq_lens: torch.Tensor  # int32 [B] on the device: each sequence's key count
-    mirrors: tuple[torch.Tensor, torch.Tensor] | None  # host lengths, only when a sequence has no queries or keys
+    compaction: _Compaction | None  # None when every sequence has queries and keys
     causal: bool
     sm_scale: float
     workspace_bytes: int
+
+
+def _rows(indptr: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    """The rows ``[indptr[b], indptr[b + 1])`` of the sequences ``b`` where ``selected`` (host tensors)."""
+    starts, ends = indptr[:-1][selected].tolist(), indptr[1:][selected].tolist()
+    pieces = [torch.arange(a, b) for a, b in zip(starts, ends)]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+
+
+def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+    """``[0, cumsum(lengths)]`` as int32 (host)."""
+    return torch.cat((torch.zeros(1, dtype=torch.int32), torch.cumsum(lengths, 0).to(torch.int32)))
 
 
 class TrtllmRaggedWrapper:
@@ -189,11 +213,23 @@ class TrtllmRaggedWrapper:
             raise ValueError(f"MLA prefill has as many key heads as query heads, got {num_qo_heads} and {num_kv_heads}")
         q_lens = (qo_indptr[1:] - qo_indptr[:-1]).to(torch.int32)
         kv_lens = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int32)
+        active = (q_lens > 0) & (kv_lens > 0)
+        compaction = None
+        if bool(active.all()):
+            cum_q_host, cum_kv_host = qo_indptr.to(torch.int32), kv_indptr.to(torch.int32)
+        else:  # the kernel sees only the sequences with queries and keys (see the module docstring)
+            keyless = (q_lens > 0) & (kv_lens == 0)
+            compaction = _Compaction(
+                q_rows=_rows(qo_indptr, active).to(self.device),
+                kv_rows=_rows(kv_indptr, active).to(self.device),
+                keyless_rows=_rows(qo_indptr, keyless).to(self.device) if bool(keyless.any()) else None,
+            )
+            q_lens, kv_lens = q_lens[active], kv_lens[active]
+            cum_q_host, cum_kv_host = _offsets(q_lens), _offsets(kv_lens)
         batch_size = q_lens.numel()
         max_q_len = int(q_lens.max()) if batch_size else 0
-        all_active = bool(((q_lens > 0) & (kv_lens > 0)).all())
-        cum_q = qo_indptr.to(self.device, torch.int32)
-        same = causal and torch.equal(qo_indptr, kv_indptr)  # the new-tokens path: one offsets array
+        cum_q = cum_q_host.to(self.device)
+        same = torch.equal(cum_q_host, cum_kv_host)  # the new-tokens path: one offsets array
         self._plan = _Plan(
             num_rows=int(qo_indptr[-1]),
             num_kv_rows=int(kv_indptr[-1]),
@@ -201,9 +237,9 @@ class TrtllmRaggedWrapper:
             max_q_len=max_q_len,
             max_kv_len=int(kv_lens.max()) if batch_size else 0,
             cum_q=cum_q,
-            cum_kv=cum_q if same else kv_indptr.to(self.device, torch.int32),
+            cum_kv=cum_q if same else cum_kv_host.to(self.device),
             seq_lens=kv_lens.to(self.device),
-            mirrors=None if all_active else (q_lens, kv_lens),
+            compaction=compaction,
             causal=causal,
             sm_scale=float(head_dim_qk**-0.5 if sm_scale is None else sm_scale),
             workspace_bytes=workspace_bytes_needed(num_qo_heads, batch_size, max_q_len),
@@ -229,12 +265,31 @@ class TrtllmRaggedWrapper:
             raise ValueError("the MLA merge needs the LSE: call run() with return_lse=True")
         if q.shape[0] != plan.num_rows:
             raise ValueError(f"q.shape[0] ({q.shape[0]}) does not match qo_indptr[-1] ({plan.num_rows})")
-        if not q.is_contiguous():  # the launcher takes no strides for q: the kernel reads it packed
-            q = q.contiguous()
-        # With length mirrors the function checks that they sum to k's and v's rows: cut the chunk's tail.
-        k, v = k[: plan.num_kv_rows], v[: plan.num_kv_rows]
+        compaction = plan.compaction
+        if compaction is None:
+            if not q.is_contiguous():  # the launcher takes no strides for q: the kernel reads it packed
+                q = q.contiguous()
+            self._launch(q, k[: plan.num_kv_rows], v[: plan.num_kv_rows], out, lse)
+            return out, lse
+        if compaction.keyless_rows is not None:
+            out.index_fill_(0, compaction.keyless_rows, 0.0)
+            lse.index_fill_(0, compaction.keyless_rows, -math.inf)
+        if plan.batch_size == 0:  # no sequence has both queries and keys
+            return out, lse
+        q_c = q.index_select(0, compaction.q_rows)  # contiguous: gathered rows are packed
+        out_c = torch.empty((q_c.shape[0], q.shape[1], out.shape[2]), dtype=out.dtype, device=out.device)
+        lse_c = torch.empty((q_c.shape[0], q.shape[1]), dtype=lse.dtype, device=lse.device)
+        k_c, v_c = k.index_select(0, compaction.kv_rows), v.index_select(0, compaction.kv_rows)
+        self._launch(q_c, k_c, v_c, out_c, lse_c)
+        out.index_copy_(0, compaction.q_rows, out_c)
+        lse.index_copy_(0, compaction.q_rows, lse_c)
+        return out, lse
+
+    def _launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """One call of the function on the planned (all-active) batch."""
+        plan = self._plan
+        assert plan is not None
         workspace = self._workspaces.get(self.device, plan.workspace_bytes)
-        q_lens, kv_lens = plan.mirrors if plan.mirrors is not None else (None, None)
         self._function(
             q,
             k,
@@ -255,7 +310,4 @@ class TrtllmRaggedWrapper:
             True,  # return_lse
             out=out,
             lse=lse,
-            q_seq_lens_cpu=q_lens,
-            kv_seq_lens_cpu=kv_lens,
         )
-        return out, lse
