@@ -19,6 +19,7 @@ import torch
 
 from . import native
 from .backends.base import PrefillBackend
+from .backends.flashinfer_trtllm import trtllm_serves
 from .backends.registry import PrefillBackendEnum, replace_backend
 from .specs import DeviceCapability, MLADimensions, SelectorConfig
 
@@ -38,11 +39,39 @@ B = PrefillBackendEnum
 _SM90 = [B.FLASHINFER, B.FLASH_ATTN, B.TRITON]
 # Not measured here: flash-attn's FA2 is the usual leader on Ampere/Ada, FlashInfer fa2 next.
 _SM80 = [B.FLASH_ATTN, B.FLASHINFER, B.TRITON]
-# Not measured here. FlashInfer's CUTLASS kernel serves DeepSeek's (192, 128) heads on Blackwell; for
-# (256, 256) heads (the (192, 64, 256) configuration of the seed) FlashAttention is preferred.
-_SM100 = [B.FLASHINFER, B.FLASH_ATTN, B.TRITON]
-_SM100_WIDE_HEADS = [B.FLASH_ATTN, B.FLASHINFER, B.TRITON]
+# SM100: not measured by this project (no Blackwell GPU); the orders follow the seed
+# (_get_mla_prefill_backend_priorities: FLASH_ATTN, TRTLLM_RAGGED, FLASHINFER for (192, 128) heads;
+# TRTLLM_RAGGED, FLASH_ATTN, FLASHINFER for the (192, 64, 256) configuration, i.e. (256, 256) heads) and
+# the published figures that agree with it: vLLM made FlashAttention-4 its default MLA prefill on SM100,
+# its B200 comparison gives an 8k prefill in 0.415 ms with FA4 against 0.555 ms with FlashInfer, and FA4
+# reports 1441 TFLOP/s at (192, 128) on B200. The seed's TRTLLM_RAGGED is FlashInfer's
+# trtllm_ragged_attention_deepseek, which this package runs as the FLASHINFER backend's SM100 kernel
+# (backends/flashinfer_trtllm.py); the seed's TOKENSPEED_MLA is outside the package's libraries.
+_SM100 = [B.FLASH_ATTN, B.FLASHINFER, B.TRITON]
+# (256, 256) heads: FLASHINFER first where it runs the trtllm-gen kernel (bf16 only; _ranked_here demotes
+# it where the installed FlashInfer lacks that kernel), FLASH_ATTN first otherwise.
+_SM100_WIDE_HEADS = [B.FLASHINFER, B.FLASH_ATTN, B.TRITON]
+_SM100_WIDE_HEADS_NO_TRTLLM = [B.FLASH_ATTN, B.FLASHINFER, B.TRITON]
 _WIDE_HEAD_DIMS = (256, 256)
+
+#: Where each family's order comes from, as ``info`` prints it.
+_EVIDENCE_SM90 = (
+    "measured by this project on an H200 (benchmarks/results/h200/results.md, 2026-12-01): FLASHINFER (fa3) "
+    "fastest on 14 of 25 attention shapes, FLASH_ATTN (FlashAttention-4) on the other 11"
+)
+_EVIDENCE_SM80 = "not measured by this project: FlashAttention-2 is the usual leader on Ampere/Ada"
+_EVIDENCE_SM100 = (
+    "the seed's order (FLASH_ATTN, TRTLLM_RAGGED, FLASHINFER; TRTLLM_RAGGED's kernel, FlashInfer's "
+    "trtllm_ragged_attention_deepseek, runs inside FLASHINFER here) and published data, not measured by this "
+    "project (no Blackwell GPU has run any backend here): vLLM's SM100 default MLA prefill is FlashAttention-4, "
+    "its B200 8k prefill 0.415 ms with FA4 vs 0.555 ms with FlashInfer; FA4 reports 1441 TFLOP/s at (192, 128) "
+    "on B200"
+)
+_EVIDENCE_SM100_WIDE = (
+    "the seed's order for its (192, 64, 256) configuration: TRTLLM_RAGGED, FLASH_ATTN, FLASHINFER. TRTLLM_RAGGED "
+    "is FlashInfer's trtllm_ragged_attention_deepseek, which FLASHINFER runs here in bf16 only (FLASH_ATTN leads "
+    "where it does not run). Not measured by this project (no Blackwell GPU has run any backend here)"
+)
 
 _FAMILIES = "SM80/SM86/SM89 (Ampere, Ada), SM90 (Hopper) and SM100 (Blackwell)"
 
@@ -56,8 +85,10 @@ def backend_priorities(capability: DeviceCapability | None, config: SelectorConf
     if capability is None:
         return [B.REFERENCE]
     if capability.major == 10:
-        wide = (config.head_dim_qk, config.head_dim_v) == _WIDE_HEAD_DIMS
-        return list(_SM100_WIDE_HEADS if wide else _SM100)
+        if (config.head_dim_qk, config.head_dim_v) != _WIDE_HEAD_DIMS:
+            return list(_SM100)
+        trtllm = trtllm_serves(capability, config.head_dim_qk, config.head_dim_v, config.dtype)
+        return list(_SM100_WIDE_HEADS if trtllm else _SM100_WIDE_HEADS_NO_TRTLLM)
     if capability == DeviceCapability(9, 0):
         return list(_SM90)
     if capability.major == 8:
@@ -65,11 +96,37 @@ def backend_priorities(capability: DeviceCapability | None, config: SelectorConf
     return []
 
 
+def order_evidence(capability: DeviceCapability | None, config: SelectorConfig) -> str | None:
+    """Where the priority order for ``capability`` and ``config`` comes from (``None``: CPU or no order)."""
+    if capability is None:
+        return None
+    if capability.major == 10:
+        wide = (config.head_dim_qk, config.head_dim_v) == _WIDE_HEAD_DIMS
+        return _EVIDENCE_SM100_WIDE if wide else _EVIDENCE_SM100
+    if capability == DeviceCapability(9, 0):
+        return _EVIDENCE_SM90
+    if capability.major == 8:
+        return _EVIDENCE_SM80
+    return None
+
+
 def _ranked_here(
     priorities: list[PrefillBackendEnum], capability: DeviceCapability | None, config: SelectorConfig
 ) -> list[PrefillBackendEnum]:
     """``priorities`` as this machine's libraries rank them: on SM90, FLASH_ATTN moves after TRITON when
-    the FlashAttention it would run here pads ``v`` (FlashAttention-2), which measured half TRITON's speed."""
+    the FlashAttention it would run here pads ``v`` (FlashAttention-2), which measured half TRITON's speed;
+    on SM100, FLASHINFER leaves the first place to FLASH_ATTN for (256, 256) heads when the installed
+    FlashInfer lacks the trtllm-gen kernel that earns it that place."""
+    if capability is not None and capability.major == 10 and priorities[:2] == [B.FLASHINFER, B.FLASH_ATTN]:
+        try:
+            kernel = B.FLASHINFER.backend().eager_kernel(
+                capability, config.head_dim_qk, config.head_dim_v, config.dtype
+            )
+        except Exception:  # a probe of the installed libraries reports, never raises; validation says why
+            kernel = None
+        if kernel != "trtllm-gen":
+            return [B.FLASH_ATTN, B.FLASHINFER, *priorities[2:]]
+        return priorities
     if capability is None or capability.major != 9 or B.FLASH_ATTN not in priorities or B.TRITON not in priorities:
         return priorities
     try:

@@ -326,22 +326,133 @@ class ModuleRaggedWrapper(FakeRaggedWrapper):
             out.div_(self._cached_module.out_factor)
 
 
+#: What ``trtllm_ragged_attention_deepseek`` asserts of ``(q, k, v)`` head dims (flashinfer 0.7.2.post1).
+TRTLLM_DIMS = ((192, 192, 128), (128, 128, 128), (256, 256, 256))
+
+
+def trtllm_ragged_function(calls: list[dict]) -> Callable[..., Any]:
+    """Stand-in for ``flashinfer.prefill.trtllm_ragged_attention_deepseek`` (flashinfer 0.7.2.post1).
+
+    It enforces what the real function and its launcher require: the three head-dim triples; bf16 (the
+    dtype FlashInfer tests it in); ``q`` and ``out`` packed (the launcher passes strides for ``k`` and
+    ``v`` only) and 16-byte aligned ``k``/``v`` rows; int32 offsets, ``seq_lens`` equal to the key
+    offsets' differences, bounds that cover every sequence; a zero-initialised workspace large enough for
+    the softmax statistics (``8 * H * B * roundup(max_q_len, 256)`` bytes plus a 1 MiB guard); the length
+    mirrors' checks. Rows of a sequence without queries or keys are written correctly (``out = 0``,
+    ``lse = -inf``) only where the mirrors are passed: without them the real kernel takes an undefined
+    path, modelled as NaN. Returns FlashInfer's base-2 LSE, ``[T, H]``; rows past ``cum_seq_lens_q[-1]``
+    are never written. Each call is appended to ``calls``.
+    """
+
+    def trtllm_ragged_attention_deepseek(
+        query, key, value, workspace_buffer, seq_lens, max_q_len, max_kv_len, bmm1_scale, bmm2_scale, o_sf_scale,
+        batch_size, window_left, cum_seq_lens_q, cum_seq_lens_kv, enable_pdl, is_causal, return_lse,
+        attention_sinks=None, skip_softmax_threshold_scale_factor=None, out=None, lse=None, backend="trtllm-gen",
+        q_seq_lens_cpu=None, kv_seq_lens_cpu=None, skip_all_rows_active_check=True,
+    ):  # fmt: skip
+        dims = (query.shape[2], key.shape[2], value.shape[2])
+        assert dims in TRTLLM_DIMS, f"Unsupported head dimensions: {dims}"
+        if attention_sinks is not None or skip_softmax_threshold_scale_factor is not None or backend != "trtllm-gen":
+            raise NotImplementedError("the trtllm-gen stand-in computes plain attention on the trtllm-gen backend")
+        assert window_left == -1 and bmm2_scale == 1.0, "the stand-in computes attention without window or v scale"
+        assert query.dtype == key.dtype == value.dtype == torch.bfloat16, "FlashInfer tests this kernel in bf16"
+        assert query.is_contiguous(), "the launcher passes no strides for q: the kernel reads it packed"
+        for name, t in (("key", key), ("value", value)):
+            assert t.stride(-1) == 1 and t.data_ptr() % 16 == 0, f"{name}: TMA needs unit last stride, 16-byte base"
+            assert all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1]), f"{name}: misaligned strides"
+        num_tokens, num_heads, _ = query.shape
+        out_shape = (num_tokens, num_heads, value.shape[2])
+        if out is None:
+            out = torch.empty(out_shape, dtype=query.dtype, device=query.device)
+        elif tuple(out.shape) != out_shape:
+            raise ValueError(f"out must have shape {out_shape}, got {tuple(out.shape)}")
+        assert out.is_contiguous() and out.dtype == query.dtype, "the kernel writes out packed, in q's dtype"
+        if return_lse and lse is None:
+            lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=query.device)
+        if lse is not None:
+            assert lse.dtype == torch.float32 and lse.shape == (num_tokens, num_heads), "lse is float32 [T, H]"
+        offsets = {"seq_lens": seq_lens, "cum_seq_lens_q": cum_seq_lens_q, "cum_seq_lens_kv": cum_seq_lens_kv}
+        for name, t in offsets.items():
+            assert t.dtype == torch.int32 and t.is_contiguous() and t.device == query.device, f"{name}: int32 [B]"
+        assert seq_lens.shape == (batch_size,) and cum_seq_lens_q.shape == cum_seq_lens_kv.shape == (batch_size + 1,)
+        assert isinstance(max_q_len, int) and isinstance(max_kv_len, int) and isinstance(bmm1_scale, float)
+        if (q_seq_lens_cpu is None) != (kv_seq_lens_cpu is None):
+            raise ValueError("q_seq_lens_cpu and kv_seq_lens_cpu must be provided together")
+        mirrors = q_seq_lens_cpu is not None
+        checks = [("q_seq_lens_cpu", q_seq_lens_cpu, num_tokens, max_q_len)]
+        checks.append(("kv_seq_lens_cpu", kv_seq_lens_cpu, key.shape[0], max_kv_len))
+        for name, t, total, bound in checks if mirrors else ():
+            if t.device.type != "cpu" or t.dtype not in (torch.int32, torch.int64) or t.shape != (batch_size,):
+                raise ValueError(f"{name} must be a CPU int32/int64 tensor of shape ({batch_size},)")
+            if int(t.sum()) != total:
+                raise ValueError(f"{name} sums to {int(t.sum())}, but expected {total} tokens from the ragged tensor")
+            if batch_size and int(t.max()) > bound:
+                raise ValueError(f"{name} contains a length larger than max_len")
+        if mirrors and value.shape[0] != key.shape[0]:
+            raise ValueError("kv_seq_lens_cpu must sum to both key and value token counts")
+        if not mirrors and not skip_all_rows_active_check and _is_capturing():
+            raise ValueError("q_seq_lens_cpu and kv_seq_lens_cpu must be provided during CUDA graph capture")
+        calls.append(dict(
+            q=query, k=key, v=value, workspace=workspace_buffer, max_q_len=max_q_len, max_kv_len=max_kv_len,
+            scale=bmm1_scale, batch_size=batch_size, causal=is_causal, enable_pdl=enable_pdl, mirrors=mirrors,
+            cum_seq_lens_q=cum_seq_lens_q, cum_seq_lens_kv=cum_seq_lens_kv, capturing=_is_capturing(),
+        ))  # fmt: skip
+        with inside_kernel():
+            q_lens = cum_seq_lens_q[1:] - cum_seq_lens_q[:-1]
+            kv_lens = cum_seq_lens_kv[1:] - cum_seq_lens_kv[:-1]
+            assert int(cum_seq_lens_q[0]) == 0 and int(cum_seq_lens_kv[0]) == 0 and bool((q_lens >= 0).all())
+            assert bool((kv_lens >= 0).all()) and torch.equal(seq_lens, kv_lens), "seq_lens are the key counts"
+            assert int(cum_seq_lens_q[-1]) <= num_tokens and int(cum_seq_lens_kv[-1]) <= key.shape[0]
+            assert batch_size == 0 or max_q_len >= int(q_lens.max()), "max_q_len is below a sequence length"
+            assert batch_size == 0 or max_kv_len >= int(kv_lens.max()), "max_kv_len is below a sequence length"
+            if return_lse:
+                needed = 8 * num_heads * batch_size * (-(-max_q_len // 256) * 256) + (1 << 20)
+                have = workspace_buffer.numel() * workspace_buffer.element_size()
+                if have < needed:
+                    raise RuntimeError(
+                        f"Buffer overflow when allocating memory for trtllm_gen_softmax_workspace with size {needed}"
+                    )
+            assert not bool(workspace_buffer.any()), "the trtllm-gen workspace must be zero-initialised"
+            o, lse_ln = dense_attention(
+                query, key, value, cum_seq_lens_q, cum_seq_lens_kv, bmm1_scale, is_causal, torch.float32
+            )
+            undefined = (q_lens > 0) & (kv_lens == 0)  # sequences the kernel meets without keys
+            rows = torch.repeat_interleave(undefined, q_lens, output_size=int(cum_seq_lens_q[-1]))
+            valid = int(cum_seq_lens_q[-1])
+        o, lse_2 = o.to(query.dtype), (lse_ln / math.log(2.0)).float().t()
+        if not mirrors and skip_all_rows_active_check:
+            o[:valid][rows] = math.nan
+            lse_2[:valid][rows] = math.nan
+        out[:valid] = o[:valid]
+        if lse is not None:
+            lse[:valid] = lse_2[:valid]
+        return (out, lse) if return_lse else out
+
+    return trtllm_ragged_attention_deepseek
+
+
 def flashinfer_module(
     version: str = "0.7.2.post1",
     wrapper: type | None = None,
     *,
     kernel_module: FakeKernelModule | None = None,
     calls_per_run: int = 1,
+    trtllm: bool = True,
 ) -> types.ModuleType:
     """A ``flashinfer`` stand-in whose wrapper class records the wrappers it creates in ``module.created``.
 
     ``wrapper``: another wrapper class to expose instead (an old API, say). ``kernel_module``: build the
     wrapper class as a :class:`ModuleRaggedWrapper` around this module, making ``calls_per_run`` module
-    calls per ``run()``.
+    calls per ``run()``. ``trtllm``: whether ``module.prefill`` has ``trtllm_ragged_attention_deepseek``
+    (:func:`trtllm_ragged_function`, its calls in ``module.trtllm_calls``), as 0.7.2.post1 has.
     """
     module = types.ModuleType("flashinfer")
     module.__version__ = version
     module.created = []
+    module.trtllm_calls = []
+    module.prefill = types.ModuleType("flashinfer.prefill")
+    if trtllm:
+        module.prefill.trtllm_ragged_attention_deepseek = trtllm_ragged_function(module.trtllm_calls)
     if wrapper is None and kernel_module is not None:
         attrs = {"registry": module.created, "_cached_module": kernel_module, "calls_per_run": calls_per_run}
         wrapper = type("BatchPrefillWithRaggedKVCacheWrapper", (ModuleRaggedWrapper,), attrs)
@@ -619,6 +730,8 @@ def modelled() -> list[Modelled]:
         Modelled("flashinfer wrapper __init__", wrapper.__init__, "flashinfer", f"{real_wrapper}.__init__"),
         Modelled("flashinfer wrapper plan", wrapper.plan, "flashinfer", f"{real_wrapper}.plan"),
         Modelled("flashinfer wrapper run", wrapper.run, "flashinfer", f"{real_wrapper}.run"),
+        Modelled("flashinfer trtllm_ragged_attention_deepseek", trtllm_ragged_function([]), "flashinfer.prefill",
+                 "trtllm_ragged_attention_deepseek"),
         Modelled("FlashAttention-4", fa4_module().flash_attn_varlen_func, "flash_attn.cute", "flash_attn_varlen_func"),
         *(
             Modelled(f"FlashAttention-3 ({v})", fa3_module(v).flash_attn_varlen_func, "flash_attn_interface",

@@ -3,7 +3,8 @@
 One suite, run against each backend instance (the ``target``):
 
 - on CPU: REFERENCE; TRITON in Triton's interpreter (small shapes only: it runs every program in
-  numpy); FLASHINFER around the ``flashinfer`` stand-in on a simulated SM90; FLASH_ATTN around each
+  numpy); FLASHINFER around the ``flashinfer`` stand-in on a simulated SM90 (the ragged wrapper) and
+  SM100 (eager bf16 calls through the trtllm-gen DeepSeek kernel's stand-in); FLASH_ATTN around each
   FlashAttention stand-in on its own (FA4, FA3, FA2, PyTorch's bundled FA2);
 - on a GPU (``pytest -m gpu``): TRITON, FLASHINFER and FLASH_ATTN with the real libraries, each
   skipped with the reason when it cannot serve the case here.
@@ -36,7 +37,7 @@ from mla_ops.backends.reference import ReferenceBackend
 from mla_ops.backends.triton import TritonBackend
 from mla_ops.selector import backend_installed
 
-SM90 = DeviceCapability(9, 0)
+SM90, SM100 = DeviceCapability(9, 0), DeviceCapability(10, 0)
 BF16, FP16 = torch.bfloat16, torch.float16
 
 
@@ -65,6 +66,11 @@ CPU_TARGETS = [
     Target(
         "FLASHINFER-standin",
         lambda: FlashInferBackend(library=standins.flashinfer_module(), workspace_bytes=1 << 20, capability=SM90),
+        "cpu",
+    ),
+    Target(
+        "FLASHINFER-trtllm-standin",
+        lambda: FlashInferBackend(library=standins.flashinfer_module(), workspace_bytes=1 << 20, capability=SM100),
         "cpu",
     ),
     Target("FLASH_ATTN-fa4-standin", _fa("flash_attn.cute"), "cpu"),

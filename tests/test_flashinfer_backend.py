@@ -64,8 +64,10 @@ class Installed:
         return self.prefill(batch.q, batch.k, batch.v, batch.cu_seqlens, max_seqlen or batch.max_seqlen)
 
 
-def install(capability: DeviceCapability = SM90, **kwargs) -> tuple[FlashInferBackend, object]:
-    module = standins.flashinfer_module()
+def install(capability: DeviceCapability = SM90, *, trtllm: bool = True, **kwargs) -> tuple[FlashInferBackend, object]:
+    """A backend around a fresh stand-in; ``trtllm=False``: a FlashInfer without the trtllm-gen DeepSeek kernel,
+    so that SM100 bf16 calls run the ragged wrapper's kernels (tests/test_flashinfer_trtllm.py covers that kernel)."""
+    module = standins.flashinfer_module(trtllm=trtllm)
     kwargs.setdefault("workspace_bytes", 1 << 20)
     return FlashInferBackend(library=module, capability=capability, **kwargs), module
 
@@ -169,7 +171,7 @@ def test_cutlass_falls_back_to_fa2_past_its_work_capacity(monkeypatch):
     batch = make_batch([300, 200], H, DQK, DV, BF16)  # 2 + 1 query tiles of 256 rows, times 4 heads: 12 items
     for limit, kernel in ((12, "cutlass"), (11, "fa2")):
         monkeypatch.setattr(fib, "CUTLASS_MAX_WORK_ITEMS", limit)
-        backend, module = install(SM100)
+        backend, module = install(SM100, trtllm=False)
         call = VarlenCall(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 300, 300, SCALE, True)
         _check_prefill(*backend.attention(call), batch)
         assert [w.backend for w in module.created] == [kernel]
@@ -240,10 +242,12 @@ def test_describe_names_version_and_kernels(fi):
     config = SelectorConfig(BF16)
     assert fi.backend.describe(None, config) == (
         "flashinfer 0.7.2.post1 BatchPrefillWithRaggedKVCacheWrapper; backend fa3 on SM90, cutlass on SM100 "
-        "(heads [(64, 64), (128, 128), (192, 128)]), else fa2"
+        "(heads [(64, 64), (128, 128), (192, 128)]), else fa2; eager bf16 calls on SM100 run "
+        "trtllm_ragged_attention_deepseek (not run on hardware by this project)"
     )
     assert fi.backend.describe(SM90, config).endswith("backend fa3 on SM90")
-    assert fi.backend.describe(SM100, config).endswith("backend cutlass on SM100 (fa2 in CUDA graphs)")
+    half = SelectorConfig(torch.float16)  # outside the trtllm-gen kernel's dtypes
+    assert fi.backend.describe(SM100, half).endswith("backend cutlass on SM100 (fa2 in CUDA graphs)")
 
 
 # --- eager planning -----------------------------------------------------------------------------------
@@ -525,7 +529,7 @@ def test_strided_v_is_passed_without_a_copy_and_misaligned_inputs_are_copied(fi)
 
 @pytest.mark.parametrize(("capability", "kernel"), [(SM90, "fa3"), (SM100, "cutlass"), (DeviceCapability(8, 0), "fa2")])
 def test_the_simulated_device_picks_the_kernel(capability, kernel):
-    backend, module = install(capability)
+    backend, module = install(capability, trtllm=False)
     batch = make_batch([5, 6], H, DQK, DV, BF16)
     call = VarlenCall(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 6, 6, SCALE, True)
     _check_prefill(*backend.attention(call), batch)
@@ -572,7 +576,7 @@ def test_warmup_builds_causal_and_non_causal(caplog):
     assert "warming up FlashInfer fa3" in caplog.text
     assert "python -m mla_ops warmup" not in caplog.text  # no advice to run what is running
     # On SM100 the eager kernel (cutlass) and the CUDA-graph kernel (fa2) differ: both are built.
-    backend, module = install(SM100)
+    backend, module = install(SM100, trtllm=False)
     backend.warmup(torch.device("cpu"), SelectorConfig(BF16, DEEPSEEK_V3), 16)
     assert [(w.backend, len(w.plan_log), len(w.run_log)) for w in module.created] == [("cutlass", 2, 2), ("fa2", 2, 2)]
     with pytest.raises(ValueError, match="FLASHINFER cannot serve"):

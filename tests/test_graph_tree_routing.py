@@ -88,12 +88,12 @@ sm90 (192, 64, 256) bfloat16: FLASHINFER -> in graph FLASH_ATTN
 sm90 (192, 64, 256) float16: FLASHINFER -> in graph FLASH_ATTN
 sm90 (128, 0, 128) bfloat16: FLASHINFER -> in graph FLASH_ATTN
 sm90 (128, 0, 128) float16: FLASHINFER -> in graph FLASH_ATTN
-sm100 (128, 64, 128) bfloat16: FLASHINFER -> in graph FLASH_ATTN
-sm100 (128, 64, 128) float16: FLASHINFER -> in graph FLASH_ATTN
-sm100 (192, 64, 256) bfloat16: FLASH_ATTN -> in graph FLASH_ATTN
+sm100 (128, 64, 128) bfloat16: FLASH_ATTN -> in graph FLASH_ATTN
+sm100 (128, 64, 128) float16: FLASH_ATTN -> in graph FLASH_ATTN
+sm100 (192, 64, 256) bfloat16: FLASHINFER -> in graph FLASH_ATTN
 sm100 (192, 64, 256) float16: FLASH_ATTN -> in graph FLASH_ATTN
-sm100 (128, 0, 128) bfloat16: FLASHINFER -> in graph FLASH_ATTN
-sm100 (128, 0, 128) float16: FLASHINFER -> in graph FLASH_ATTN""",
+sm100 (128, 0, 128) bfloat16: FLASH_ATTN -> in graph FLASH_ATTN
+sm100 (128, 0, 128) float16: FLASH_ATTN -> in graph FLASH_ATTN""",
         )
 
     def test_a_host_planning_override_is_refused_in_graph(self) -> None:

@@ -49,6 +49,19 @@ def _summary(capability, dtype, dims) -> str:
     return f"{order} -> {rules[-1].split(': ', 1)[-1]}"
 
 
+def _cli_rules(*args: str) -> str:
+    """The selection-rules block of ``python -m mla_ops info`` with ``args`` (it ignores what is installed)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "mla_ops", "info", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, sel.ENV_VAR: ""},
+    )
+    start = result.stdout.index("Selection rules")
+    return result.stdout[start : result.stdout.index("\n\n", start)]
+
+
 class TestSnapshots(expecttest.TestCase):
     def test_priorities_and_choices(self) -> None:
         lines = []
@@ -108,18 +121,18 @@ sm90 (128, 0, 128) float32: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> none
 sm90 (256, 64, 128) bfloat16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> none
 sm90 (256, 64, 128) float16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> none
 sm90 (256, 64, 128) float32: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> none
-sm100 (128, 64, 128) bfloat16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> FLASHINFER
-sm100 (128, 64, 128) float16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> FLASHINFER
-sm100 (128, 64, 128) float32: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> none
-sm100 (192, 64, 256) bfloat16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> FLASH_ATTN
+sm100 (128, 64, 128) bfloat16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> FLASH_ATTN
+sm100 (128, 64, 128) float16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> FLASH_ATTN
+sm100 (128, 64, 128) float32: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
+sm100 (192, 64, 256) bfloat16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> FLASHINFER
 sm100 (192, 64, 256) float16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> FLASH_ATTN
 sm100 (192, 64, 256) float32: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
-sm100 (128, 0, 128) bfloat16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> FLASHINFER
-sm100 (128, 0, 128) float16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> FLASHINFER
-sm100 (128, 0, 128) float32: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> none
-sm100 (256, 64, 128) bfloat16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> none
-sm100 (256, 64, 128) float16: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> none
-sm100 (256, 64, 128) float32: ['FLASHINFER', 'FLASH_ATTN', 'TRITON'] -> none
+sm100 (128, 0, 128) bfloat16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> FLASH_ATTN
+sm100 (128, 0, 128) float16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> FLASH_ATTN
+sm100 (128, 0, 128) float32: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
+sm100 (256, 64, 128) bfloat16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
+sm100 (256, 64, 128) float16: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
+sm100 (256, 64, 128) float32: ['FLASH_ATTN', 'FLASHINFER', 'TRITON'] -> none
 sm75 (128, 64, 128) bfloat16: [] -> none (no priority list for this capability)
 sm75 (128, 64, 128) float16: [] -> none (no priority list for this capability)
 sm75 (128, 64, 128) float32: [] -> none (no priority list for this capability)
@@ -145,6 +158,7 @@ Selection rules for compute capability 9.0 and SelectorConfig(dtype=torch.bfloat
   3      TRITON      yes
   -      REFERENCE   yes (explicit override only)
   (FLASH_ATTN ranks after TRITON where the FlashAttention it runs pads v: FlashAttention-2)
+  order from: measured by this project on an H200 (benchmarks/results/h200/results.md, 2026-12-01): FLASHINFER (fa3) fastest on 14 of 25 attention shapes, FLASH_ATTN (FlashAttention-4) on the other 11
   automatic choice when every library is installed: FLASHINFER""",
         )
 
@@ -154,22 +168,53 @@ Selection rules for compute capability 9.0 and SelectorConfig(dtype=torch.bfloat
             """\
 Selection rules for compute capability 10.0 and SelectorConfig(dtype=torch.bfloat16, mla_dimensions=MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))
   order  backend     covers this config
-  1      FLASHINFER  yes
-  2      FLASH_ATTN  yes
+  1      FLASH_ATTN  yes
+  2      FLASHINFER  yes
   3      TRITON      yes
   -      REFERENCE   yes (explicit override only)
-  automatic choice when every library is installed: FLASHINFER""",
+  order from: the seed's order (FLASH_ATTN, TRTLLM_RAGGED, FLASHINFER; TRTLLM_RAGGED's kernel, FlashInfer's trtllm_ragged_attention_deepseek, runs inside FLASHINFER here) and published data, not measured by this project (no Blackwell GPU has run any backend here): vLLM's SM100 default MLA prefill is FlashAttention-4, its B200 8k prefill 0.415 ms with FA4 vs 0.555 ms with FlashInfer; FA4 reports 1441 TFLOP/s at (192, 128) on B200
+  automatic choice when every library is installed: FLASH_ATTN""",
         )
         self.assertExpectedInline(
             selection_rules(SM100, SelectorConfig(torch.bfloat16, WIDE)),
             """\
 Selection rules for compute capability 10.0 and SelectorConfig(dtype=torch.bfloat16, mla_dimensions=MLADimensions(qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256))
   order  backend     covers this config
+  1      FLASHINFER  yes
+  2      FLASH_ATTN  yes
+  3      TRITON      yes
+  -      REFERENCE   yes (explicit override only)
+  (FLASHINFER ranks after FLASH_ATTN where its FlashInfer lacks trtllm_ragged_attention_deepseek)
+  order from: the seed's order for its (192, 64, 256) configuration: TRTLLM_RAGGED, FLASH_ATTN, FLASHINFER. TRTLLM_RAGGED is FlashInfer's trtllm_ragged_attention_deepseek, which FLASHINFER runs here in bf16 only (FLASH_ATTN leads where it does not run). Not measured by this project (no Blackwell GPU has run any backend here)
+  automatic choice when every library is installed: FLASHINFER""",
+        )
+
+    def test_info_cli_on_sm100_follows_the_seed_and_names_its_evidence(self) -> None:
+        """``python -m mla_ops info --capability 10.0``, for DeepSeek's dims and for the seed's (192, 64, 256)."""
+        self.assertExpectedInline(
+            _cli_rules("--capability", "10.0"),
+            """\
+Selection rules for compute capability 10.0 and SelectorConfig(dtype=torch.bfloat16, mla_dimensions=MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128))
+  order  backend     covers this config
   1      FLASH_ATTN  yes
   2      FLASHINFER  yes
   3      TRITON      yes
   -      REFERENCE   yes (explicit override only)
+  order from: the seed's order (FLASH_ATTN, TRTLLM_RAGGED, FLASHINFER; TRTLLM_RAGGED's kernel, FlashInfer's trtllm_ragged_attention_deepseek, runs inside FLASHINFER here) and published data, not measured by this project (no Blackwell GPU has run any backend here): vLLM's SM100 default MLA prefill is FlashAttention-4, its B200 8k prefill 0.415 ms with FA4 vs 0.555 ms with FlashInfer; FA4 reports 1441 TFLOP/s at (192, 128) on B200
   automatic choice when every library is installed: FLASH_ATTN""",
+        )
+        self.assertExpectedInline(
+            _cli_rules("--capability", "10.0", "--dims", "192,64,256"),
+            """\
+Selection rules for compute capability 10.0 and SelectorConfig(dtype=torch.bfloat16, mla_dimensions=MLADimensions(qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256))
+  order  backend     covers this config
+  1      FLASHINFER  yes
+  2      FLASH_ATTN  yes
+  3      TRITON      yes
+  -      REFERENCE   yes (explicit override only)
+  (FLASHINFER ranks after FLASH_ATTN where its FlashInfer lacks trtllm_ragged_attention_deepseek)
+  order from: the seed's order for its (192, 64, 256) configuration: TRTLLM_RAGGED, FLASH_ATTN, FLASHINFER. TRTLLM_RAGGED is FlashInfer's trtllm_ragged_attention_deepseek, which FLASHINFER runs here in bf16 only (FLASH_ATTN leads where it does not run). Not measured by this project (no Blackwell GPU has run any backend here)
+  automatic choice when every library is installed: FLASHINFER""",
         )
 
     def test_rules_table_unsupported_platform(self) -> None:
@@ -233,6 +278,34 @@ def test_missing_library_moves_selection_down_the_list(monkeypatch: pytest.Monke
     with sel.backend_installed(FlashInferBackend()):
         # FlashAttention-4 is among the stand-ins: FLASH_ATTN runs it natively and comes next on SM90.
         assert sel.select_backend(SM90, SelectorConfig(torch.bfloat16, DEEPSEEK)).name == "FLASH_ATTN"
+
+
+@pytest.mark.parametrize(
+    ("dims", "dtype", "trtllm", "expected"),
+    [
+        (DEEPSEEK, torch.bfloat16, True, "FLASH_ATTN"),  # the seed: FLASH_ATTN (FA4) first for (192, 128)
+        (WIDE, torch.bfloat16, True, "FLASHINFER"),  # the seed: TRTLLM_RAGGED first for (256, 256)
+        (WIDE, torch.bfloat16, False, "FLASH_ATTN"),  # ... where FlashInfer has that kernel
+        (WIDE, torch.float16, True, "FLASH_ATTN"),  # ... and runs it: bf16 only
+    ],
+)
+def test_sm100_follows_the_seed(all_installed, dims, dtype, trtllm, expected) -> None:
+    flashinfer = FlashInferBackend(library=standins.flashinfer_module(trtllm=trtllm), workspace_bytes=1 << 20)
+    with sel.backend_installed(flashinfer):
+        assert sel.select_backend(SM100, SelectorConfig(dtype, dims)).name == expected
+        # Without FlashAttention, FLASHINFER is next whatever kernel it runs.
+        with sel.backend_installed(FlashAttnBackend(libraries={})):
+            assert sel.select_backend(SM100, SelectorConfig(dtype, dims)).name == "FLASHINFER"
+
+
+def test_info_says_where_each_order_comes_from() -> None:
+    config = SelectorConfig(torch.bfloat16, DEEPSEEK)
+    assert "order from: measured by this project on an H200" in selection_rules(SM90, config)
+    for dims in (DEEPSEEK, WIDE):
+        rules = selection_rules(SM100, SelectorConfig(torch.bfloat16, dims))
+        assert "order from: the seed's order" in rules and "not measured by this project" in rules.lower()
+    assert "order from: not measured by this project" in selection_rules(SM80, config)
+    assert "order from" not in selection_rules(None, config)
 
 
 @pytest.mark.parametrize(

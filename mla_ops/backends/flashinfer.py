@@ -3,7 +3,9 @@
 :class:`FlashInferBackend` plans once per batch (keyed on the offsets tensors' identity and version) and
 reuses the plan for every layer, replays the planned kernel call (:mod:`.flashinfer_replay`), converts the
 LSE to the package's convention, and keeps the CUDA-graph wrappers :func:`mla_ops.plan_cuda_graph` plans.
-All its state (workspaces, plans, wrappers) lives on the instance, per device.
+All its state (workspaces, plans, wrappers) lives on the instance, per device. Eager bf16 calls on SM100
+that FlashInfer's trtllm-gen DeepSeek kernel serves run it (:mod:`.flashinfer_trtllm`; not run on hardware
+by this project).
 Design: docs/design/flashinfer.md.
 """
 
@@ -28,6 +30,7 @@ from ..runtime.capture import is_capturing, on_device, version_of
 from ..specs import DeviceCapability, SelectorConfig
 from .base import PrefillBackend, VarlenCall, dtype_name
 from .flashinfer_replay import RecordedRun, record_run
+from .flashinfer_trtllm import TRTLLM_KERNEL, TrtllmRaggedWrapper, TrtllmWorkspaces, trtllm_function, trtllm_serves
 
 logger = logging.getLogger("mla_ops")
 
@@ -118,6 +121,9 @@ def workspace_bytes_from_env() -> int:
 
 
 # --- kernel choice ------------------------------------------------------------------------------
+
+#: How ``info`` labels the trtllm-gen path: no Blackwell GPU has run it here.
+_TRTLLM_UNTESTED = "not run on hardware by this project"
 
 
 def _toolkit_at_least(major: int, minor: int) -> bool:
@@ -428,6 +434,11 @@ class FlashInferBackend(PrefillBackend):
         self._generation = 0
         self._graph_wrappers: dict[tuple, _GraphWrapper] = {}
         self._warned_unversioned = False
+        # FlashInfer's trtllm-gen DeepSeek kernel (SM100, eager calls): probed once the library is imported.
+        self._trtllm: Any = None
+        self._trtllm_problem: str | None = None
+        self._trtllm_probed = False
+        self._trtllm_workspaces: TrtllmWorkspaces | None = None
         #: How many times this backend has called a wrapper's ``plan()``.
         self.plan_count = 0
 
@@ -448,6 +459,34 @@ class FlashInferBackend(PrefillBackend):
             return str(getattr(self._flashinfer(), "__version__", "unknown"))
         except RuntimeError:
             return None
+
+    def trtllm(self) -> Any:
+        """``flashinfer.prefill.trtllm_ragged_attention_deepseek``, or ``None`` where the installed FlashInfer
+        lacks it (or cannot be used; :meth:`trtllm_problem` says why)."""
+        if not self._trtllm_probed:
+            try:
+                library = self._flashinfer()
+            except RuntimeError:
+                return None
+            self._trtllm, self._trtllm_problem = trtllm_function(library)
+            self._trtllm_probed = True
+        return self._trtllm
+
+    def trtllm_problem(self) -> str | None:
+        """Why :meth:`trtllm` is ``None`` (``None`` when it is not)."""
+        if self.trtllm() is not None:
+            return None
+        return self._trtllm_problem or self._library_problem
+
+    def eager_kernel(
+        self, capability: DeviceCapability | None, head_dim_qk: int, head_dim_vo: int, dtype: torch.dtype
+    ) -> str:
+        """The kernel an eager call of ``(dtype, Dqk, Dv)`` runs on ``capability``: ``"trtllm-gen"`` where that
+        kernel serves it (:func:`.flashinfer_trtllm.trtllm_serves`) and the installed FlashInfer has it, else
+        the ragged wrapper's :func:`choose_kernel`."""
+        if trtllm_serves(capability, head_dim_qk, head_dim_vo, dtype) and self.trtllm() is not None:
+            return TRTLLM_KERNEL
+        return choose_kernel(capability, head_dim_qk, head_dim_vo)
 
     def library_reasons(self, capability: DeviceCapability | None, config: SelectorConfig) -> list[str]:
         try:
@@ -471,12 +510,24 @@ class FlashInferBackend(PrefillBackend):
             return f"unavailable: {self._library_problem}"
         head = f"flashinfer {version} BatchPrefillWithRaggedKVCacheWrapper"
         if capability is None:
-            return f"{head}; backend fa3 on SM90, cutlass on SM100 (heads {sorted(CUTLASS_HEAD_DIMS)}), else fa2"
+            text = f"{head}; backend fa3 on SM90, cutlass on SM100 (heads {sorted(CUTLASS_HEAD_DIMS)}), else fa2; "
+            if self.trtllm() is None:
+                return text + f"trtllm-gen unavailable: {self.trtllm_problem()}"
+            return text + f"eager bf16 calls on SM100 run trtllm_ragged_attention_deepseek ({_TRTLLM_UNTESTED})"
         dqk, dv = config.head_dim_qk, config.head_dim_v
-        eager = choose_kernel(capability, dqk, dv)
+        eager = self.eager_kernel(capability, dqk, dv, config.dtype)
         graph = choose_kernel(capability, dqk, dv, cuda_graph=True)
-        text = f"{head}, backend {eager} on SM{capability.major}{capability.minor}"
-        return text + (f" ({graph} in CUDA graphs)" if graph != eager else "")
+        where = f"SM{capability.major}{capability.minor}"
+        if eager == TRTLLM_KERNEL:
+            return (
+                f"flashinfer {version} prefill.trtllm_ragged_attention_deepseek (trtllm-gen) on {where}, "
+                f"{_TRTLLM_UNTESTED}; BatchPrefillWithRaggedKVCacheWrapper backend {graph} in CUDA graphs"
+            )
+        text = f"{head}, backend {eager} on {where}"
+        text += f" ({graph} in CUDA graphs)" if graph != eager else ""
+        if trtllm_serves(capability, dqk, dv, config.dtype):
+            text += f"; trtllm-gen unavailable: {self.trtllm_problem()}"
+        return text
 
     # --- device state -----------------------------------------------------------------------------
 
@@ -502,6 +553,10 @@ class FlashInferBackend(PrefillBackend):
 
     def _new_wrapper(self, device: torch.device, kernel: str, **graph_buffers: Any) -> Any:
         fi = self._flashinfer()
+        if kernel == TRTLLM_KERNEL:  # eager calls only: choose_kernel never picks it for CUDA graphs
+            if self._trtllm_workspaces is None:
+                self._trtllm_workspaces = TrtllmWorkspaces(self.workspace_bytes())
+            return TrtllmRaggedWrapper(self.trtllm(), self._trtllm_workspaces, device)
         if graph_buffers:
             return fi.BatchPrefillWithRaggedKVCacheWrapper(
                 self._workspace(device), "NHD", use_cuda_graph=True, backend=kernel, **graph_buffers
@@ -583,7 +638,7 @@ class FlashInferBackend(PrefillBackend):
         num_rows = int(host_q[-1])
         if num_rows == 0 or int(host_k[-1]) == 0:
             return _EagerPlan(None, "", num_rows, host, cu_k)
-        kernel = choose_kernel(self._capability(q.device), cfg.head_dim_qk, cfg.head_dim_vo)
+        kernel = self.eager_kernel(self._capability(q.device), cfg.head_dim_qk, cfg.head_dim_vo, cfg.dtype)
         if kernel == "cutlass" and cutlass_work_items(host_q, cfg.num_heads) > CUTLASS_MAX_WORK_ITEMS:
             kernel = "fa2"
         wrapper = self._acquire_wrapper(q.device, kernel)
@@ -831,7 +886,8 @@ class FlashInferBackend(PrefillBackend):
         if reasons:
             raise ValueError(f"FLASHINFER cannot serve {config!r} on {device}: {reasons}")
         dqk, dv = config.head_dim_qk, config.head_dim_v
-        kernels = dict.fromkeys((choose_kernel(cap, dqk, dv), choose_kernel(cap, dqk, dv, cuda_graph=True)))
+        eager = self.eager_kernel(cap, dqk, dv, config.dtype)
+        kernels = dict.fromkeys((eager, choose_kernel(cap, dqk, dv, cuda_graph=True)))
         lengths = torch.tensor([0, 3, 8], dtype=torch.int32)
         gen = torch.Generator().manual_seed(0)
         q, k = (torch.randn(8, num_heads, dqk, generator=gen).to(device, config.dtype) for _ in range(2))

@@ -20,6 +20,7 @@ from ..selector import (
     ENV_VAR,
     backend_priorities,
     current_override,
+    order_evidence,
     select_backend,
     unsupported_platform_reason,
     validate_backend,
@@ -80,6 +81,13 @@ def selection_rules(capability: DeviceCapability | None, config: SelectorConfig)
         lines.append(f"  {rank:<6} {backend.name:<11} {verdict}")
     if capability is not None and capability.major == 9 and PrefillBackendEnum.FLASH_ATTN in priorities:
         lines.append("  (FLASH_ATTN ranks after TRITON where the FlashAttention it runs pads v: FlashAttention-2)")
+    if capability is not None and capability.major == 10 and priorities[0] is PrefillBackendEnum.FLASHINFER:
+        lines.append(
+            "  (FLASHINFER ranks after FLASH_ATTN where its FlashInfer lacks trtllm_ragged_attention_deepseek)"
+        )
+    evidence = order_evidence(capability, config)
+    if evidence is not None:
+        lines.append(f"  order from: {evidence}")
     lines.append(f"  automatic choice when every library is installed: {first or 'none'}")
     return "\n".join(lines)
 
