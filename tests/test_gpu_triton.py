@@ -285,7 +285,7 @@ def _gluon_config(text: str):
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
     import triton
 
-    from mla_ops.kernels.attention import gluon_triton_reason
+    from mla_ops.kernels.triton_compat import gluon_triton_reason
 
     reason = gluon_triton_reason(triton.__version__)
     if reason is not None:

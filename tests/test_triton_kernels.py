@@ -657,13 +657,43 @@ def test_gluon_kernel_is_refused_where_it_cannot_run(monkeypatch):
         assert entry.gluon
 
 
-def test_gluon_kernel_needs_a_triton_release_it_was_written_for():
-    from mla_ops.kernels.attention import gluon_triton_reason
+def test_gluon_kernel_runs_on_the_triton_releases_it_is_adapted_to():
+    """The Hopper kernel runs with the supported releases (pyproject.toml's range); with any other it is
+    neither chosen nor accepted, with a reason that names the installed release."""
+    from mla_ops.kernels.triton_compat import SUPPORTED_RELEASES, gluon_triton_reason
 
-    assert gluon_triton_reason("3.6.0") is None
-    assert gluon_triton_reason("3.6.1+git123") is None
-    reason = gluon_triton_reason("3.9.0")
-    assert reason == "it is written for the Gluon of Triton 3.6, whose API later releases changed (installed: 3.9.0)"
+    assert SUPPORTED_RELEASES == ("3.6", "3.7", "3.8", "3.9")
+    for version in ("3.6.0", "3.7.1", "3.8.0", "3.9.0", "3.8.1+git123"):
+        assert gluon_triton_reason(version) is None
+    for version in ("3.5.1", "3.10.0"):
+        reason = gluon_triton_reason(version)
+        assert reason is not None and f"(installed: {version})" in reason and "3.6, 3.7, 3.8, 3.9" in reason
+
+
+def test_supported_triton_releases_match_pyproject():
+    """pyproject.toml's triton requirement admits exactly the releases the kernels are adapted to."""
+    from pathlib import Path
+
+    import tomllib
+
+    from mla_ops.kernels.triton_compat import SUPPORTED_RELEASES
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    first, last = SUPPORTED_RELEASES[0], SUPPORTED_RELEASES[-1]
+    upper = f"{last.split('.')[0]}.{int(last.split('.')[1]) + 1}"
+    assert f"triton>={first},<{upper}" in extras["triton"]
+
+
+def test_gluon_names_resolve_under_the_installed_triton():
+    """The adapters give a Gluon builtin under this release's name (Triton 3.6: the old names; 3.7 on: the new)."""
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
+    from mla_ops.kernels import triton_compat
+
+    for adapter, names in ((triton_compat.tma_load, ("async_load", "async_copy_global_to_shared")),
+                           (triton_compat.thread_barrier, ("barrier", "thread_barrier"))):  # fmt: skip
+        function = adapter()
+        assert function.__name__ in names and getattr(function, "__triton_builtin__", False)
 
 
 def test_program_layout():
@@ -752,17 +782,20 @@ def test_backend_dimension_reasons():
 
 
 def test_backend_describes_the_hopper_kernel_where_it_applies(monkeypatch):
-    """``info`` names the Gluon kernel for Hopper, the dims its table lists and the Triton releases it is
-    written for, not elsewhere."""
+    """``info`` names the kernel that runs large batches: the Gluon one on Hopper, for the dims its table lists,
+    with the Triton releases it is adapted to; with another release the ``tl.dot`` kernel, and why."""
     from mla_ops.backends import triton as triton_backend
 
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
     describe = TritonBackend().describe
     deepseek = SelectorConfig(torch.bfloat16, DEEPSEEK_V3)
-    monkeypatch.setattr(triton_backend, "_triton_version", lambda: "3.9.0")
-    assert "Gluon" not in describe(DeviceCapability(9, 0), deepseek)
-    monkeypatch.setattr(triton_backend, "_triton_version", lambda: "3.6.0")
-    assert "the Hopper kernel written in Gluon" in describe(DeviceCapability(9, 0), deepseek)
+    monkeypatch.setattr(triton_backend, "_triton_version", lambda: "3.10.0")
+    text = describe(DeviceCapability(9, 0), deepseek)
+    assert "large batches: this kernel too, not the Hopper kernel written in Gluon:" in text
+    assert "(installed: 3.10.0)" in text
+    for version in ("3.6.0", "3.8.0", "3.9.0"):
+        monkeypatch.setattr(triton_backend, "_triton_version", lambda version=version: version)
+        assert "large batches: the Hopper kernel written in Gluon" in describe(DeviceCapability(9, 0), deepseek)
     assert "Gluon" not in describe(DeviceCapability(10, 0), deepseek)
     assert "Gluon" not in describe(DeviceCapability(9, 0), SelectorConfig(torch.float16, MLADimensions(64, 0, 64)))
     assert "Gluon" not in describe(None, deepseek)

@@ -14,7 +14,8 @@ import importlib.util
 import torch
 
 from ..config import DeviceCapability, SelectorConfig
-from ..kernels.configs import gluon_triton_reason, table_large_batch_config
+from ..kernels.configs import table_large_batch_config
+from ..kernels.triton_compat import gluon_triton_reason
 from .base import PrefillBackend
 
 #: Head sizes the kernel is built for: the QK split and the Dv tile are powers of two up to 256.
@@ -64,9 +65,16 @@ class TritonBackend(PrefillBackend):
             table_large_batch_config(tuple(capability), dims.qk_head_dim, dims.v_head_dim, causal, config.dtype)
             for causal in (True, False)
         )
-        gluon = version is not None and gluon_triton_reason(version) is None
-        if large and gluon and importlib.util.find_spec("triton.experimental.gluon"):
-            text += "; large batches: the Hopper kernel written in Gluon (TMA producer warp, two consumer warpgroups)"
+        if large and version is not None:
+            # Name the kernel that runs large batches here, and why the Gluon one does not where it does not.
+            reason = gluon_triton_reason(version)
+            if reason is None and not importlib.util.find_spec("triton.experimental.gluon"):
+                reason = f"Triton {version} has no Gluon (triton.experimental.gluon)"
+            if reason is None:
+                text += "; large batches: the Hopper kernel written in Gluon (TMA producer warp, two consumer "
+                text += "warpgroups)"
+            else:
+                text += f"; large batches: this kernel too, not the Hopper kernel written in Gluon: {reason}"
         return text
 
     def attention(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):

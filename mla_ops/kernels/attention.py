@@ -56,7 +56,6 @@ from .configs import (
     attention_config,
     config_env_value,
     env_attention_config,
-    gluon_triton_reason,
     head_dim_split,
     large_batch_attention_config,
     refuse_unproven_warp_specialization,
@@ -64,6 +63,7 @@ from .configs import (
 )
 from .launch import CachedLaunch, FixedLaunch, KnownLayout, NativeLaunch, pointer_alignment, remember
 from .programs import program_layout
+from .triton_compat import gluon_triton_reason
 
 try:  # Triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor

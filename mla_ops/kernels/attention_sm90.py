@@ -57,6 +57,7 @@ from ..alloc import empty
 from .configs import head_dim_split
 from .launch import TorchScratch
 from .programs import program_layout
+from .triton_compat import thread_barrier, tma_load
 
 __all__ = ["attention_sm90", "sm90_launch", "sm90_shared_memory", "sm90_unsupported_reason"]
 
@@ -75,6 +76,11 @@ _REGS = {False: (240, 24), True: (232, 40)}
 #: Shared memory one block may use on SM90 (227 KiB): the Q tiles, the K/V ring and the mbarriers.
 _SM90_SHARED_BYTES = 227 * 1024
 _PAD_FILL = gl.constexpr(1024)
+
+#: Gluon's TMA copy into shared memory, under this release's name (mla_ops.kernels.triton_compat).
+_tma_load = tma_load()
+#: Gluon's barrier of a program's threads, under this release's name.
+_thread_barrier = thread_barrier()
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -99,7 +105,7 @@ def _put_item(item_smem, w):
     producer next arrives on the Q barrier (an mbarrier arrive releases the warp's earlier writes)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     item_smem.store(gl.full([1], w, gl.int32, layout))
-    gl.thread_barrier()  # the lane that arrives next must come after every lane's store
+    _thread_barrier()  # the lane that arrives next must come after every lane's store
 
 
 @gluon.jit
@@ -149,8 +155,8 @@ def _load_keys(ka_desc, kb_desc, k_smem_a, k_smem_b, k_ready, k_empty, g, row, c
     # A fresh mbarrier counts as having completed the phase before phase 0: the first round passes.
     mbarrier.wait(k_empty.index(stage), ((g // STAGES) & 1) ^ 1)
     mbarrier.expect(k_ready.index(stage), ka_desc.block_type.nbytes + kb_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(ka_desc, [row, col_k], k_ready.index(stage), k_smem_a.index(stage))
-    tma.async_copy_global_to_shared(kb_desc, [row, col_k + D_A], k_ready.index(stage), k_smem_b.index(stage))
+    _tma_load(ka_desc, [row, col_k], k_ready.index(stage), k_smem_a.index(stage))
+    _tma_load(kb_desc, [row, col_k + D_A], k_ready.index(stage), k_smem_b.index(stage))
 
 
 @gluon.jit
@@ -162,7 +168,7 @@ def _load_values(v_desc, v_smem, v_ready, v_empty, g, row):
     stage = g % STAGES
     mbarrier.wait(v_empty.index(stage), ((g // STAGES) & 1) ^ 1)
     mbarrier.expect(v_ready.index(stage), BN * D_V * 2)  # 16-bit values
-    tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(stage), v_smem.index(stage))
+    _tma_load(v_desc, [row, 0], v_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit
@@ -186,8 +192,8 @@ def _produce_item(
     mbarrier.expect(q_bar, 2 * (qa_desc.block_type.nbytes + qb_desc.block_type.nbytes))
     col_q = h * stride_qh
     for c in gl.static_range(2):
-        tma.async_copy_global_to_shared(qa_desc, [q_row + c * _HALF, col_q], q_bar, q_smem_a.index(c))
-        tma.async_copy_global_to_shared(qb_desc, [q_row + c * _HALF, col_q + D_A], q_bar, q_smem_b.index(c))
+        _tma_load(qa_desc, [q_row + c * _HALF, col_q], q_bar, q_smem_a.index(c))
+        _tma_load(qb_desc, [q_row + c * _HALF, col_q + D_A], q_bar, q_smem_b.index(c))
     if num_tiles > 0:
         if PERSISTENT:
             # The previous items' value loads go through the descriptor written below: let them land

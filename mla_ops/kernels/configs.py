@@ -271,22 +271,6 @@ _ARCH_TABLES: dict[int, dict[tuple, AttentionConfig]] = {9: SM90_ATTENTION}
 #: 326 / 656; 64-key tiles in 3 buffers 526 / 615 / 456 / 595 / 616 ('ovl') and 513 / 569 / 431 / 590 /
 #: 577 ('ovl,pp'). The H16 chunk (a 0.13 ms kernel) is timed with part of its launch's host time: 317-666
 #: for 'ovl,pers' and 516-687 for 'ovl' in the runs of 2026-12-02/03 (README, Known limitations).
-#: Triton releases (major.minor) whose Gluon the Hopper kernel is written for and was checked with on an
-#: H200; with any other the kernel is not chosen and an explicit ``gluon`` configuration is refused.
-GLUON_TRITON_RELEASES = ("3.6",)
-
-
-def gluon_triton_reason(version: str) -> str | None:
-    """Why the Gluon kernel does not run with Triton ``version``, or ``None`` for the releases it is written
-    and checked against (:data:`GLUON_TRITON_RELEASES`): Gluon is experimental and its API changes
-    between releases (Triton 3.9 removed the TMA copy the kernel issues)."""
-    release = ".".join(version.split(".")[:2])
-    if release in GLUON_TRITON_RELEASES:
-        return None
-    checked = ", ".join(GLUON_TRITON_RELEASES)
-    return f"it is written for the Gluon of Triton {checked}, whose API later releases changed (installed: {version})"
-
-
 SM90_LARGE_BATCH_ATTENTION: dict[tuple, AttentionConfig] = {
     (192, 128, True): AttentionConfig(128, 128, 4, 2, overlap_softmax=True, gluon=True, persistent=True),
     (192, 128, False): AttentionConfig(128, 128, 4, 2, overlap_softmax=True, gluon=True, persistent=True),
