@@ -948,12 +948,11 @@ def test_cached_launch_skips_the_jit_after_the_first_launch(monkeypatch):
     _, compiled_key, args = calls[1]
     assert compiled_key == 1  # the variant compiled by the first launch
     assert args == (5, 1, 1, "stream0", "function", "metadata", None, None, None, "y", 8, 16, 64, 1)
-    # A launch that names its layout can be repeated with new leading arguments only.
-    assert not launcher.relaunch(("layout-1",), cuda0, ("u",))  # nothing remembered yet: nothing launched
-    launcher(("variant-a",), cuda0, (6, 3), ("v", 9, 16), constexprs, num_warps=4, layout=("layout-1",), leading=1)
-    assert launcher.relaunch(("layout-1",), cuda0, ("u",))
-    assert not launcher.relaunch(("layout-1",), torch.device("cuda", 1), ("t",))  # not the current device
-    assert [c[0] for c in calls[4:]] == ["direct", "direct"]
+    # The FixedLaunch a direct launch returns repeats it with new leading arguments only.
+    assert launcher(("variant-a",), torch.device("cuda", 1), (6,), ("t", 9, 16), constexprs, num_warps=4) is None
+    fixed = launcher(("variant-a",), cuda0, (6, 3), ("v", 9, 16), constexprs, num_warps=4, leading=1)
+    fixed(("u",))
+    assert [c[0] for c in calls[4:]] == ["jit", "direct", "direct"]
     assert calls[-1][2] == (6, 3, 1, "stream0", "function", "metadata", None, None, None, "u", 9, 16, 64, 1)
     # Triton's hooks are passed, with launch metadata, only when one is installed.
     chain = launch._hooks

@@ -4,8 +4,8 @@ FlashInfer writes each row's LSE as ``log2`` of its sum, token-major; the ops re
 head-major. The conversion is one multiply by ``ln 2`` and a transpose: ``torch.mul(lse.t(), ln2,
 out=out)`` computes it, but on a small eager batch its host time (a TensorIterator built per call, about
 7 µs on an H200's host) is more than the kernel's. This kernel does the same multiply, bit for bit, and
-is launched through :class:`~mla_ops.kernels.launch.CachedLaunch`: after a layout's first launch a call
-costs the launch.
+is launched through :class:`~mla_ops.kernels.launch.CachedLaunch`, and each layout's
+:class:`~mla_ops.kernels.launch.FixedLaunch` is kept: after a layout's first launches a call costs the launch.
 
 Each program converts a ``BLOCK_T x BLOCK_H`` tile: loads contiguous along the heads of a token, stores
 contiguous along the tokens of a head.
@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..capture import on_device
-from .launch import CachedLaunch, pointer_alignment
+from ..capture import current_cuda_device, on_device
+from .launch import CachedLaunch, FixedLaunch, pointer_alignment, remember
 
 __all__ = ["lse_base2_to_natural_triton"]
 
@@ -73,15 +73,21 @@ def lse_base2_to_natural_triton(lse: torch.Tensor, out: torch.Tensor) -> torch.T
         num_rows, num_heads, lse.stride(), out.stride(), device, out.get_device(),
         (p_src | p_dst) % 16 == 0 or (p_src % 16 == 0, p_dst % 16 == 0),
     )  # fmt: skip
-    if _launcher.relaunch(layout, device, (p_src, p_dst)):  # only when the tensors' device is the current one
+    known = _known.get(layout)
+    if known is not None and device.index == current_cuda_device():  # launches go to the current device
+        known((p_src, p_dst))  # the addresses as integers (see mla_ops.kernels.launch)
         return out
     with on_device(device):
-        if not _launcher.relaunch(layout, device, (p_src, p_dst)):
-            _launch(lse, out, layout)
+        if known is not None:
+            known((p_src, p_dst))
+        else:
+            fixed = _launch(lse, out)
+            if fixed is not None:
+                remember(_known, layout, fixed)
     return out
 
 
-def _launch(lse: torch.Tensor, out: torch.Tensor, layout: tuple) -> None:
+def _launch(lse: torch.Tensor, out: torch.Tensor) -> FixedLaunch | None:
     num_rows, num_heads = lse.shape
     block_h = min(triton.next_power_of_2(num_heads), _MAX_BLOCK_H)
     grid = (triton.cdiv(num_rows, _BLOCK_T), triton.cdiv(num_heads, block_h))
@@ -91,7 +97,9 @@ def _launch(lse: torch.Tensor, out: torch.Tensor, layout: tuple) -> None:
     # by alignment.
     key = (lse.device.index, num_heads, strides[1], strides[3], pointer_alignment(lse, out), block_h)
     args = (lse, out, num_rows, num_heads, *strides)
-    _launcher(key, lse.device, grid, args, constexprs, num_warps=4, layout=layout, leading=2)
+    return _launcher(key, lse.device, grid, args, constexprs, num_warps=4, leading=2)
 
 
 _launcher = CachedLaunch(_lse_to_natural_kernel)
+#: Layouts launched before (see lse_base2_to_natural_triton); past MAX_LAYOUTS the table starts over.
+_known: dict[tuple, FixedLaunch] = {}
