@@ -25,7 +25,6 @@ import bench_layers as BL
 import bench_overhead as BO
 import bench_prefill as BP
 import compile_sm90 as CS
-import probe_warp_specialize as PW
 import pytest
 import torch
 from benchlib import attribution as A
@@ -45,7 +44,6 @@ SCRIPTS = [
     "bench_layers.py",
     "bench_transformers.py",
     "tune_triton.py",
-    "probe_warp_specialize.py",
 ]
 #: The scripts whose result rows one ``FIELDS`` list (``benchlib.report.Fields``) describes.
 FIELD_SCRIPTS = [
@@ -86,7 +84,6 @@ def test_help(script):
     [
         ("bench_graphs.py", []),
         ("tune_triton.py", ["--out", "unused.csv", "--quick"]),
-        ("probe_warp_specialize.py", ["--probes", "plain"]),
     ],
 )
 def test_gpu_only_scripts_exit_cleanly_without_cuda(script, args, tmp_path):
@@ -95,40 +92,6 @@ def test_gpu_only_scripts_exit_cleanly_without_cuda(script, args, tmp_path):
     assert "needs a CUDA device" in proc.stderr and "nothing was measured" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (BENCH_DIR.parent / "unused.csv").exists()
-
-
-@pytest.mark.parametrize("name", ["ws", "mla_ops", "gluon+ws"])
-@pytest.mark.parametrize(
-    ("outcome", "status"), [("close", "finished"), ("far", "wrong"), ("timeout", "hung"), ("crash", "failed")]
-)
-def test_probe_warp_specialize_reports_each_outcome(monkeypatch, name, outcome, status):
-    """A probe's child process finishing close to or far from the reference, hanging or crashing gives the
-    matching status; only the package's probe runs with the experimental opt-in."""
-    from mla_ops.kernels.configs import EXPERIMENTAL_WS_ENV_VAR
-
-    monkeypatch.delenv(EXPERIMENTAL_WS_ENV_VAR, raising=False)
-
-    def fake_run(cmd, **kwargs):
-        assert cmd[-2:] == ["--child", name]
-        assert (kwargs["env"].get(EXPERIMENTAL_WS_ENV_VAR) == "1") == (name == "mla_ops")
-        if outcome == "timeout":
-            raise subprocess.TimeoutExpired(cmd, kwargs["timeout"])
-        if outcome == "crash":
-            return subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\nRuntimeError: PassManager::run failed\n")
-        rel_err = 1e-3 if outcome == "close" else 0.5
-        line = json.dumps({"probe": name, "seconds": 0.5, "rel_err": rel_err})
-        return subprocess.CompletedProcess(cmd, 0, f"launched\n{line}\n", "")
-
-    monkeypatch.setattr(PW.subprocess, "run", fake_run)
-    row = PW.probe(name, 7.0)
-    assert row["status"] == status
-    assert not PW.FIELDS.undeclared([row])
-    if status == "hung":
-        assert row["seconds"] == 7.0 and "killed after 7 s" in row["detail"]
-    if status == "failed":
-        assert row["detail"] == "exit 1: RuntimeError: PassManager::run failed"
-    if status in ("finished", "wrong"):
-        assert row["rel_err"] == (1e-3 if outcome == "close" else 0.5)
 
 
 @pytest.fixture

@@ -94,7 +94,7 @@ class TritonBackend(PrefillBackend):
         compilations serve every later batch.
         """
         from ..kernels.attention import attention_triton, gluon_unsupported_reason
-        from ..kernels.configs import attention_config, large_batch_attention_config
+        from ..kernels.configs import large_batch_attention_config
         from ..kernels.merge import merge_attn_states_triton
 
         device = torch.device(device)
@@ -114,16 +114,12 @@ class TritonBackend(PrefillBackend):
         cu_k = torch.tensor([0, 4, 4, 4], dtype=torch.int32, device=device)  # one empty chunk slice
         q, k = rand(20, num_heads, dqk), rand(20, num_heads, dqk)  # 12 padding rows
         kv = rand(20, num_heads, dqk + dv)
-        # Table configurations that load through TMA descriptors do so only for large batches (see
-        # TMA_MIN_KEY_ROWS), which these tiny ones are not, and large batches may take a configuration of
-        # their own (the Gluon kernel on SM90): compile those variants too, passing each configuration
+        # Large batches (at least TMA_MIN_KEY_ROWS key rows times heads), which these tiny ones are not, may
+        # take a configuration of their own (the Gluon kernel on SM90): compile it too, passing it
         # explicitly, for token counts that are and are not multiples of 16 (Triton specialises a
         # descriptor's row count on that).
         large_configs = []
         for causal in (True, False):
-            table = attention_config(device, dqk, dv, causal, config.dtype)
-            if table.use_tma or table.qo_tma:
-                large_configs.append((causal, table))
             large = large_batch_attention_config(device, dqk, dv, causal, config.dtype)
             if large is not None and gluon_unsupported_reason(q, k, kv[..., dqk:], scale, large) is None:
                 large_configs.append((causal, large))
