@@ -13,7 +13,8 @@ last column), the warps per program (the Gluon kernel's partitions add a produce
 the TTGIR holds: ``ttg.warp_specialize`` regions and TMA (``async_tma_copy``) operations. A variant that
 does not compile, spills, has its wgmma instructions serialised by ptxas (its warnings C7514/C7515: the
 tensor cores then finish each product before the next starts), or is the Gluon kernel without its
-partitions is reported as a failure; the last line sums them up, and the exit status is 1 if any failed.
+partitions is reported as a failure (spills only without ``--allow-spills``); the last line sums them up,
+and the exit status is 1 if any failed.
 ``benchmarks/compile_matrix.sh`` runs it under each supported Triton release.
 
 Usage::
@@ -187,6 +188,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--path", choices=("both", "causal", "chunk"), default="both",
         help="which path to compile the --configs for (default both)",
     )  # fmt: skip
+    parser.add_argument(
+        "--allow-spills", action="store_true",
+        help="report spills without counting them as failures: the check of whether the kernels compile,\n"
+        "as CI runs it under the installed Triton (ptxas spills a few words in the Gluon kernel with 3.8, 3.9)",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -219,11 +225,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"triton {triton.__version__}, sm_{CAPABILITY}a, (Dqk, Dv) = ({dqk}, {dv}), bf16")
     header = ("config", "path", "regs", "spill", "smem KiB", "scratch", "warps", "ws", "tma")
     print("{:<28} {:<6} {:>4} {:>5} {:>8} {:>7} {:>5} {:>3} {:>3}  descriptors".format(*header))
-    failed = 0
+    failed = compiled = spilled = serialised = 0
     for config, causal in parsed:
         v = compile_variant(config, dqk, dv, causal)
         path = "causal" if causal else "chunk"
         problems = v.problems(config.gluon)
+        if args.allow_spills:
+            problems = [p for p in problems if not p.startswith("spills ")]
+        compiled += v.error is None
+        spilled += bool(v.spill_bytes)
+        serialised += v.serialized is not None
         if v.error is None:
             print(
                 f"{v.config:<28} {path:<6} {v.registers:>4} {v.spill_bytes:>5} {v.shared_bytes / 1024:>8.1f} "
@@ -233,8 +244,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(f"{v.config:<28} {path:<6} FAIL: {v.error}")
         failed += bool(problems)
-    compiled = len(parsed) - failed
-    print(f"triton {triton.__version__}: {compiled} of {len(parsed)} variants compiled for sm_{CAPABILITY}a")
+    allowed = " (spills allowed)" if args.allow_spills else ""
+    print(
+        f"triton {triton.__version__}, sm_{CAPABILITY}a: {compiled} of {len(parsed)} variants compiled, "
+        f"{spilled} spill, {serialised} serialise wgmma; {failed} failed{allowed}"
+    )
     return 1 if failed else 0
 
 

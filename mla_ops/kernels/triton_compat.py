@@ -10,6 +10,15 @@ releases; every name it takes from Gluon that is spelled differently in some rel
 - The barrier of a program's threads: ``gl.thread_barrier()`` in Triton 3.6, ``gl.barrier()`` from 3.7 on
   (which, on one CTA as here, emits the same ``debug_barrier``).
 
+One difference is not in the API, and has no adapter: with Triton 3.8 and 3.9 ptxas spills a few words
+in the Gluon kernel (56-84 bytes per thread for the table's variant, against none with 3.6 and 3.7:
+``benchmarks/compile_matrix.sh``), a predicate register saved once per work item in each consumer
+warpgroup and a few values of the producer warp. Other splits of the register file between the
+partitions spill as much or more (consumers at 240 registers: 48 bytes; at 224: 184; the producer at 24:
+184), and so does holding all of a warpgroup's tiles in one branch, so that the predicate need not live
+across the loops (none on the chunk path, 96 bytes on the causal one); the kernel stays as checked on the
+H200 with 3.6, and whether the spills cost time with 3.8 is for a GPU run to say.
+
 This module imports Triton only when a Gluon name is asked for, so that the version checks work without it.
 """
 
