@@ -2,7 +2,7 @@
 
 Gluon is Triton's explicit-layout language: a kernel states its own partitions, shared-memory buffers,
 mbarriers and tensor-core waits, where ``tl.dot`` code leaves them to compiler passes. Those passes
-are what :mod:`mla_ops.kernels.attention` cannot get past on Hopper with Triton 3.6 (the automatic warp
+are what :mod:`mla_ops.kernels.attention_kernel` cannot get past on Hopper with Triton 3.6 (the automatic warp
 specialisation hangs; a wait follows every non-accumulating product). Written out, one program per
 128 query rows of one head of one sequence is:
 
@@ -25,7 +25,7 @@ run on from item to item); and the consumers release Q through a second mbarrier
 scores are in, so that the next item's Q and first tiles load under the last ``P @ V`` and the stores,
 which a program of its own would start cold.
 
-Contract points, as in :mod:`mla_ops.kernels.attention` (whose module docstring has the reasons):
+Contract points, as in :mod:`mla_ops.kernels.attention_kernel` (whose module docstring has the reasons):
 programs are numbered in the same packed slot space (the grid does not grow with ``max_seqlen``), the
 last block of a sequence first and heads grouped for L2; a row without visible keys gets ``out = 0``,
 ``lse = -inf``; extra programs write ``lse = -inf`` into padding rows past ``cu_seqlens_q[-1]`` and
@@ -120,7 +120,7 @@ def _work_item(w, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, he
     head ``h``, the query rows ``m0`` on of the sequence at ``q_start`` (``len_q`` rows), its keys
     (``len_k`` rows from ``k_start``) and its ``num_tiles`` key tiles; ``real`` is false for the slots no
     block fills."""
-    # Item -> (head, slot): heads grouped for L2, slots in order, heads fastest (as attention.py).
+    # Item -> (head, slot): heads grouped for L2, slots in order, heads fastest (as attention_kernel.py).
     group_size = heads_per_group * num_slots
     group = w // group_size
     r = w - group * group_size

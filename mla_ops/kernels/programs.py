@@ -1,7 +1,7 @@
 """How the attention kernels number their programs: packed query-block slots, head groups for L2, and
-the extra programs that fill the padding rows' LSE. Shared by :mod:`mla_ops.kernels.attention` and
-:mod:`mla_ops.kernels.attention_sm90`, whose kernels decode the numbering in the same way (the former's
-module docstring says why it is this one)."""
+the extra programs that fill the padding rows' LSE. Shared by the launchers of
+:mod:`mla_ops.kernels.attention_kernel` and :mod:`mla_ops.kernels.attention_sm90`, whose kernels decode the
+numbering in the same way (the former's module docstring says why it is this one)."""
 
 from __future__ import annotations
 
