@@ -5,24 +5,28 @@ No GPU is needed: Triton's NVIDIA backend ships ``ptxas``, and each variant is b
 arguments, constexprs and options that ``attention_triton`` would launch it with
 (:func:`mla_ops.kernels.attention.launch_plan`, or :func:`mla_ops.kernels.attention_sm90.sm90_launch`
 for a ``gluon`` configuration, over CPU stand-ins with the GPU tensors' shapes, strides and alignment).
-For each configuration and path it prints whether it compiled, the registers per thread and spilled
-bytes (from ``ptxas -v``), the shared memory per program, the global scratch bytes per program (where
-the kernel builds TMA descriptors on the device, ``(device)`` in the last column), the warps per program
-(warp specialisation adds a producer warp group), and what the TTGIR holds: ``ttg.warp_specialize``
-regions and TMA (``async_tma_copy``) operations. A configuration that does not compile, spills, has its
-wgmma instructions serialised by ptxas (its warnings C7514/C7515: the tensor cores then finish each
-product before the next starts), or asks for warp specialisation (``ws``, or the Gluon kernel, which
-states its partitions) that did not happen is reported as a failure (exit status 1).
+By default it compiles what the SM90 tables launch for ``--dims``: each entry for the path its key names
+(causal: new tokens; chunk: a context chunk). For each variant it prints whether it compiled, the
+registers per thread and spilled bytes (from ``ptxas -v``), the shared memory per program, the global
+scratch bytes per program (where the kernel builds TMA descriptors on the device, ``(device)`` in the
+last column), the warps per program (the Gluon kernel's partitions add a producer warp group), and what
+the TTGIR holds: ``ttg.warp_specialize`` regions and TMA (``async_tma_copy``) operations. A variant that
+does not compile, spills, has its wgmma instructions serialised by ptxas (its warnings C7514/C7515: the
+tensor cores then finish each product before the next starts), or is the Gluon kernel without its
+partitions is reported as a failure (spills only without ``--allow-spills``); the last line sums them up,
+and the exit status is 1 if any failed.
+``benchmarks/compile_matrix.sh`` runs it under each supported Triton release.
 
 Usage::
 
-    python benchmarks/compile_sm90.py                     # the SM90 tables and the tuning candidates
-    python benchmarks/compile_sm90.py --configs "128,64,4,2,tma,qo,ws;128,64,8,3,lazy" --dims 192,128
+    python benchmarks/compile_sm90.py                     # what the SM90 tables launch for (192, 128)
+    python benchmarks/compile_sm90.py --configs "128,64,8,3;128,64,8,3,ovl" --path chunk --dims 192,128
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -60,7 +64,8 @@ class Variant:
     descriptors: tuple[str, ...] = ()
 
     def problems(self, wants_ws: bool) -> list[str]:
-        """Why this variant is not fit to launch; empty when it is."""
+        """Why this variant is not fit to launch; empty when it is. ``wants_ws``: it states partitions of its
+        own (the Gluon kernel), which the TTGIR must show."""
         if self.error is not None:
             return [self.error]
         found = []
@@ -133,20 +138,17 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool) -> Variant:
 
             _, args, launch_options = sm90_launch(
                 q, k, v, out, lse, cu_q, cu_k, TOKENS, TOKENS, dqk**-0.5, causal, config.block_n, config.num_stages,
-                config.overlap_softmax, config.pingpong, config.persistent, num_sms=132,
+                num_sms=132,
             )  # fmt: skip
             keywords = launch_options
             variant.descriptors = ("q", "k", "v(device)")
         else:
-            from mla_ops.kernels.attention import _attn_fwd_kernel as kernel
             from mla_ops.kernels.attention import launch_plan
+            from mla_ops.kernels.attention_kernel import attn_fwd_kernel as kernel
 
             source = ASTSource
-            plan = launch_plan(
-                q, k, v, out, lse, cu_q, cu_k, TOKENS, TOKENS, dqk**-0.5, causal, config, descriptors_anywhere=True
-            )
+            plan = launch_plan(q, k, v, out, lse, cu_q, cu_k, TOKENS, TOKENS, dqk**-0.5, causal, config)
             args, launch_options, keywords = plan.args, plan.options, {**plan.constexprs, **plan.options}
-            variant.descriptors = (*plan.descriptors, *(f"{name}(device)" for name in plan.device_descriptors))
         target = GPUTarget("cuda", CAPABILITY, 32)
         backend = make_backend(target)
         binder = create_function_from_signature(kernel.signature, kernel.params, backend)
@@ -167,31 +169,39 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool) -> Variant:
     return variant
 
 
-def default_configs() -> list[str]:
-    """The SM90 table's (192, 128) entries and the tuning script's default and warp-specialised candidates."""
-    from tune_triton import DEFAULT_CANDIDATES, WS_CANDIDATES
-
+def table_variants(dqk: int, dv: int) -> list[tuple[str, bool]]:
+    """``(configuration, causal)`` of every variant the SM90 tables launch for ``(dqk, dv)``: each entry
+    with the path its key names, without repeats."""
     from mla_ops.kernels.configs import SM90_ATTENTION, SM90_LARGE_BATCH_ATTENTION
 
     tables = (*SM90_ATTENTION.items(), *SM90_LARGE_BATCH_ATTENTION.items())
-    table = [str(c) for key, c in tables if key[:2] == (192, 128)]
-    return list(dict.fromkeys([*table, *DEFAULT_CANDIDATES, *WS_CANDIDATES]))
+    return list(dict.fromkeys((str(config), bool(key[2])) for key, config in tables if key[:2] == (dqk, dv)))
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
-    cli.add_attention_configs(
-        parser, "--configs", "the SM90 table's (192, 128) entries, tune_triton.py's candidates and its ws ones"
-    )
+    cli.add_attention_configs(parser, "--configs", "the SM90 tables' entries for --dims, each on its own path")
     parser.add_argument("--dims", default="192,128", help="Dqk,Dv (default 192,128)")
-    parser.add_argument("--path", choices=("both", "causal", "chunk"), default="both", help="which path to compile")
+    parser.add_argument(
+        "--path", choices=("both", "causal", "chunk"), default="both",
+        help="which path to compile the --configs for (default both)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--allow-spills", action="store_true",
+        help="report spills without counting them as failures: the check of whether the kernels compile,\n"
+        "as CI runs it under the installed Triton (ptxas spills a few words in the Gluon kernel with 3.8, 3.9)",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        # Under the interpreter @triton.jit builds no compilable kernel, and the launcher would plan for it.
+        print("compile_sm90.py compiles for a GPU: run it without TRITON_INTERPRET", file=sys.stderr)
+        return 2
     try:
         import triton
         from triton.backends.nvidia.compiler import get_ptxas
@@ -203,28 +213,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mla_ops.kernels.configs import AttentionConfig
 
     dqk, dv = (int(x) for x in args.dims.split(","))
-    texts = args.configs.split(";") if args.configs else default_configs()
-    configs = [AttentionConfig.parse(t, "--configs") for t in texts]
-    paths = {"both": (True, False), "causal": (True,), "chunk": (False,)}[args.path]
+    if args.configs:
+        paths = {"both": (True, False), "causal": (True,), "chunk": (False,)}[args.path]
+        variants = [(text, causal) for text in args.configs.split(";") for causal in paths]
+    else:
+        variants = table_variants(dqk, dv)
+        if not variants:
+            print(f"compile_sm90.py: the SM90 tables list nothing for (Dqk, Dv) = ({dqk}, {dv})", file=sys.stderr)
+            return 2
+    parsed = [(AttentionConfig.parse(text, "--configs"), causal) for text, causal in variants]
     print(f"triton {triton.__version__}, sm_{CAPABILITY}a, (Dqk, Dv) = ({dqk}, {dv}), bf16")
     header = ("config", "path", "regs", "spill", "smem KiB", "scratch", "warps", "ws", "tma")
     print("{:<28} {:<6} {:>4} {:>5} {:>8} {:>7} {:>5} {:>3} {:>3}  descriptors".format(*header))
-    failed = 0
-    for config in configs:
-        for causal in paths:
-            v = compile_variant(config, dqk, dv, causal)
-            path = "causal" if causal else "chunk"
-            problems = v.problems(config.warp_specialize or config.gluon)
-            if v.error is None:
-                print(
-                    f"{v.config:<28} {path:<6} {v.registers:>4} {v.spill_bytes:>5} {v.shared_bytes / 1024:>8.1f} "
-                    f"{v.scratch_bytes:>7} {v.warps:>5} {'yes' if v.warp_specialized else 'no':>3} {v.tma_ops:>3}  "
-                    f"{','.join(v.descriptors) or '-'}{'  FAIL: ' + '; '.join(problems) if problems else ''}"
-                )
-            else:
-                print(f"{v.config:<28} {path:<6} FAIL: {v.error}")
-            failed += bool(problems)
-    print(f"{failed} of {len(configs) * len(paths)} variants failed" if failed else "all variants compiled")
+    failed = compiled = spilled = serialised = 0
+    for config, causal in parsed:
+        v = compile_variant(config, dqk, dv, causal)
+        path = "causal" if causal else "chunk"
+        problems = v.problems(config.gluon)
+        if args.allow_spills:
+            problems = [p for p in problems if not p.startswith("spills ")]
+        compiled += v.error is None
+        spilled += bool(v.spill_bytes)
+        serialised += v.serialized is not None
+        if v.error is None:
+            print(
+                f"{v.config:<28} {path:<6} {v.registers:>4} {v.spill_bytes:>5} {v.shared_bytes / 1024:>8.1f} "
+                f"{v.scratch_bytes:>7} {v.warps:>5} {'yes' if v.warp_specialized else 'no':>3} {v.tma_ops:>3}  "
+                f"{','.join(v.descriptors) or '-'}{'  FAIL: ' + '; '.join(problems) if problems else ''}"
+            )
+        else:
+            print(f"{v.config:<28} {path:<6} FAIL: {v.error}")
+        failed += bool(problems)
+    allowed = " (spills allowed)" if args.allow_spills else ""
+    print(
+        f"triton {triton.__version__}, sm_{CAPABILITY}a: {compiled} of {len(parsed)} variants compiled, "
+        f"{spilled} spill, {serialised} serialise wgmma; {failed} failed{allowed}"
+    )
     return 1 if failed else 0
 
 

@@ -18,7 +18,7 @@ are printed as lines to paste into ``mla_ops/kernels/configs.py``. Needs a CUDA 
 Usage::
 
     python benchmarks/tune_triton.py --out results/tune.csv
-    python benchmarks/tune_triton.py --out tune.csv --candidates "128,64,8,3;128,128,8,2,1" --no-flashinfer
+    python benchmarks/tune_triton.py --out tune.csv --candidates "128,64,8,3;128,64,8,3,ovl" --no-flashinfer
 """
 
 from __future__ import annotations
@@ -50,12 +50,11 @@ CHECK_SHAPES = (
     P.Shape("chunk", 16, (1, 17, 0, 127, 300, 64), (40, 0, 5, 130, 257, 64)),
 )
 
-#: Candidates for SM90 (227 KiB shared memory). Flags (see mla_ops.kernels.configs): "tma" loads K/V
-#: through TMA descriptors, "qo" Q and the output too, "lazy" rescales the accumulator only when a
-#: row max grew by more than 2^8, "ovl" overlaps each tile's softmax with the previous tile's P @ V.
-#: benchmarks/compile_sm90.py tells which spill or have their wgmma serialised (with Triton 3.6: the
-#: pointer-load variants without "ovl" on the chunk path, and a few with 128-key tiles); they stay
-#: here as measured baselines.
+#: Candidates for SM90 (227 KiB shared memory): the tl.dot kernel with the plain key loop and with each
+#: tile's softmax overlapped with the previous tile's P @ V ("ovl"), and the Hopper kernel written in
+#: Gluon (mla_ops.kernels.attention_sm90; SM90 only, elsewhere rejected), in tiles of 128 and 64 keys.
+#: benchmarks/compile_sm90.py --configs tells which spill or have their wgmma serialised (with Triton 3.6:
+#: the plain loop on the chunk path, and a few with 128-key tiles); they stay here as measured baselines.
 DEFAULT_CANDIDATES = [
     "128,64,8,2",
     "128,64,8,3",
@@ -64,41 +63,13 @@ DEFAULT_CANDIDATES = [
     "128,32,8,4",
     "64,64,4,3",
     "64,128,4,2",
-    "128,64,8,2,tma",
-    "128,64,8,3,tma",
-    "128,64,8,4,tma",
-    "128,128,8,2,tma",
-    "128,64,8,3,lazy",
-    "128,64,8,3,tma,lazy",
-    "128,64,8,4,tma,lazy",
-    "128,64,8,3,tma,qo",
-    "128,64,8,3,tma,qo,lazy",
-    "128,64,8,4,tma,qo,lazy",
+    "128,64,8,2,ovl",
     "128,64,8,3,ovl",
-    "128,64,8,2,tma,ovl",
-    "128,64,8,3,tma,ovl",
-    "128,64,8,4,tma,ovl",
-    "128,64,8,3,tma,qo,ovl",
-    # The Hopper kernel written in Gluon (mla_ops.kernels.attention_sm90): SM90 only, elsewhere rejected.
-    "128,128,4,2,gluon",
-    "128,64,4,2,gluon",
-    "128,64,4,3,gluon",
-    # ... with each tile's softmax under the previous tile's P @ V, and the warpgroups taking turns.
-    "128,128,4,2,gluon,ovl",
-    "128,64,4,3,gluon,ovl",
-    "128,128,4,2,gluon,ovl,pp",
-    "128,64,4,3,gluon,ovl,pp",
-    # ... and as persistent programs, one per multiprocessor, taking work items from a counter.
+    "128,64,8,4,ovl",
     "128,128,4,2,gluon,ovl,pers",
     "128,64,4,3,gluon,ovl,pers",
-    "128,128,4,2,gluon,ovl,pp,pers",
 ]
-#: The experimental warp-specialised loop ("ws": a TMA producer warp group and two consumer groups of
-#: 4 warps): compiled and checked by compile_sm90.py, but not swept by default, since its launches
-#: deadlocked on the H200 with Triton 3.6.0. Pass them with --candidates and
-#: MLA_OPS_TRITON_EXPERIMENTAL_WS=1 to time them.
-WS_CANDIDATES = ["128,64,4,2,tma,qo,ws", "128,64,4,3,tma,qo,ws", "128,128,4,2,tma,qo,ws"]
-QUICK_CANDIDATES = ["128,64,8,3", "128,128,8,2", "128,64,8,3,tma"]
+QUICK_CANDIDATES = ["128,64,8,3", "128,128,8,2", "128,64,8,3,ovl"]
 
 MERGE_CANDIDATES = [(bt, w) for bt in (4, 8, 16, 32, 64) for w in (2, 4, 8)]
 
@@ -132,16 +103,11 @@ def sweep_attention(
     """Time every candidate on every problem; returns ({label: (tflops, config)}, {config: {label: tflops}})."""
     import torch
 
-    from mla_ops.kernels.attention import tma_supported
     from mla_ops.kernels.configs import AttentionConfig, table_attention_config
 
     texts = args.candidates.split(";") if args.candidates else (QUICK_CANDIDATES if args.quick else DEFAULT_CANDIDATES)
     candidates = [AttentionConfig.parse(t, "--candidates") for t in texts]
     cap = torch.cuda.get_device_capability(device)
-    if not tma_supported() or cap < (9, 0):
-        # Without descriptors the launcher would silently run the pointer path under a "tma" label.
-        log("TMA descriptors unavailable here (needs Triton >= 3.3 and SM90+): skipping the 'tma' candidates")
-        candidates = [c for c in candidates if not (c.use_tma or c.qo_tma)]
     for causal in (True, False):
         table = table_attention_config(cap, P.DQK, P.DV, causal, torch.bfloat16)
         if table not in candidates:

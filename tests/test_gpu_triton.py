@@ -2,16 +2,15 @@
 
 The contract every backend keeps (both paths at awkward lengths, H = 16 and 128, bf16 and fp16, three head
 shapes, strided ``v``, empty chunks, split context, CUDA-graph replay) is checked for TRITON by
-tests/test_backend_contract.py. Here: the selection, many sequences (several lookup passes), the TMA
-variant, ``MLA_OPS_TRITON_CONFIG``, the LSE against REFERENCE on the device, ``torch.compile``, a captured
-``prefill_with_context`` with the merge kernel inside the graph, the merge kernel, and warm-up.
+tests/test_backend_contract.py. Here: the selection, many sequences (several lookup passes), the tabled
+variants of the ``tl.dot`` kernel and the Gluon kernel, ``MLA_OPS_TRITON_CONFIG``, the LSE against REFERENCE
+on the device, ``torch.compile``, a captured ``prefill_with_context`` with the merge kernel inside the graph,
+the merge kernel, and warm-up.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import replace
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ from utils import GraphBuffers, assert_attention_close, cu_seqlens_of, make_batc
 import mla_ops
 from mla_ops.backends.reference import merge_attn_states_reference
 from mla_ops.backends.triton import TritonBackend
-from mla_ops.kernels.configs import EXPERIMENTAL_WS_ENV_VAR
 from mla_ops.runtime.merge_dispatch import merge_kernel
 from mla_ops.specs import MLADimensions, SelectorConfig
 
@@ -96,73 +94,21 @@ def test_many_short_sequences():
     _check_padding(lse, sum(lengths_q))
 
 
-def _require_tma() -> None:
-    """Skip unless this Triton and GPU have TMA tensor descriptors."""
-    from mla_ops.kernels.attention import tma_supported
-
-    if not tma_supported() or torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("TMA descriptors need Triton >= 3.3 (triton.tools.tensor_descriptor) and an SM90+ GPU")
+#: The SM90 table's variants of the tl.dot kernel: the plain key loop, the overlapped one ('ovl'), and
+#: 128-key tiles.
+TL_DOT_VARIANTS = ["128,64,8,3", "128,64,8,3,ovl", "128,128,8,2"]
 
 
-def _variant_config(text: str):
-    """The attention configuration ``text``; skips when it asks for TMA and this machine has none."""
+@pytest.mark.parametrize("text", TL_DOT_VARIANTS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
+def test_tl_dot_variants(text, causal):
+    """Each tabled variant of the tl.dot kernel against the reference, whatever the table picks: ragged and
+    empty sequences, a last block that ends mid-block next to full blocks, padding rows holding NaN,
+    strided v, H = 16 and 128."""
+    from mla_ops.kernels.attention import attention_triton
     from mla_ops.kernels.configs import AttentionConfig
 
     config = AttentionConfig.parse(text, "variant")
-    if config.use_tma or config.qo_tma:
-        _require_tma()
-    return config
-
-
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
-def test_tma_variant(causal):
-    """The TMA-descriptor K/V loads (a tuning option) against the reference, whatever the table picks."""
-    from mla_ops.kernels.attention import attention_triton
-    from mla_ops.kernels.configs import AttentionConfig
-
-    _require_tma()
-    lengths_q = [17, 0, 1000, 127]
-    lengths_k = lengths_q if causal else [4097, 5, 0, 300]
-    q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, 16, 192, 128, torch.bfloat16, strided_v=True)
-    if causal:
-        cu_k = cu_q  # self-attention of the new tokens: the same offsets, as the backend passes them
-    for config in (AttentionConfig(128, 64, 8, 3, use_tma=True), AttentionConfig(128, 128, 8, 2, use_tma=True)):
-        out, lse = attention_triton(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), 0.07, causal, config=config)
-        assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.07, causal)
-
-
-#: The warp-specialised variants: they read K/V through descriptors that each program builds on the
-#: device over its own sequence's rows, in global scratch that Triton's launcher allocates per launch.
-#: Their launches deadlocked on the H200 with Triton 3.6.0, so they run only on request.
-WS_VARIANTS = ["128,64,4,2,tma,qo,ws", "128,64,4,3,tma,qo,ws", "128,128,4,2,tma,qo,ws"]
-_WS_OPT_IN = pytest.mark.skipif(
-    os.environ.get(EXPERIMENTAL_WS_ENV_VAR) != "1",
-    reason=f"the experimental 'ws' variant deadlocked on the H200 with Triton 3.6.0; {EXPERIMENTAL_WS_ENV_VAR}=1 "
-    "runs these tests (a deadlock then hangs the run)",
-)
-
-#: The Hopper variants tune_triton.py sweeps (Q/out descriptors, lazy rescale) and the
-#: warp-specialised ones: selectable, not tabled.
-HOPPER_VARIANTS = [
-    "128,64,8,3,lazy",
-    "128,64,8,4,tma,lazy",
-    "128,64,8,3,tma,qo",
-    "128,64,8,4,tma,qo,lazy",
-    "128,64,8,3,ovl",
-    "128,64,8,3,tma,ovl",
-    *(pytest.param(text, marks=_WS_OPT_IN) for text in WS_VARIANTS),
-]
-
-
-@pytest.mark.parametrize("text", HOPPER_VARIANTS)
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
-def test_hopper_variants(text, causal):
-    """Each Hopper variant against the reference: ragged and empty sequences, a last block that ends
-    mid-block (masked output store) next to full blocks (descriptor store), padding rows holding NaN,
-    strided v, H = 16 and 128."""
-    from mla_ops.kernels.attention import attention_triton
-
-    config = _variant_config(text)
     lengths_q = [1000, 0, 17, 256, 127]
     lengths_k = lengths_q if causal else [4097, 5, 0, 300, 1]
     for heads in (16, 128):
@@ -187,17 +133,17 @@ def _capture_after_warmup(step, load, batch):
     return graph, outputs
 
 
-@_WS_OPT_IN
-@pytest.mark.parametrize("text", WS_VARIANTS)
+@pytest.mark.parametrize("text", TL_DOT_VARIANTS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
-def test_warp_specialised_variants_isolate_sequences(text, causal):
+def test_tl_dot_variants_isolate_sequences(text, causal):
     """NaN and inf in the keys and values of a sequence's neighbours, and in the rows past
     ``cu_seqlens_k[-1]``, never reach its output: sequences shorter than a tile at row 0, between two
     poisoned ones and at the end, a tile-aligned one, longer ones. A tile that started before a short
     sequence or ran past its end would weigh those rows 0 in the PV product: ``0 * NaN`` is NaN."""
     from mla_ops.kernels.attention import attention_triton
+    from mla_ops.kernels.configs import AttentionConfig
 
-    config = _variant_config(text)
+    config = AttentionConfig.parse(text, "variant")
     poisoned = {1, 3, 6}
     lengths_q = [5, 300, 3, 1000, 64, 0, 129, 11]
     lengths_k = lengths_q if causal else [9, 300, 3, 1200, 128, 0, 129, 70]
@@ -242,38 +188,9 @@ def _check_graph_replays(config, causal: bool) -> None:
         _check_padding(graph_lse, sum(lengths))
 
 
-@_WS_OPT_IN
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
-def test_warp_specialised_variant_in_a_cuda_graph(causal):
-    """The ``ws`` variant in a CUDA graph (:func:`_check_graph_replays`)."""
-    _check_graph_replays(_variant_config(WS_VARIANTS[0]), causal)
-
-
-def test_warp_specialised_variant_is_refused_without_the_opt_in(monkeypatch):
-    """Without the opt-in a 'ws' launch raises before anything runs, naming the flag and the variable."""
-    from mla_ops.kernels.attention import attention_triton
-
-    config = _variant_config(WS_VARIANTS[0])
-    monkeypatch.delenv(EXPERIMENTAL_WS_ENV_VAR, raising=False)
-    q, k, v, cu_q, cu_k = _chunk_inputs([300], [300], 16, 192, 128, torch.bfloat16)
-    with pytest.raises(RuntimeError, match=f"experimental 'ws'.*{EXPERIMENTAL_WS_ENV_VAR}=1"):
-        attention_triton(q, k, v, cu_q, cu_k, 300, 300, _scale(192), True, config=config)
-
-
-#: The Hopper kernel written in Gluon (mla_ops.kernels.attention_sm90): tabled for large batches on SM90,
-#: selectable for any batch there. Its consumer loops: serial, overlapped ('ovl'), overlapped with the two
-#: warpgroups taking turns ('ovl,pp'); each with one program per work item or persistent programs ('pers').
-GLUON_VARIANTS = [
-    "128,128,4,2,gluon",
-    "128,64,4,3,gluon",
-    "128,128,4,2,gluon,ovl",
-    "128,64,4,3,gluon,ovl",
-    "128,128,4,2,gluon,ovl,pp",
-    "128,128,4,2,gluon,pers",
-    "128,128,4,2,gluon,ovl,pers",
-    "128,64,4,3,gluon,ovl,pers",
-    "128,128,4,2,gluon,ovl,pp,pers",
-]
+#: The Hopper kernel written in Gluon (mla_ops.kernels.attention_sm90): tabled for large batches on SM90
+#: (128-key tiles in 2 buffers), selectable for any batch there; 64-key tiles in 3 buffers too.
+GLUON_VARIANTS = ["128,128,4,2,gluon,ovl,pers", "128,64,4,3,gluon,ovl,pers"]
 
 
 def _gluon_config(text: str):
@@ -285,7 +202,7 @@ def _gluon_config(text: str):
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
     import triton
 
-    from mla_ops.kernels.attention import gluon_triton_reason
+    from mla_ops.kernels.triton_compat import gluon_triton_reason
 
     reason = gluon_triton_reason(triton.__version__)
     if reason is not None:
@@ -349,7 +266,7 @@ def test_gluon_kernel_in_a_cuda_graph(text, causal):
     _check_graph_replays(_gluon_config(text), causal)
 
 
-@pytest.mark.parametrize("text", [t for t in GLUON_VARIANTS if t.endswith(",pers")])
+@pytest.mark.parametrize("text", GLUON_VARIANTS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
 @pytest.mark.parametrize("programs", [1, 3, 7])
 def test_gluon_persistent_programs_carry_their_rings(monkeypatch, text, causal, programs):
@@ -370,7 +287,7 @@ def test_gluon_persistent_programs_carry_their_rings(monkeypatch, text, causal, 
     q = torch.cat([q, torch.full_like(q[:9], math.nan)])
     out, lse = attention_sm90.attention_sm90(
         q, k, v, cu_q, cu_k, 1000, max(lengths_k), _scale(192), causal, block_n=config.block_n,
-        stages=config.num_stages, overlap=config.overlap_softmax, pingpong=config.pingpong, persistent=True,
+        stages=config.num_stages,
     )  # fmt: skip
     clean = sorted(set(range(len(lengths_q))) - poisoned)
     assert_sequences_close(out, lse, q, k, v, cu_q, cu_k, _scale(192), causal, clean)
@@ -637,40 +554,23 @@ def test_warmup_compiles_without_error(dims):
     TritonBackend().warmup(torch.device(DEVICE), config, num_heads=16)
 
 
-def test_table_tma_config_uses_pointers_for_small_eager_chunks_and_tma_otherwise(monkeypatch):
-    """A table entry that asks for TMA (here the chunk path's, made one if it is not): a small eager
-    chunk loads through pointers (descriptors would cost more host time than they save), a large one
-    through TMA; a captured call launches what the same shapes launch eagerly, so the eager warm-up has
-    compiled it."""
+def test_a_captured_call_launches_what_the_eager_warmup_compiled(monkeypatch):
+    """Which kernel and variant a call launches depends on its shapes only (TMA_MIN_KEY_ROWS, the tables), so
+    a captured call of shapes launched eagerly before meets nothing to compile inside the capture."""
     from mla_ops.kernels import attention
 
-    if torch.cuda.get_device_capability(DEVICE) < (9, 0):
-        pytest.skip("TMA descriptors need SM90 or newer")
-    table = attention.attention_config(torch.device(DEVICE), 192, 128, False, torch.bfloat16)
-    if not (table.use_tma or table.qo_tma):
-        monkeypatch.setattr(attention, "attention_config", lambda *args: replace(table, use_tma=True))
-    monkeypatch.setattr(attention, "_table_configs", {})
-    # Large batches may have a kernel of their own (the Gluon one on SM90): this test is about the table's.
-    monkeypatch.setattr(attention, "large_batch_attention_config", lambda *args: None)
-    monkeypatch.setattr(attention, "_large_configs", {})
-    plans = record_results(monkeypatch, attention, "launch_plan")
     monkeypatch.setattr(attention, "_known", {})
     heads, scale = 16, _scale(192)
     batch = make_batch([40, 24], heads, 192, 128, torch.bfloat16, device=DEVICE, strided_v=True, seed=8)
-    small, large = 1024, attention.TMA_MIN_KEY_ROWS // heads
-    chunks = {}
-    for keys in (small, large):
-        _, k, v = make_qkv(keys, heads, 192, 128, torch.bfloat16, DEVICE, True, torch.Generator().manual_seed(keys))
-        cu_k = cu_seqlens_of([keys // 2, keys - keys // 2], DEVICE)
-        chunks[keys] = cu_k, k, v
-        out, lse = attention.attention_triton(batch.q, k, v, batch.cu_seqlens, cu_k, 40, keys, scale, False)
-        assert plans[-1].descriptors == (() if keys == small else ("kv",)), keys
-        assert_attention_close(out, lse, batch.q, k, v, batch.cu_seqlens, cu_k, scale, False)
-    cu_k, k, v = chunks[small]
+    keys = 1024
+    _, k, v = make_qkv(keys, heads, 192, 128, torch.bfloat16, DEVICE, True, torch.Generator().manual_seed(keys))
+    cu_k = cu_seqlens_of([keys // 2, keys - keys // 2], DEVICE)
+    out, lse = attention.attention_triton(batch.q, k, v, batch.cu_seqlens, cu_k, 40, keys, scale, False)
+    assert_attention_close(out, lse, batch.q, k, v, batch.cu_seqlens, cu_k, scale, False)
     compiled = dict(attention._launcher.compiled)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, lse = attention.attention_triton(batch.q, k, v, batch.cu_seqlens, cu_k, 40, small, scale, False)
+        out, lse = attention.attention_triton(batch.q, k, v, batch.cu_seqlens, cu_k, 40, keys, scale, False)
     assert attention._launcher.compiled == compiled, "the capture met no variant the eager call had not compiled"
     graph.replay()
     assert_attention_close(out, lse, batch.q, k, v, batch.cu_seqlens, cu_k, scale, False)

@@ -16,7 +16,6 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from hypothesis import strategies as st
 pytest.importorskip("triton", reason="the Triton kernels need triton installed (pip install 'mla_ops[triton]')")
 
 from sequence_isolation import assert_sequences_close, poison_sequences
-from utils import assert_attention_close, cu_seqlens_of, make_batch, make_qkv, record_results
+from utils import assert_attention_close, cu_seqlens_of, make_batch, make_qkv
 
 from mla_ops.backends.reference import merge_attn_states_reference
 from mla_ops.backends.triton import TritonBackend
@@ -92,10 +91,10 @@ def test_causal_block_shapes(config):
 @interpreted
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
 def test_many_sequences_span_several_lookup_passes(monkeypatch, causal):
-    """Each program finds its sequence in passes of _SEQ_CHUNK offsets; make that 4 to cross passes."""
+    """Each program finds its sequence in passes of SEQ_CHUNK offsets; make that 4 to cross passes."""
     from mla_ops.kernels import attention
 
-    monkeypatch.setattr(attention, "_SEQ_CHUNK", 4)
+    monkeypatch.setattr(attention, "SEQ_CHUNK", 4)  # what the launcher passes the kernel
     lengths_q = [3, 0, 17, 1, 0, 0, 16, 5, 33, 2, 0]
     lengths_k = lengths_q if causal else [9, 4, 0, 1, 0, 7, 16, 40, 3, 2, 0]
     q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, 64, 64, torch.float16, seed=17, padding=6)
@@ -113,7 +112,7 @@ def test_grid_does_not_grow_with_max_seqlen(monkeypatch):
     from mla_ops.kernels import attention
 
     grids = []
-    real_kernel = attention._attn_fwd_kernel
+    real_kernel = attention._launcher.kernel
 
     class Recorder:
         def __getitem__(self, grid):
@@ -176,44 +175,17 @@ def test_chunk_nan_beyond_slices_does_not_leak():
     assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.125, False)
 
 
-@interpreted
-def test_tma_path_matches_pointer_path():
-    """The TMA-descriptor variant (interpreted here) computes the same numbers as the pointer loads."""
-    pytest.importorskip("triton.tools.tensor_descriptor", reason="this Triton has no host TMA descriptors")
-    lengths_q, lengths_k = [9, 0, 21], [30, 7, 0]
-    q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, 192, 128, torch.float16, seed=8, strided_v=True)
-    tma = AttentionConfig(16, 16, 4, 1, use_tma=True)
-    out, lse = attention_triton(q, k, v, cu_q, cu_k, 21, 30, 0.1, causal=False, config=tma)
-    ref_out, ref_lse = attention_triton(q, k, v, cu_q, cu_k, 21, 30, 0.1, causal=False, config=SMALL)
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
-    assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.1, False)
-
-
-# The Hopper knobs, as the interpreter can run them: Q/out through descriptors (zeroed rows past a
-# sequence, whole-block descriptor stores, masked stores for the last block), the lazy rescale, and
-# the warp-specialised kernel's own loop and branch-free control flow (programs without a block run
-# on with empty key ranges). The interpreter ignores ``warp_specialize=True`` itself: whether Triton
-# applies it for sm_90a is checked by benchmarks/compile_sm90.py (no GPU needed).
-HOPPER_KNOBS = {
-    "qo": dict(use_tma=True, qo_tma=True),
-    "lazy": dict(lazy_rescale=True),
-    "ws": dict(use_tma=True, qo_tma=True, warp_specialize=True),
-    "qo+lazy": dict(use_tma=True, qo_tma=True, lazy_rescale=True),
-    "ovl": dict(overlap_softmax=True),
-    "tma+ovl": dict(use_tma=True, overlap_softmax=True),
-}
+#: The key loops of the tl.dot kernel the tables use: the plain pipelined one and the overlapped one ('ovl').
+KEY_LOOPS = {"plain": {}, "ovl": dict(overlap_softmax=True)}
 
 
 @interpreted
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
-@pytest.mark.parametrize("knobs", list(HOPPER_KNOBS), ids=str)
-def test_hopper_knobs_match_reference(knobs, causal):
-    flags = HOPPER_KNOBS[knobs]
-    if flags.get("use_tma"):
-        pytest.importorskip("triton.tools.tensor_descriptor", reason="this Triton has no host TMA descriptors")
-    # Full and partial 16-row blocks, an empty sequence, 5 padding rows holding NaN (a descriptor
-    # load reads them for the last block), keys far larger than the first tile's (lazy rescale
-    # must rescale then) and strided v.
+@pytest.mark.parametrize("loop", list(KEY_LOOPS), ids=str)
+def test_key_loops_match_reference(loop, causal):
+    flags = KEY_LOOPS[loop]
+    # Full and partial 16-row blocks, an empty sequence, 5 padding rows holding NaN, keys far larger
+    # than the first tile's (a later tile must rescale what the first accumulated) and strided v.
     lengths_q = [32, 0, 16, 21]
     lengths_k = lengths_q if causal else [40, 7, 0, 33]
     q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, 192, 128, torch.float16, seed=9, strided_v=True)
@@ -230,31 +202,29 @@ def test_hopper_knobs_match_reference(knobs, causal):
 
 @interpreted
 @pytest.mark.parametrize("blocks", [(16, 16), (32, 16)], ids=["16x16", "32x16"])
-@pytest.mark.parametrize("use_tma", [False, True], ids=["ptr", "tma"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
-def test_overlapped_loop_over_many_tiles(causal, use_tma, blocks):
+def test_overlapped_loop_over_many_tiles(causal, blocks):
     """The ``ovl`` loops carry one tile's probabilities into the next step: sequences of 0 to 6
     whole key tiles plus a partial one, causal ones with more keys than queries (bottom-right: rows
     whose masked tiles follow several mask-free ones, and a query block that sees only masked
     tiles), and a large key late in the sequence so a later tile must rescale what the earlier
     ones accumulated."""
-    if use_tma:
-        pytest.importorskip("triton.tools.tensor_descriptor", reason="this Triton has no host TMA descriptors")
     lengths_q = [100, 3, 48, 17, 9] if causal else [20, 16, 5, 33, 9]
     lengths_k = [100, 40, 48, 17, 9] if causal else [100, 16, 0, 71, 9]
     q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, 192, 128, torch.float16, seed=5, strided_v=True)
     q = torch.cat([q, torch.full_like(q[:3], math.nan)])  # padding rows
     k[cu_k[0] + 70 : cu_k[0] + 72] *= 6.0
-    config = AttentionConfig(*blocks, 4, 1, use_tma=use_tma, overlap_softmax=True)  # 32x16: 2 diagonal tiles
+    config = AttentionConfig(*blocks, 4, 1, overlap_softmax=True)  # 32x16: 2 diagonal tiles
     out, lse = attention_triton(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), 0.1, causal=causal, config=config)
     assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.1, causal)
 
 
 @interpreted
+@pytest.mark.parametrize("loop", list(KEY_LOOPS), ids=str)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
-def test_warp_specialised_loop_isolates_sequences(causal):
-    """The ``ws`` loop reads K/V through descriptors over each sequence's own rows (built on the device),
-    so NaN and inf in the keys and values of a sequence's neighbours never reach its output.
+def test_key_loops_isolate_sequences(loop, causal):
+    """The key loops read no key or value outside a sequence's own rows (masked loads read them as 0), so
+    NaN and inf in the keys and values of a sequence's neighbours never reach its output.
 
     Clean sequences shorter than a tile sit at row 0, between two poisoned sequences and at the end,
     before padding rows (past ``cu_seqlens_k[-1]``) that hold NaN; a tile-aligned one and longer ones
@@ -262,7 +232,6 @@ def test_warp_specialised_loop_isolates_sequences(causal):
     rows 0 in the PV product, and ``0 * NaN`` and ``0 * inf`` are NaN. Each clean sequence must match
     the reference computed from its own rows; causal runs with more keys than queries (bottom-right).
     """
-    pytest.importorskip("triton.tools.tensor_descriptor", reason="this Triton has no host TMA descriptors")
     poisoned = {1, 3, 6}
     lengths_q = [5, 7, 3, 20, 16, 0, 9, 11]
     lengths_k = [9, 7, 3, 24, 16, 0, 9, 13] if causal else [9, 7, 3, 24, 32, 0, 9, 13]
@@ -271,7 +240,7 @@ def test_warp_specialised_loop_isolates_sequences(causal):
     cu_k = cu_k[:-1].contiguous()
     poison_sequences(k, v, cu_k, [*poisoned, len(lengths_k)])
     q = torch.cat([q, torch.full_like(q[:3], math.nan)])
-    config = AttentionConfig(16, 16, 4, 1, use_tma=True, qo_tma=True, warp_specialize=True)
+    config = AttentionConfig(16, 16, 4, 1, **KEY_LOOPS[loop])
     out, lse = attention_triton(q, k, v, cu_q, cu_k, 20, 32, 0.1, causal=causal, config=config)
     clean = sorted(set(range(len(lengths_q))) - poisoned)
     assert_sequences_close(out, lse, q, k, v, cu_q, cu_k, 0.1, causal, clean)
@@ -535,44 +504,27 @@ def test_config_env_var(monkeypatch):
     assert configs.attention_config(torch.device("cpu"), 192, 128, True, torch.bfloat16) == AttentionConfig(
         64, 32, 4, 2
     )
-    monkeypatch.setenv(configs.CONFIG_ENV_VAR, "128,64,8,3,1")
-    assert configs.env_attention_config() == AttentionConfig(128, 64, 8, 3, use_tma=True)
-    monkeypatch.setenv(configs.CONFIG_ENV_VAR, "128,64,4,2, WS,tma,qo")
-    hopper = AttentionConfig(128, 64, 4, 2, use_tma=True, qo_tma=True, warp_specialize=True)
-    assert configs.env_attention_config() == hopper
+    monkeypatch.setenv(configs.CONFIG_ENV_VAR, "128,64,8,3, OVL")
+    overlap = AttentionConfig(128, 64, 8, 3, overlap_softmax=True)
+    assert configs.env_attention_config() == overlap
     # str() writes the same format back, so the tuning script's output can be pasted into the variable.
-    lazy_tma = AttentionConfig(128, 64, 8, 3, use_tma=True, lazy_rescale=True)
-    overlap = AttentionConfig(128, 64, 8, 3, use_tma=True, overlap_softmax=True)
-    gluon = AttentionConfig(128, 128, 4, 2, gluon=True)
-    pingpong = AttentionConfig(128, 128, 4, 2, overlap_softmax=True, gluon=True, pingpong=True)
-    persistent = replace(pingpong, persistent=True)
-    for config in (hopper, AttentionConfig(64, 32, 4, 2), lazy_tma, overlap, gluon, pingpong, persistent):
+    gluon = AttentionConfig(128, 128, 4, 2, overlap_softmax=True, gluon=True, persistent=True)
+    for config in (AttentionConfig(64, 32, 4, 2), overlap, gluon):
         assert AttentionConfig.parse(str(config)) == config
-    assert str(gluon) == "128,128,4,2,gluon"
-    assert str(pingpong) == "128,128,4,2,ovl,gluon,pp"
-    assert str(persistent) == "128,128,4,2,ovl,gluon,pp,pers"
-    assert AttentionConfig.parse("128,128,4,2,pers,gluon") == replace(gluon, persistent=True)
-    assert AttentionConfig.parse("128,128,4,2,gluon,ovl") == replace(pingpong, pingpong=False)
-    assert AttentionConfig.parse("128,64,8,3,tma,0") == AttentionConfig(128, 64, 8, 3)
+    assert str(gluon) == "128,128,4,2,ovl,gluon,pers"
+    assert AttentionConfig.parse("128,128,4,2,pers,gluon,ovl") == gluon
 
 
-def test_ws_launch_on_cuda_needs_the_experimental_opt_in(monkeypatch):
-    """A 'ws' config is refused for CUDA launches unless the variable is "1"; the interpreter's CPU
-    launches and configs without the flag pass."""
-    ws = AttentionConfig(128, 64, 4, 2, use_tma=True, qo_tma=True, warp_specialize=True)
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    for value in (None, "0", "yes"):
-        if value is None:
-            monkeypatch.delenv(configs.EXPERIMENTAL_WS_ENV_VAR, raising=False)
-        else:
-            monkeypatch.setenv(configs.EXPERIMENTAL_WS_ENV_VAR, value)
-        with pytest.raises(RuntimeError, match=r"128,64,4,2,tma,qo,ws asks for the experimental 'ws'") as info:
-            configs.refuse_unproven_warp_specialization(ws, cuda)
-        assert "MLA_OPS_TRITON_EXPERIMENTAL_WS=1" in str(info.value) and "drop the 'ws' flag" in str(info.value)
-        configs.refuse_unproven_warp_specialization(ws, cpu)
-        configs.refuse_unproven_warp_specialization(AttentionConfig(128, 64, 4, 2, use_tma=True, qo_tma=True), cuda)
-    monkeypatch.setenv(configs.EXPERIMENTAL_WS_ENV_VAR, "1")
-    configs.refuse_unproven_warp_specialization(ws, cuda)
+@pytest.mark.parametrize("flag", sorted(configs.REMOVED_FLAGS))
+def test_removed_flags_are_refused_with_their_reason(monkeypatch, flag):
+    """The flags of variants no table chose name what they were and that they were removed."""
+    monkeypatch.setenv(configs.CONFIG_ENV_VAR, f"128,64,8,3,{flag}")
+    with pytest.raises(ValueError) as info:
+        configs.env_attention_config()
+    message = str(info.value)
+    assert message.startswith(f"MLA_OPS_TRITON_CONFIG='128,64,8,3,{flag}': the flag '{flag}' was removed (")
+    assert configs.REMOVED_FLAGS[flag] in message and "drop it" in message
+    assert len(message.splitlines()) == 1
 
 
 @pytest.mark.parametrize(
@@ -585,18 +537,11 @@ def test_ws_launch_on_cuda_needs_the_experimental_opt_in(monkeypatch):
         ("128,64,6,3", "num_warps must be 1, 2, 4, 8 or 16, got 6"),
         ("128,64,8,0", "num_stages must be an integer from 1 to 8"),
         ("128,64,8,3,yes", "unknown flag 'yes'"),
-        ("128,64,4,2,tma,ws", "warp_specialize needs use_tma and qo_tma"),
-        ("128,64,8,2,tma,qo,ws", "warp_specialize needs num_warps=4"),
-        ("128,64,4,2,tma,qo,ws,lazy", "warp_specialize and lazy_rescale do not combine"),
-        ("128,64,8,3,ovl,lazy", "overlap_softmax combines with neither warp_specialize nor lazy_rescale"),
-        ("128,64,4,2,tma,qo,ws,ovl", "overlap_softmax combines with neither"),
-        ("128,128,8,2,gluon", "gluon (the Hopper Gluon kernel) needs block_m=128, num_warps=4"),
-        ("64,64,4,2,gluon", "needs block_m=128"),
-        ("128,32,4,2,gluon", "block_n 64 or 128, got 128,32,4"),
-        ("128,128,4,2,tma,gluon", "gluon combines with none of"),
-        ("128,128,4,2,lazy,gluon", "gluon combines with none of"),
-        ("128,128,4,2,gluon,pp", "pingpong (the 'pp' flag) needs gluon and overlap_softmax"),
-        ("128,64,8,3,ovl,pp", "pingpong (the 'pp' flag) needs gluon and overlap_softmax"),
+        ("128,128,8,2,gluon,ovl,pers", "gluon (the Hopper Gluon kernel) needs block_m=128, num_warps=4"),
+        ("64,64,4,2,gluon,ovl,pers", "needs block_m=128"),
+        ("128,32,4,2,gluon,ovl,pers", "block_n 64 or 128, got 128,32,4"),
+        ("128,128,4,2,gluon", "gluon needs 'ovl' and 'pers' too ('gluon,ovl,pers')"),
+        ("128,128,4,2,gluon,ovl", "gluon needs 'ovl' and 'pers' too"),
         ("128,64,8,3,ovl,pers", "persistent (the 'pers' flag) needs gluon"),
     ],
 )
@@ -644,7 +589,7 @@ def test_gluon_kernel_is_refused_where_it_cannot_run(monkeypatch):
     large-batch table has no entry off CUDA."""
     q, k, v = make_qkv(4, HEADS, 192, 128, torch.bfloat16)
     cu = cu_seqlens_of([4])
-    gluon = AttentionConfig(128, 128, 4, 2, gluon=True)
+    gluon = AttentionConfig(128, 128, 4, 2, overlap_softmax=True, gluon=True, persistent=True)
     with pytest.raises(ValueError, match="asks for the Gluon kernel, but it runs on CUDA devices only") as info:
         attention_triton(q, k, v, cu, cu, 4, 4, 0.1, causal=True, config=gluon)
     assert "drop the 'gluon' flag" in str(info.value)
@@ -657,13 +602,66 @@ def test_gluon_kernel_is_refused_where_it_cannot_run(monkeypatch):
         assert entry.gluon
 
 
-def test_gluon_kernel_needs_a_triton_release_it_was_written_for():
-    from mla_ops.kernels.attention import gluon_triton_reason
+def test_gluon_kernel_runs_on_the_triton_releases_it_is_adapted_to():
+    """The Hopper kernel runs with the supported releases (pyproject.toml's range); with any other it is
+    neither chosen nor accepted, with a reason that names the installed release."""
+    from mla_ops.kernels.triton_compat import SUPPORTED_RELEASES, gluon_triton_reason
 
-    assert gluon_triton_reason("3.6.0") is None
-    assert gluon_triton_reason("3.6.1+git123") is None
-    reason = gluon_triton_reason("3.9.0")
-    assert reason == "it is written for the Gluon of Triton 3.6, whose API later releases changed (installed: 3.9.0)"
+    assert SUPPORTED_RELEASES == ("3.6", "3.7", "3.8", "3.9")
+    for version in ("3.6.0", "3.7.1", "3.8.0", "3.9.0", "3.8.1+git123"):
+        assert gluon_triton_reason(version) is None
+    for version in ("3.5.1", "3.10.0"):
+        reason = gluon_triton_reason(version)
+        assert reason is not None and f"(installed: {version})" in reason and "3.6, 3.7, 3.8, 3.9" in reason
+
+
+def test_supported_triton_releases_match_pyproject():
+    """pyproject.toml's triton requirements admit exactly the releases the kernels are adapted to."""
+    import re
+    from pathlib import Path
+
+    from mla_ops.kernels.triton_compat import SUPPORTED_RELEASES
+
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    first, last = SUPPORTED_RELEASES[0], SUPPORTED_RELEASES[-1]
+    upper = f"{last.split('.')[0]}.{int(last.split('.')[1]) + 1}"
+    requirements = re.findall(r'"(triton[^"]*)"', text)
+    assert requirements and set(requirements) == {f"triton>={first},<{upper}"}
+
+
+def test_gluon_names_resolve_under_the_installed_triton():
+    """The adapters give a Gluon builtin under this release's name (Triton 3.6: the old names; 3.7 on: the new)."""
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
+    from mla_ops.kernels import triton_compat
+
+    for adapter, names in ((triton_compat.tma_load, ("async_load", "async_copy_global_to_shared")),
+                           (triton_compat.thread_barrier, ("barrier", "thread_barrier"))):  # fmt: skip
+        function = adapter()
+        assert function.__name__ in names and getattr(function, "__triton_builtin__", False)
+
+
+def test_compile_sm90_compiles_the_tabled_variants_under_the_installed_triton():
+    """benchmarks/compile_sm90.py (no GPU needed) compiles every variant the SM90 tables launch for sm_90a with
+    this Triton: no compile error, no serialised wgmma, the Gluon kernel warp-specialised. Spills are
+    reported, not failed (``--allow-spills``): with Triton 3.8 and 3.9 ptxas spills a few words per work
+    item in the Gluon kernel. benchmarks/compile_matrix.sh runs it, spills failing, under each release."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = root / "benchmarks" / "compile_sm90.py"
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))  # this checkout's kernels
+    proc = subprocess.run(
+        [sys.executable, str(script), "--allow-spills"], capture_output=True, text=True, env=env, timeout=600
+    )
+    if proc.returncode == 2 and "needs Triton with its NVIDIA backend and ptxas" in proc.stderr:
+        pytest.skip(f"this Triton cannot compile for sm_90a here: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    tabled = {(str(c), k[2]) for t in (configs.SM90_ATTENTION, configs.SM90_LARGE_BATCH_ATTENTION)
+              for k, c in t.items() if k[:2] == (192, 128)}  # fmt: skip
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert f"sm_90a: {len(tabled)} of {len(tabled)} variants compiled" in summary, summary
+    assert "0 serialise wgmma; 0 failed (spills allowed)" in summary, summary
 
 
 def test_program_layout():
@@ -697,9 +695,9 @@ def test_gluon_kernel_scope():
 
 
 def test_gluon_launch_arguments_on_host_stand_ins():
-    """``sm90_launch`` on CPU stand-ins: one program per work item, or (persistent) one per multiprocessor
-    with a zeroed item counter, each followed by the padding programs; the TMA blocks' shared-memory
-    layouts are built once, not per launch."""
+    """``sm90_launch`` on CPU stand-ins: one program per multiprocessor, at most one per work item, with a
+    zeroed item counter, followed by the padding programs; the TMA blocks' shared-memory layouts are built
+    once, not per launch."""
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
     from triton.experimental.gluon import language as gl
 
@@ -710,17 +708,17 @@ def test_gluon_launch_arguments_on_host_stand_ins():
     out, lse = torch.empty(300, 4, 128, dtype=torch.bfloat16), torch.empty(4, 300)
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
 
-    def launch(**kwargs):
-        return attention_sm90.sm90_launch(q, k, v, out, lse, cu, cu, 200, 200, 0.1, True, 128, 2, True, **kwargs)
+    def launch(num_sms):
+        return attention_sm90.sm90_launch(q, k, v, out, lse, cu, cu, 200, 200, 0.1, True, 128, 2, num_sms=num_sms)
 
     slots, _, pad = program_layout(300, 4, 2, 200, 200, 320 * 2, attention_sm90.BLOCK_M)
-    (grid,), args, _ = launch()
-    (grid_p,), args_p, _ = launch(persistent=True, num_sms=3)
+    (grid,), args, _ = launch(num_sms=1000)
+    (grid_p,), args_p, _ = launch(num_sms=3)
     counter, num_workers = 9, 22  # positions in the kernel's arguments
-    assert (grid, args[num_workers]) == (4 * slots + pad, 4 * slots)
-    assert args[counter] is cu  # not read without persistent programs
+    assert (grid, args[num_workers]) == (4 * slots + pad, 4 * slots)  # fewer work items than multiprocessors
     assert (grid_p, args_p[num_workers]) == (3 + pad, 3)
-    assert args_p[counter].dtype == torch.int32 and args_p[counter].tolist() == [0]
+    for launched in (args, args_p):
+        assert launched[counter].dtype == torch.int32 and launched[counter].tolist() == [0]
     assert args_p[0].layout is args[0].layout and args[0].layout is not args[2].layout
     assert args[0].layout == gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)  # Q's 128 channels
 
@@ -752,17 +750,20 @@ def test_backend_dimension_reasons():
 
 
 def test_backend_describes_the_hopper_kernel_where_it_applies(monkeypatch):
-    """``info`` names the Gluon kernel for Hopper, the dims its table lists and the Triton releases it is
-    written for, not elsewhere."""
+    """``info`` names the kernel that runs large batches: the Gluon one on Hopper, for the dims its table lists,
+    with the Triton releases it is adapted to; with another release the ``tl.dot`` kernel, and why."""
     from mla_ops.backends import triton as triton_backend
 
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
     describe = TritonBackend().describe
     deepseek = SelectorConfig(torch.bfloat16, DEEPSEEK_V3)
-    monkeypatch.setattr(triton_backend, "_triton_version", lambda: "3.9.0")
-    assert "Gluon" not in describe(DeviceCapability(9, 0), deepseek)
-    monkeypatch.setattr(triton_backend, "_triton_version", lambda: "3.6.0")
-    assert "the Hopper kernel written in Gluon" in describe(DeviceCapability(9, 0), deepseek)
+    monkeypatch.setattr(triton_backend, "_triton_version", lambda: "3.10.0")
+    text = describe(DeviceCapability(9, 0), deepseek)
+    assert "large batches: this kernel too, not the Hopper kernel written in Gluon:" in text
+    assert "(installed: 3.10.0)" in text
+    for version in ("3.6.0", "3.8.0", "3.9.0"):
+        monkeypatch.setattr(triton_backend, "_triton_version", lambda version=version: version)
+        assert "large batches: the Hopper kernel written in Gluon" in describe(DeviceCapability(9, 0), deepseek)
     assert "Gluon" not in describe(DeviceCapability(10, 0), deepseek)
     assert "Gluon" not in describe(DeviceCapability(9, 0), SelectorConfig(torch.float16, MLADimensions(64, 0, 64)))
     assert "Gluon" not in describe(None, deepseek)
@@ -916,12 +917,11 @@ def test_cached_launch_skips_the_jit_after_the_first_launch(monkeypatch):
     _, compiled_key, args = calls[1]
     assert compiled_key == 1  # the variant compiled by the first launch
     assert args == (5, 1, 1, "stream0", "function", "metadata", None, None, None, "y", 8, 16, 64, 1)
-    # A launch that names its layout can be repeated with new leading arguments only.
-    assert not launcher.relaunch(("layout-1",), cuda0, ("u",))  # nothing remembered yet: nothing launched
-    launcher(("variant-a",), cuda0, (6, 3), ("v", 9, 16), constexprs, num_warps=4, layout=("layout-1",), leading=1)
-    assert launcher.relaunch(("layout-1",), cuda0, ("u",))
-    assert not launcher.relaunch(("layout-1",), torch.device("cuda", 1), ("t",))  # not the current device
-    assert [c[0] for c in calls[4:]] == ["direct", "direct"]
+    # The FixedLaunch a direct launch returns repeats it with new leading arguments only.
+    assert launcher(("variant-a",), torch.device("cuda", 1), (6,), ("t", 9, 16), constexprs, num_warps=4) is None
+    fixed = launcher(("variant-a",), cuda0, (6, 3), ("v", 9, 16), constexprs, num_warps=4, leading=1)
+    fixed(("u",))
+    assert [c[0] for c in calls[4:]] == ["jit", "direct", "direct"]
     assert calls[-1][2] == (6, 3, 1, "stream0", "function", "metadata", None, None, None, "u", 9, 16, 64, 1)
     # Triton's hooks are passed, with launch metadata, only when one is installed.
     chain = launch._hooks
@@ -1023,18 +1023,10 @@ def test_native_launch_describes_the_parameters_triton_passes(monkeypatch):
     assert fixed.native_launch((5, 2)) is None
 
 
-def test_native_tensor_codes_follow_the_pointer_addresses():
-    """The codes the native launch fills the leading pointers by (q, k, v, out, lse, cu_q, cu_k = 0..6) are
-    _pointer_addresses's order."""
-    from mla_ops.kernels import attention
-
-    assert attention._pointer_addresses(0, 1, 2, 3, 4, 5, 6) == attention.NATIVE_TENSOR_CODES
-    assert len(attention.NATIVE_TENSOR_CODES) == attention._LEADING
-
-
 def test_relaunched_leading_arguments_are_the_plans():
-    """A remembered layout is relaunched with _pointer_addresses in place of the plan's leading arguments;
-    for a plan without descriptors they must be the addresses of the plan's tensors, in the same order."""
+    """A remembered layout is relaunched with the addresses of (q, k, v, out, lse, cu_q, cu_k) in place of the
+    plan's leading arguments, which must be those tensors in that order; the native launch codes them so
+    (0..6, ``TensorCode`` in the C++ launcher)."""
     from mla_ops.kernels import attention
 
     batch = make_batch([5, 0, 17], HEADS, 192, 128, torch.bfloat16, strided_v=True, padding=2, seed=3)
@@ -1044,10 +1036,10 @@ def test_relaunched_leading_arguments_are_the_plans():
     plan = attention.launch_plan(
         batch.q, batch.k, batch.v, out, lse, cu, cu, 17, 17, 0.1, True, AttentionConfig(64, 32, 4, 2)
     )
-    assert plan.descriptors == ()
     tensors = (batch.q, batch.k, batch.v, out, lse, cu, cu)
-    expected = attention._pointer_addresses(*(t.data_ptr() for t in tensors))
-    assert len(expected) == attention._LEADING
+    expected = tuple(t.data_ptr() for t in tensors)
+    assert len(expected) == attention._LEADING == len(attention.NATIVE_TENSOR_CODES)
+    assert attention.NATIVE_TENSOR_CODES == (0, 1, 2, 3, 4, 5, 6)
     assert len({t.data_ptr() for t in tensors}) == 6, "distinct addresses, so that a mix-up shows"
     assert [a.data_ptr() for a in plan.args[: attention._LEADING]] == list(expected)
     assert not any(isinstance(a, torch.Tensor) for a in plan.args[attention._LEADING :]), "only scalars follow"
@@ -1103,7 +1095,7 @@ def test_cached_launch_supplies_the_scratch_allocator(monkeypatch):
     def scenario():
         _allocation._allocator.set(callers_allocator)
         launcher = launch.CachedLaunch(Jit())
-        for variant, scratch_bytes in (("ws", 384), ("plain", 0)):
+        for variant, scratch_bytes in (("device-descriptors", 384), ("plain", 0)):
             for _ in range(2):  # the JIT launch compiles the variant, the second one is direct
                 launcher((variant,), cuda0, (3,), ("x",), {"BLOCK": 16}, scratch_bytes=scratch_bytes)
         assert _allocation._allocator.get() is callers_allocator
@@ -1115,25 +1107,3 @@ def test_cached_launch_supplies_the_scratch_allocator(monkeypatch):
         ("jit", launch._torch_scratch),  # not known yet to need none
         ("direct", callers_allocator),
     ]
-
-
-@interpreted
-def test_small_chunks_of_a_tma_table_config_load_through_pointers(monkeypatch):
-    """A table configuration that asks for TMA is launched through pointers below TMA_MIN_KEY_ROWS key
-    rows times heads (the descriptors' host cost would exceed what they save), through TMA above it, and
-    an explicit configuration always as given; the results are the same."""
-    from mla_ops.kernels import attention
-
-    tma = AttentionConfig(16, 16, 4, 1, use_tma=True)
-    plans = record_results(monkeypatch, attention, "launch_plan")
-    monkeypatch.setattr(attention, "_table_configs", {})
-    monkeypatch.setattr(attention, "attention_config", lambda *a: tma)
-    monkeypatch.setattr(attention, "TMA_MIN_KEY_ROWS", 40 * HEADS)
-    batch = make_batch([9, 0, 13], HEADS, 192, 128, torch.bfloat16, seed=21)
-    for keys, expected in (([4, 30, 5], ()), ([20, 0, 21], ("kv",))):
-        _, k, v = make_qkv(sum(keys), HEADS, 192, 128, torch.bfloat16, generator=torch.Generator().manual_seed(5))
-        cu_k = cu_seqlens_of(keys)
-        for config, descriptors in ((None, expected), (tma, ("kv",))):
-            out, lse = attention_triton(batch.q, k, v, batch.cu_seqlens, cu_k, 13, max(keys), 0.1, False, config=config)
-            assert plans[-1].descriptors == descriptors, (keys, config)
-            assert_attention_close(out, lse, batch.q, k, v, batch.cu_seqlens, cu_k, 0.1, False)

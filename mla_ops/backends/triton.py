@@ -13,7 +13,8 @@ import importlib.util
 
 import torch
 
-from ..kernels.configs import gluon_triton_reason, table_large_batch_config
+from ..kernels.configs import table_large_batch_config
+from ..kernels.triton_compat import gluon_triton_reason
 from ..specs import DeviceCapability, SelectorConfig
 from .base import PrefillBackend, VarlenCall
 
@@ -64,9 +65,16 @@ class TritonBackend(PrefillBackend):
             table_large_batch_config(tuple(capability), dims.qk_head_dim, dims.v_head_dim, causal, config.dtype)
             for causal in (True, False)
         )
-        gluon = version is not None and gluon_triton_reason(version) is None
-        if large and gluon and importlib.util.find_spec("triton.experimental.gluon"):
-            text += "; large batches: the Hopper kernel written in Gluon (TMA producer warp, two consumer warpgroups)"
+        if large and version is not None:
+            # Name the kernel that runs large batches here, and why the Gluon one does not where it does not.
+            reason = gluon_triton_reason(version)
+            if reason is None and not importlib.util.find_spec("triton.experimental.gluon"):
+                reason = f"Triton {version} has no Gluon (triton.experimental.gluon)"
+            if reason is None:
+                text += "; large batches: the Hopper kernel written in Gluon (TMA producer warp, two consumer "
+                text += "warpgroups)"
+            else:
+                text += f"; large batches: this kernel too, not the Hopper kernel written in Gluon: {reason}"
         return text
 
     def attention(self, call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +94,7 @@ class TritonBackend(PrefillBackend):
         compilations serve every later batch.
         """
         from ..kernels.attention import attention_triton, gluon_unsupported_reason
-        from ..kernels.configs import attention_config, large_batch_attention_config
+        from ..kernels.configs import large_batch_attention_config
         from ..kernels.merge import merge_attn_states_triton
 
         device = torch.device(device)
@@ -106,16 +114,12 @@ class TritonBackend(PrefillBackend):
         cu_k = torch.tensor([0, 4, 4, 4], dtype=torch.int32, device=device)  # one empty chunk slice
         q, k = rand(20, num_heads, dqk), rand(20, num_heads, dqk)  # 12 padding rows
         kv = rand(20, num_heads, dqk + dv)
-        # Table configurations that load through TMA descriptors do so only for large batches (see
-        # TMA_MIN_KEY_ROWS), which these tiny ones are not, and large batches may take a configuration of
-        # their own (the Gluon kernel on SM90): compile those variants too, passing each configuration
+        # Large batches (at least TMA_MIN_KEY_ROWS key rows times heads), which these tiny ones are not, may
+        # take a configuration of their own (the Gluon kernel on SM90): compile it too, passing it
         # explicitly, for token counts that are and are not multiples of 16 (Triton specialises a
         # descriptor's row count on that).
         large_configs = []
         for causal in (True, False):
-            table = attention_config(device, dqk, dv, causal, config.dtype)
-            if table.use_tma or table.qo_tma:
-                large_configs.append((causal, table))
             large = large_batch_attention_config(device, dqk, dv, causal, config.dtype)
             if large is not None and gluon_unsupported_reason(q, k, kv[..., dqk:], scale, large) is None:
                 large_configs.append((causal, large))

@@ -2,7 +2,7 @@
 
 A TMA producer warp and two consumer warpgroups per program, optionally overlapping each tile's softmax with
 the previous tile's P @ V (``ovl``) and in persistent programs (``pers``), with the same contract and program
-numbering as :mod:`mla_ops.kernels.attention`. :func:`sm90_unsupported_reason` says which inputs it does not
+numbering as :mod:`mla_ops.kernels.attention_kernel`. :func:`sm90_unsupported_reason` says which inputs it does not
 cover. Design: docs/design/triton-kernels.md (The Gluon kernel).
 """
 
@@ -20,6 +20,7 @@ from ..runtime.alloc import empty
 from .configs import head_dim_split
 from .launch import TorchScratch
 from .programs import program_layout
+from .triton_compat import thread_barrier, tma_load
 
 __all__ = ["attention_sm90", "sm90_launch", "sm90_shared_memory", "sm90_unsupported_reason"]
 
@@ -29,15 +30,21 @@ BLOCK_M = 2 * _HALF.value
 _LN2 = gl.constexpr(0.6931471805599453)
 _LOG2E = 1.4426950408889634
 #: Registers per thread of the consumer warpgroups and of the producer warp (``setmaxnreg``); the
-#: kernel's ``maxnreg`` (168) times its 12 warps is the register file, which these split as
-#: FlashAttention-3 does: 240 for each consumer and 24 for the producer (whose warpgroup holds it four
-#: times). Persistent programs give the producer 40 and the consumers 232: it decodes every work item
-#: itself, which spills in 24, and the consumers still compile without spills (``benchmarks/compile_sm90.py``).
+#: kernel's ``maxnreg`` (168) times its 12 warps is the register file. FlashAttention-3 splits it 240 for
+#: each consumer and 24 for the producer (whose warpgroup holds it four times); here the producer decodes
+#: every work item itself, which spills in 24, so it gets 40 and the consumers 232, which still compile
+#: without spills (``benchmarks/compile_sm90.py``).
 _MAXNREG = 168
-_REGS = {False: (240, 24), True: (232, 40)}
+_CONSUMER_REGS = gl.constexpr(232)
+_PRODUCER_REGS = gl.constexpr(40)
 #: Shared memory one block may use on SM90 (227 KiB): the Q tiles, the K/V ring and the mbarriers.
 _SM90_SHARED_BYTES = 227 * 1024
 _PAD_FILL = gl.constexpr(1024)
+
+#: Gluon's TMA copy into shared memory, under this release's name (mla_ops.kernels.triton_compat).
+_tma_load = tma_load()
+#: Gluon's barrier of a program's threads, under this release's name.
+_thread_barrier = thread_barrier()
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -62,7 +69,7 @@ def _put_item(item_smem, w):
     producer next arrives on the Q barrier (an mbarrier arrive releases the warp's earlier writes)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     item_smem.store(gl.full([1], w, gl.int32, layout))
-    gl.thread_barrier()  # the lane that arrives next must come after every lane's store
+    _thread_barrier()  # the lane that arrives next must come after every lane's store
 
 
 @gluon.jit
@@ -79,7 +86,7 @@ def _work_item(w, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, he
     head ``h``, the query rows ``m0`` on of the sequence at ``q_start`` (``len_q`` rows), its keys
     (``len_k`` rows from ``k_start``) and its ``num_tiles`` key tiles; ``real`` is false for the slots no
     block fills."""
-    # Item -> (head, slot): heads grouped for L2, slots in order, heads fastest (as attention.py).
+    # Item -> (head, slot): heads grouped for L2, slots in order, heads fastest (as attention_kernel.py).
     group_size = heads_per_group * num_slots
     group = w // group_size
     r = w - group * group_size
@@ -112,8 +119,8 @@ def _load_keys(ka_desc, kb_desc, k_smem_a, k_smem_b, k_ready, k_empty, g, row, c
     # A fresh mbarrier counts as having completed the phase before phase 0: the first round passes.
     mbarrier.wait(k_empty.index(stage), ((g // STAGES) & 1) ^ 1)
     mbarrier.expect(k_ready.index(stage), ka_desc.block_type.nbytes + kb_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(ka_desc, [row, col_k], k_ready.index(stage), k_smem_a.index(stage))
-    tma.async_copy_global_to_shared(kb_desc, [row, col_k + D_A], k_ready.index(stage), k_smem_b.index(stage))
+    _tma_load(ka_desc, [row, col_k], k_ready.index(stage), k_smem_a.index(stage))
+    _tma_load(kb_desc, [row, col_k + D_A], k_ready.index(stage), k_smem_b.index(stage))
 
 
 @gluon.jit
@@ -125,14 +132,14 @@ def _load_values(v_desc, v_smem, v_ready, v_empty, g, row):
     stage = g % STAGES
     mbarrier.wait(v_empty.index(stage), ((g // STAGES) & 1) ^ 1)
     mbarrier.expect(v_ready.index(stage), BN * D_V * 2)  # 16-bit values
-    tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(stage), v_smem.index(stage))
+    _tma_load(v_desc, [row, 0], v_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit
 def _produce_item(
     qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty,
     k_ready, k_empty, v_ready, v_empty, item_smem, w, t, n, h, q_row, k_start, len_k, num_tiles, stride_qh,
-    stride_kh, stride_vt, stride_vh, V_LAYOUT: gl.constexpr, PERSISTENT: gl.constexpr,
+    stride_kh, stride_vt, stride_vh, V_LAYOUT: gl.constexpr,
 ):  # fmt: skip
     """One work item's loads, the program's ``n``-th (``w``), its tiles ``t`` onwards of the rings: Q, then
     every key tile's K (both parts) and V, each into its own ring."""
@@ -143,24 +150,22 @@ def _produce_item(
     col_k = h * stride_kh
     if num_tiles > 0:  # the first keys before Q, which waits for the previous item's last scores
         _load_keys(ka_desc, kb_desc, k_smem_a, k_smem_b, k_ready, k_empty, t, k_start, col_k)
-    if PERSISTENT:
-        mbarrier.wait(q_empty, (n & 1) ^ 1)
-        _put_item(item_smem, w)
+    mbarrier.wait(q_empty, (n & 1) ^ 1)
+    _put_item(item_smem, w)
     mbarrier.expect(q_bar, 2 * (qa_desc.block_type.nbytes + qb_desc.block_type.nbytes))
     col_q = h * stride_qh
     for c in gl.static_range(2):
-        tma.async_copy_global_to_shared(qa_desc, [q_row + c * _HALF, col_q], q_bar, q_smem_a.index(c))
-        tma.async_copy_global_to_shared(qb_desc, [q_row + c * _HALF, col_q + D_A], q_bar, q_smem_b.index(c))
+        _tma_load(qa_desc, [q_row + c * _HALF, col_q], q_bar, q_smem_a.index(c))
+        _tma_load(qb_desc, [q_row + c * _HALF, col_q + D_A], q_bar, q_smem_b.index(c))
     if num_tiles > 0:
-        if PERSISTENT:
-            # The previous items' value loads go through the descriptor written below: let them land
-            # first. The last STAGES loads are the only ones that can be in flight (each earlier one was
-            # waited for before its buffer was loaded again), and no load came after them, so their ready
-            # barriers are still in those phases.
-            for s in gl.static_range(STAGES):
-                g = t - 1 - s
-                if g >= 0:
-                    mbarrier.wait(v_ready.index(g % STAGES), (g // STAGES) & 1)
+        # The previous items' value loads go through the descriptor written below: let them land first.
+        # The last STAGES loads are the only ones that can be in flight (each earlier one was waited for
+        # before its buffer was loaded again), and no load came after them, so their ready barriers are
+        # still in those phases.
+        for s in gl.static_range(STAGES):
+            g = t - 1 - s
+            if g >= 0:
+                mbarrier.wait(v_ready.index(g % STAGES), (g // STAGES) & 1)
         # Values through a descriptor over this sequence's and head's rows only: rows past them read as
         # 0, never as a neighbour's NaN.
         v_desc = tma.make_tensor_descriptor(
@@ -179,45 +184,37 @@ def _produce_item(
 def _producer(
     qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty,
     k_ready, k_empty, v_ready, v_empty, item_smem, Counter, cu_seqlens_q, cu_seqlens_k, stride_qh, stride_kh,
-    stride_vt, stride_vh, num_seqs, num_heads, num_slots, heads_per_group, worker, num_workers, h, q_row,
-    k_start, len_k, num_tiles, V_LAYOUT: gl.constexpr, CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr,
+    stride_vt, stride_vh, num_seqs, num_heads, num_slots, heads_per_group, worker, num_workers,
+    V_LAYOUT: gl.constexpr, CAUSAL: gl.constexpr,
 ):  # fmt: skip
-    """The producer warp: the program's one work item (decoded by the kernel: ``h`` ... ``num_tiles``) or,
-    ``PERSISTENT``, every item it takes: ``worker`` first, then the next one not yet taken by any program
-    (``Counter``, zero at launch, counts those taken), until none is left. It hands each item's number to
-    the consumers with the item's Q and ends with ``-1``. Tiles are counted over all the items (``t``), so
-    the rings' phases run on from one item to the next and an item's first tiles load while the previous
-    one is finishing."""
-    if PERSISTENT:
-        BN: gl.constexpr = ka_desc.block_type.shape[0]
-        num_items = num_heads * num_slots
-        t = worker * 0  # tiles loaded so far
-        n = worker * 0  # items loaded so far
-        w = worker
-        while w < num_items:
-            real, h, q_start, _len_q, k_start, len_k, m0, num_tiles = _work_item(
-                w, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group, CAUSAL, BN, 1
-            )
-            if real:
-                _produce_item(
-                    qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar,
-                    q_empty, k_ready, k_empty, v_ready, v_empty, item_smem, w, t, n, h, q_start + m0, k_start,
-                    len_k, num_tiles, stride_qh, stride_kh, stride_vt, stride_vh, V_LAYOUT, PERSISTENT,
-                )  # fmt: skip
-                t += num_tiles
-                n += 1
-            # Items are taken in order, as the hardware would start programs of their own: the costly
-            # causal blocks first, and whoever is free takes the next.
-            w = num_workers + gl.atomic_add(Counter, 1)
-        mbarrier.wait(q_empty, (n & 1) ^ 1)
-        _put_item(item_smem, -1)
-        mbarrier.arrive(q_bar, count=1)  # no transfer: the phase completes on the arrival alone
-    else:
-        _produce_item(
-            qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty,
-            k_ready, k_empty, v_ready, v_empty, item_smem, worker, 0, 0, h, q_row, k_start, len_k, num_tiles,
-            stride_qh, stride_kh, stride_vt, stride_vh, V_LAYOUT, PERSISTENT,
-        )  # fmt: skip
+    """The producer warp: every work item its program takes, ``worker`` first, then the next one not yet
+    taken by any program (``Counter``, zero at launch, counts those taken), until none is left. It hands
+    each item's number to the consumers with the item's Q and ends with ``-1``. Tiles are counted over all
+    the items (``t``), so the rings' phases run on from one item to the next and an item's first tiles load
+    while the previous one is finishing."""
+    BN: gl.constexpr = ka_desc.block_type.shape[0]
+    num_items = num_heads * num_slots
+    t = worker * 0  # tiles loaded so far
+    n = worker * 0  # items loaded so far
+    w = worker
+    while w < num_items:
+        real, h, q_start, _len_q, k_start, len_k, m0, num_tiles = _work_item(
+            w, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group, CAUSAL, BN, 1
+        )
+        if real:
+            _produce_item(
+                qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar,
+                q_empty, k_ready, k_empty, v_ready, v_empty, item_smem, w, t, n, h, q_start + m0, k_start,
+                len_k, num_tiles, stride_qh, stride_kh, stride_vt, stride_vh, V_LAYOUT,
+            )  # fmt: skip
+            t += num_tiles
+            n += 1
+        # Items are taken in order, as the hardware would start programs of their own: the costly
+        # causal blocks first, and whoever is free takes the next.
+        w = num_workers + gl.atomic_add(Counter, 1)
+    mbarrier.wait(q_empty, (n & 1) ^ 1)
+    _put_item(item_smem, -1)
+    mbarrier.arrive(q_bar, count=1)  # no transfer: the phase completes on the arrival alone
 
 
 @gluon.jit
@@ -269,44 +266,10 @@ def _operand(p, dtype: gl.constexpr, o_layout: gl.constexpr):
 
 
 @gluon.jit
-def _wait_turn(turns, g, WG: gl.constexpr):
-    """Ping-pong: wait until the other warpgroup has issued its products of tile ``g - 1`` (``WG == 1``:
-    of tile ``g``), tiles counted over the program's work items. Warpgroup 0 passes its first turn on the
-    fresh barrier (phase -1 counts as done)."""
-    mbarrier.wait(turns.index(WG), (g & 1) ^ (1 - WG))
-
-
-@gluon.jit
-def _serial_step(
-    i, t0, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty, s_init, m_i, l_i, acc, keys0,
-    len_k, q_pos, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr,
-):  # fmt: skip
-    """Tile ``i`` of the item (``t0 + i`` of the rings) one product at a time: its scores, its softmax, then
-    its ``P @ V``; returns ``(m, l, O)``."""
-    BN: gl.constexpr = k_smem_a.type.shape[1]
-    STAGES: gl.constexpr = k_smem_a.type.shape[0]
-    g = t0 + i
-    stage = g % STAGES
-    phase = (g // STAGES) & 1
-    mbarrier.wait(k_ready.index(stage), phase)
-    s = warpgroup_mma_wait(0, deps=(_issue_scores(q_a, q_b, k_smem_a.index(stage), k_smem_b.index(stage), s_init),))
-    mbarrier.arrive(k_empty.index(stage), count=1)
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, keys0 + i * BN, len_k, q_pos, qk_scale, MASKED, CAUSAL, SCALE_NONNEG)
-    acc = _rescale(acc, alpha)
-    mbarrier.wait(v_ready.index(stage), phase)
-    o_layout: gl.constexpr = acc.type.layout
-    acc = warpgroup_mma(_operand(p, v_smem.dtype, o_layout), v_smem.index(stage), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(v_empty.index(stage), count=1)
-    return m_i, l_i, acc
-
-
-@gluon.jit
 def _step(
-    i, t0, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty, turns, s_init,
+    i, t0, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty, s_init,
     p, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale,
-    WG: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr,
-    PINGPONG: gl.constexpr,
+    MASKED: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr,
 ):  # fmt: skip
     """Tile ``i`` of the item (``t0 + i`` of the rings) with the previous tile's ``P @ V`` in flight
     (FlashAttention-3's intra-warpgroup overlap): issue ``S_i = Q K_i^T`` and ``O += P_{i-1} V_{i-1}``, wait
@@ -319,12 +282,8 @@ def _step(
     prev = (g - 1) % STAGES
     mbarrier.wait(k_ready.index(stage), (g // STAGES) & 1)
     mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
-    if PINGPONG:
-        _wait_turn(turns, g, WG)
     s_tok = _issue_scores(q_a, q_b, k_smem_a.index(stage), k_smem_b.index(stage), s_init)
     acc_tok = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turns.index(1 - WG), count=1)
     s = warpgroup_mma_wait(1, deps=(s_tok,))  # products retire in order: both parts of S_i are done
     mbarrier.arrive(k_empty.index(stage), count=1)
     p_i, alpha, m_i, l_i = _softmax(s, m_i, l_i, keys0 + i * BN, len_k, q_pos, qk_scale, MASKED, CAUSAL, SCALE_NONNEG)
@@ -337,10 +296,9 @@ def _step(
 
 @gluon.jit
 def _consume_item(
-    q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turns, Out,
+    q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, Out,
     Lse, t0, n, h, q_start, len_q, len_k, m0, num_tiles, stride_ot, stride_oh, stride_lse_h, qk_scale,
-    WG: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr, OVERLAP: gl.constexpr,
-    PINGPONG: gl.constexpr,
+    WG: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroup ``WG`` on one work item, the program's ``n``-th with a Q, whose tiles are
     ``t0`` onwards of the rings: query rows ``m0 + 64 * WG`` onwards, over every tile of the item."""
@@ -372,55 +330,37 @@ def _consume_item(
     acc = gl.zeros([_HALF, D_V], gl.float32, o_layout)
     s_init = gl.zeros([_HALF, BN], gl.float32, s_layout)
     mbarrier.wait(q_bar, n & 1)
-    if OVERLAP:
-        p = _operand(s_init, v_smem.dtype, o_layout)
-        if mine > 0:  # the first tile alone: its scores and softmax, no product in flight yet
-            s0 = t0 % STAGES
-            mbarrier.wait(k_ready.index(s0), (t0 // STAGES) & 1)
-            if PINGPONG:
-                _wait_turn(turns, t0, WG)
-            s_tok = _issue_scores(q_a, q_b, k_smem_a.index(s0), k_smem_b.index(s0), s_init)
-            if PINGPONG:
-                mbarrier.arrive(turns.index(1 - WG), count=1)
-            s = warpgroup_mma_wait(0, deps=(s_tok,))
-            mbarrier.arrive(k_empty.index(s0), count=1)
-            # The output is still zero: nothing to rescale.
-            p0, _, m_i, l_i = _softmax(s, m_i, l_i, keys0, len_k, q_pos, qk_scale, True, CAUSAL, SCALE_NONNEG)
-            p = _operand(p0, v_smem.dtype, o_layout)
-        for i in range(1, full):  # tiles every row of this warpgroup sees whole: no mask
-            p, m_i, l_i, acc = _step(
-                i, t0, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty, turns, s_init,
-                p, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale, WG, False, CAUSAL, SCALE_NONNEG, PINGPONG,
-            )  # fmt: skip
-        for i in range(gl.maximum(full, 1), mine):  # tiles with the causal diagonal or the sequence's end
-            p, m_i, l_i, acc = _step(
-                i, t0, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty, turns, s_init,
-                p, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale, WG, True, CAUSAL, SCALE_NONNEG, PINGPONG,
-            )  # fmt: skip
-        # Every score of the item is in: the producer may load the next item's Q under what is left.
-        mbarrier.arrive(q_empty, count=1)
-        if mine > 0:  # the last tile's P @ V
-            last = t0 + mine - 1
-            mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-            acc_tok = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
-            acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
-            mbarrier.arrive(v_empty.index(last % STAGES), count=1)
-    else:
-        for i in range(0, full):  # tiles every row of this warpgroup sees whole: no mask
-            m_i, l_i, acc = _serial_step(i, t0, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready,
-                                         v_empty, s_init, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale, False, CAUSAL,
-                                         SCALE_NONNEG)  # fmt: skip
-        for i in range(full, mine):  # tiles with the causal diagonal or the sequence's end
-            m_i, l_i, acc = _serial_step(i, t0, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready,
-                                         v_empty, s_init, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale, True, CAUSAL,
-                                         SCALE_NONNEG)  # fmt: skip
-        mbarrier.arrive(q_empty, count=1)
+    p = _operand(s_init, v_smem.dtype, o_layout)
+    if mine > 0:  # the first tile alone: its scores and softmax, no product in flight yet
+        s0 = t0 % STAGES
+        mbarrier.wait(k_ready.index(s0), (t0 // STAGES) & 1)
+        s_tok = _issue_scores(q_a, q_b, k_smem_a.index(s0), k_smem_b.index(s0), s_init)
+        s = warpgroup_mma_wait(0, deps=(s_tok,))
+        mbarrier.arrive(k_empty.index(s0), count=1)
+        # The output is still zero: nothing to rescale.
+        p0, _, m_i, l_i = _softmax(s, m_i, l_i, keys0, len_k, q_pos, qk_scale, True, CAUSAL, SCALE_NONNEG)
+        p = _operand(p0, v_smem.dtype, o_layout)
+    for i in range(1, full):  # tiles every row of this warpgroup sees whole: no mask
+        p, m_i, l_i, acc = _step(
+            i, t0, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty, s_init,
+            p, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale, False, CAUSAL, SCALE_NONNEG,
+        )  # fmt: skip
+    for i in range(gl.maximum(full, 1), mine):  # tiles with the causal diagonal or the sequence's end
+        p, m_i, l_i, acc = _step(
+            i, t0, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty, s_init,
+            p, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale, True, CAUSAL, SCALE_NONNEG,
+        )  # fmt: skip
+    # Every score of the item is in: the producer may load the next item's Q under what is left.
+    mbarrier.arrive(q_empty, count=1)
+    if mine > 0:  # the last tile's P @ V
+        last = t0 + mine - 1
+        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        acc_tok = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
+        acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
+        mbarrier.arrive(v_empty.index(last % STAGES), count=1)
     for i in range(mine, num_tiles):  # tiles only the other warpgroup's rows see: hand them back
         g = t0 + i
         stage = g % STAGES
-        if PINGPONG:  # and keep taking turns, one per tile, so that the other is never left waiting
-            _wait_turn(turns, g, WG)
-            mbarrier.arrive(turns.index(1 - WG), count=1)
         mbarrier.wait(k_ready.index(stage), (g // STAGES) & 1)
         mbarrier.arrive(k_empty.index(stage), count=1)
         mbarrier.wait(v_ready.index(stage), (g // STAGES) & 1)
@@ -440,39 +380,30 @@ def _consume_item(
 
 @gluon.jit
 def _consumer(
-    q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turns,
-    item_smem, Out, Lse, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group, h, q_start,
-    len_q, len_k, m0, num_tiles, stride_ot, stride_oh, stride_lse_h, qk_scale, WG: gl.constexpr,
-    CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr,
-    PERSISTENT: gl.constexpr,
+    q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+    item_smem, Out, Lse, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group, stride_ot,
+    stride_oh, stride_lse_h, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr,
 ):  # fmt: skip
-    """Consumer warpgroup ``WG`` on the program's one work item (``h`` ... ``num_tiles``) or, ``PERSISTENT``,
-    on each item the producer hands over, in its order, until it hands over ``-1``."""
-    if PERSISTENT:
-        BN: gl.constexpr = k_smem_a.type.shape[1]
-        t = num_seqs * 0  # tiles of the rings consumed so far
-        n = num_seqs * 0  # items so far
-        mbarrier.wait(q_bar, 0)
-        w = _get_item(item_smem)
-        while w >= 0:
-            _, h, q_start, len_q, _k_start, len_k, m0, num_tiles = _work_item(
-                w, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group, CAUSAL, BN, 4
-            )
-            _consume_item(
-                q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-                turns, Out, Lse, t, n, h, q_start, len_q, len_k, m0, num_tiles, stride_ot, stride_oh, stride_lse_h,
-                qk_scale, WG, CAUSAL, SCALE_NONNEG, OVERLAP, PINGPONG,
-            )  # fmt: skip
-            t += num_tiles
-            n += 1
-            mbarrier.wait(q_bar, n & 1)
-            w = _get_item(item_smem)
-    else:
+    """Consumer warpgroup ``WG`` on each work item the producer hands over, in its order, until it hands over
+    ``-1``."""
+    BN: gl.constexpr = k_smem_a.type.shape[1]
+    t = num_seqs * 0  # tiles of the rings consumed so far
+    n = num_seqs * 0  # items so far
+    mbarrier.wait(q_bar, 0)
+    w = _get_item(item_smem)
+    while w >= 0:
+        _, h, q_start, len_q, _k_start, len_k, m0, num_tiles = _work_item(
+            w, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group, CAUSAL, BN, 4
+        )
         _consume_item(
-            q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turns,
-            Out, Lse, 0, 0, h, q_start, len_q, len_k, m0, num_tiles, stride_ot, stride_oh, stride_lse_h, qk_scale, WG,
-            CAUSAL, SCALE_NONNEG, OVERLAP, PINGPONG,
+            q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+            Out, Lse, t, n, h, q_start, len_q, len_k, m0, num_tiles, stride_ot, stride_oh, stride_lse_h,
+            qk_scale, WG, CAUSAL, SCALE_NONNEG,
         )  # fmt: skip
+        t += num_tiles
+        n += 1
+        mbarrier.wait(q_bar, n & 1)
+        w = _get_item(item_smem)
 
 
 @gluon.jit
@@ -500,11 +431,8 @@ def _attn_fwd_sm90(
     stride_qh, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse_h,
     num_tokens_q, num_heads, num_seqs, num_slots, heads_per_group, num_workers, num_pad_programs, qk_scale,
     D_V: gl.constexpr, V_LAYOUT: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr,
-    STAGES: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, PERSISTENT: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr,
 ):  # fmt: skip
-    # Turns are taken once per tile in the overlapped loop; the serial one would leave the other waiting.
-    gl.static_assert(OVERLAP or not PINGPONG, "ping-pong needs the overlapped consumer loop")
     BN: gl.constexpr = ka_desc.block_type.shape[0]
     D_A: gl.constexpr = ka_desc.block_type.shape[1]
     D_B: gl.constexpr = kb_desc.block_type.shape[1]
@@ -513,55 +441,44 @@ def _attn_fwd_sm90(
         _fill_padding_lse(Lse, cu_seqlens_q, num_seqs, num_tokens_q, num_heads, stride_lse_h, pid - num_workers,
                           num_pad_programs)  # fmt: skip
     else:
-        # One item per program: decoded here, and a program whose slot no block fills ends before it takes
-        # shared memory. PERSISTENT: each partition decodes the items it is handed.
-        real, h, q_start, len_q, k_start, len_k, m0, num_tiles = _work_item(
-            pid, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group, CAUSAL, BN, num_warps
-        )
-        if real | PERSISTENT:
-            q_smem_a = gl.allocate_shared_memory(qa_desc.dtype, [2, _HALF, D_A], qa_desc.layout)
-            q_smem_b = gl.allocate_shared_memory(qb_desc.dtype, [2, _HALF, D_B], qb_desc.layout)
-            k_smem_a = gl.allocate_shared_memory(ka_desc.dtype, [STAGES, BN, D_A], ka_desc.layout)
-            k_smem_b = gl.allocate_shared_memory(kb_desc.dtype, [STAGES, BN, D_B], kb_desc.layout)
-            v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BN, D_V], V_LAYOUT)
-            item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-            q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            mbarrier.init(q_bar, count=1)
-            mbarrier.init(q_empty, count=2)  # both consumers are done with an item's Q
-            for i in gl.static_range(STAGES):
-                mbarrier.init(k_ready.index(i), count=1)
-                mbarrier.init(v_ready.index(i), count=1)
-                mbarrier.init(k_empty.index(i), count=2)  # both consumers hand each buffer back
-                mbarrier.init(v_empty.index(i), count=2)
-            for i in gl.static_range(2):
-                mbarrier.init(turns.index(i), count=1)  # warpgroup i's turn: the other one arrives
-            gl.warp_specialize(
-                [
-                    (_consumer, (q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready, k_empty,
-                                 v_ready, v_empty, turns, item_smem, Out, Lse, cu_seqlens_q, cu_seqlens_k, num_seqs,
-                                 num_heads, num_slots, heads_per_group, h, q_start, len_q, len_k, m0, num_tiles,
-                                 stride_ot, stride_oh, stride_lse_h, qk_scale, 0, CAUSAL, SCALE_NONNEG, OVERLAP,
-                                 PINGPONG, PERSISTENT)),
-                    (_consumer, (q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready, k_empty,
-                                 v_ready, v_empty, turns, item_smem, Out, Lse, cu_seqlens_q, cu_seqlens_k, num_seqs,
-                                 num_heads, num_slots, heads_per_group, h, q_start, len_q, len_k, m0, num_tiles,
-                                 stride_ot, stride_oh, stride_lse_h, qk_scale, 1, CAUSAL, SCALE_NONNEG, OVERLAP,
-                                 PINGPONG, PERSISTENT)),
-                    (_producer, (qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b,
-                                 v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, item_smem, Counter,
-                                 cu_seqlens_q, cu_seqlens_k, stride_qh, stride_kh, stride_vt, stride_vh, num_seqs,
-                                 num_heads, num_slots, heads_per_group, pid, num_workers, h, q_start + m0, k_start,
-                                 len_k, num_tiles, V_LAYOUT, CAUSAL, PERSISTENT)),
-                ],
-                [4, 1],
-                [CONSUMER_REGS, PRODUCER_REGS],
-            )  # fmt: skip
+        # Each partition decodes the work items the producer takes (_work_item).
+        q_smem_a = gl.allocate_shared_memory(qa_desc.dtype, [2, _HALF, D_A], qa_desc.layout)
+        q_smem_b = gl.allocate_shared_memory(qb_desc.dtype, [2, _HALF, D_B], qb_desc.layout)
+        k_smem_a = gl.allocate_shared_memory(ka_desc.dtype, [STAGES, BN, D_A], ka_desc.layout)
+        k_smem_b = gl.allocate_shared_memory(kb_desc.dtype, [STAGES, BN, D_B], kb_desc.layout)
+        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BN, D_V], V_LAYOUT)
+        item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        mbarrier.init(q_empty, count=2)  # both consumers are done with an item's Q
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # both consumers hand each buffer back
+            mbarrier.init(v_empty.index(i), count=2)
+        gl.warp_specialize(
+            [
+                (_consumer, (q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready, k_empty,
+                             v_ready, v_empty, item_smem, Out, Lse, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads,
+                             num_slots, heads_per_group, stride_ot, stride_oh, stride_lse_h, qk_scale, 0, CAUSAL,
+                             SCALE_NONNEG)),
+                (_consumer, (q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready, k_empty,
+                             v_ready, v_empty, item_smem, Out, Lse, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads,
+                             num_slots, heads_per_group, stride_ot, stride_oh, stride_lse_h, qk_scale, 1, CAUSAL,
+                             SCALE_NONNEG)),
+                (_producer, (qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem,
+                             q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, item_smem, Counter, cu_seqlens_q,
+                             cu_seqlens_k, stride_qh, stride_kh, stride_vt, stride_vh, num_seqs, num_heads, num_slots,
+                             heads_per_group, pid, num_workers, V_LAYOUT, CAUSAL)),
+            ],
+            [4, 1],
+            [_CONSUMER_REGS, _PRODUCER_REGS],
+        )  # fmt: skip
 
 
 # --- launcher -------------------------------------------------------------------------------------
@@ -570,7 +487,7 @@ def _attn_fwd_sm90(
 def sm90_shared_memory(dqk: int, dv: int, block_n: int, stages: int, elem_bytes: int = 2) -> int:
     """Bytes of shared memory one program takes: the block's Q and ``stages`` K/V buffers, plus the barriers
     and the work item's number."""
-    return elem_bytes * (BLOCK_M * dqk + stages * block_n * (dqk + dv)) + 8 * (4 + 4 * stages) + 16
+    return elem_bytes * (BLOCK_M * dqk + stages * block_n * (dqk + dv)) + 8 * (2 + 4 * stages) + 16
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -635,17 +552,14 @@ def sm90_launch(
     causal: bool,
     block_n: int,
     stages: int,
-    overlap: bool = False,
-    pingpong: bool = False,
-    persistent: bool = False,
     num_sms: int | None = None,
 ) -> tuple[tuple[int], tuple, dict]:
     """``(grid, args, options)`` of one launch of the kernel: ``_attn_fwd_sm90[grid](*args, **options)``.
 
-    ``persistent``: one program per multiprocessor (``num_sms``, by default q's device's count) takes work
-    items until none is left, instead of one program per item; the items are counted through a zeroed
-    int32 allocated here (a ``torch.zeros`` on q's device and current stream, so inside CUDA-graph capture
-    a memset node of the graph). The tensors may be CPU stand-ins with the GPU tensors' shapes, strides
+    One program per multiprocessor (``num_sms``, by default q's device's count), at most one per work
+    item, takes work items until none is left; the items are counted through a zeroed int32 allocated
+    here (a ``torch.zeros`` on q's device and current stream, so inside CUDA-graph capture a memset node
+    of the graph). The tensors may be CPU stand-ins with the GPU tensors' shapes, strides
     and alignment (for compiling ahead of time: ``benchmarks/compile_sm90.py``, which then gives
     ``num_sms``); ``args`` holds host descriptors over them.
     """
@@ -656,13 +570,9 @@ def sm90_launch(
     num_slots, heads_per_group, num_pad_programs = program_layout(
         num_tokens, num_heads, num_seqs, max_seqlen_q, max_seqlen_k, (dqk + dv) * q.element_size(), BLOCK_M
     )
-    num_items = num_heads * num_slots
-    num_workers = num_items
-    counter = cu_seqlens_q  # not read without persistent programs
-    if persistent:
-        # One program of 208 KiB of shared memory fits a multiprocessor: as many programs as those.
-        num_workers = min(num_items, num_sms or _multiprocessors(q.device.index))
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+    # One program of 208 KiB of shared memory fits a multiprocessor: as many programs as those.
+    num_workers = min(num_heads * num_slots, num_sms or _multiprocessors(q.device.index))
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     grid = (num_workers + num_pad_programs,)
     v_layout = _shared_layout(block_n, dv, v.dtype)
     args = (
@@ -671,8 +581,7 @@ def sm90_launch(
         q.stride(1), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0),
         num_tokens, num_heads, num_seqs, num_slots, heads_per_group, num_workers, num_pad_programs,
         float(softmax_scale) * _LOG2E,
-        dv, v_layout, bool(causal), softmax_scale >= 0, stages, bool(overlap), bool(pingpong), bool(persistent),
-        *_REGS[bool(persistent)],
+        dv, v_layout, bool(causal), softmax_scale >= 0, stages,
     )  # fmt: skip
     return grid, args, dict(num_warps=4, maxnreg=_MAXNREG)
 
@@ -692,9 +601,6 @@ def attention_sm90(
     *,
     block_n: int = 128,
     stages: int = 2,
-    overlap: bool = False,
-    pingpong: bool = False,
-    persistent: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged attention forward on Hopper; arguments and results as
     :func:`mla_ops.kernels.attention.attention_triton` (which calls this for the inputs and
@@ -703,9 +609,7 @@ def attention_sm90(
 
     ``out`` (``[Tq, H, Dv]`` contiguous, q's dtype) and ``lse`` (float32 ``[H, Tq]`` contiguous) are
     written if given, else allocated. ``block_n`` keys per tile and ``stages`` buffers in each of the K and
-    V rings; ``overlap`` runs each tile's softmax while the previous tile's ``P @ V`` is on the tensor
-    cores, and ``pingpong`` (with ``overlap`` only) has the two consumer warpgroups take turns issuing
-    their products, so that one's softmax runs under the other's.
+    V rings.
     Launched through Triton's own dispatch (host descriptors hold the tensors' addresses, so nothing of
     a launch can be reused), with the device-side descriptors' global scratch from PyTorch's allocator.
     """
@@ -718,7 +622,7 @@ def attention_sm90(
         return out, lse
     grid, args, options = sm90_launch(
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, block_n,
-        stages, overlap, pingpong, persistent,
+        stages,
     )  # fmt: skip
     with TorchScratch():
         _attn_fwd_sm90[grid](*args, **options)

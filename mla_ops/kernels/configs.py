@@ -1,8 +1,9 @@
 """Launch configurations of the Triton kernels, chosen from tables rather than autotuned.
 
 The tables (keyed on the device's architecture and ``(Dqk, Dv, causal, dtype)``), :class:`AttentionConfig`,
-the ``MLA_OPS_TRITON_CONFIG`` override and its flags, and the rules that refuse what cannot run. It does
-not import Triton, so the tables can be read (and tested) without it.
+the ``MLA_OPS_TRITON_CONFIG`` override and its flags (``ovl``; ``gluon,ovl,pers``: the variants the tables use;
+the flags of removed variants are refused with the reason, :data:`REMOVED_FLAGS`), and the rules that refuse
+what cannot run. It does not import Triton, so the tables can be read (and tested) without it.
 Design: docs/design/launch-configs.md.
 """
 
@@ -16,24 +17,26 @@ import torch
 
 #: Environment variable that overrides the attention launch configuration.
 CONFIG_ENV_VAR = "MLA_OPS_TRITON_CONFIG"
-#: Environment variable that lets the experimental ``ws`` variant launch on a GPU ("1").
-EXPERIMENTAL_WS_ENV_VAR = "MLA_OPS_TRITON_EXPERIMENTAL_WS"
+_FORMAT = "BLOCK_M,BLOCK_N,num_warps,num_stages[,ovl][,gluon,ovl,pers]"
 
-_FORMAT = "BLOCK_M,BLOCK_N,num_warps,num_stages[,tma][,qo][,ws][,lazy][,ovl][,gluon][,pp][,pers]"
+#: Named flags of the configuration text and the fields they set.
+_FLAGS = {"ovl": "overlap_softmax", "gluon": "gluon", "pers": "persistent"}
 
-#: Named flags of the configuration text and the fields they set (``0``/``ptr`` clear ``use_tma``).
-_FLAGS = {
-    "tma": "use_tma",
-    "1": "use_tma",
-    "qo": "qo_tma",
-    "ws": "warp_specialize",
-    "lazy": "lazy_rescale",
-    "ovl": "overlap_softmax",
-    "gluon": "gluon",
-    "pp": "pingpong",
-    "pers": "persistent",
+#: Flags of variants that were tuned on an H200 (torch 2.11, Triton 3.6, 2026-12-01 to 12-03) and that no
+#: table chose, so they left the kernels; each with what made it unneeded.
+REMOVED_FLAGS = {
+    "tma": "TMA descriptor loads of K and V in the tl.dot kernel; no table chose them (the pointer loads with "
+    "'ovl' were as fast, and on Hopper large batches run the Gluon kernel, which loads through TMA)",
+    "1": "the old spelling of 'tma', whose variant was removed",
+    "0": "the old spelling of pointer loads, which are now the only loads of the tl.dot kernel",
+    "ptr": "pointer loads are now the only loads of the tl.dot kernel",
+    "qo": "TMA loads of Q and stores of the output in the tl.dot kernel; no table chose them",
+    "ws": "Triton's automatic warp specialisation of the tl.dot key loop; its launches deadlocked on an H200 "
+    "with Triton 3.6.0, and the Gluon kernel states its partitions itself",
+    "lazy": "the lazy rescale of the tl.dot kernel (FlashAttention-4's); it did not beat the table",
+    "pp": "the Gluon kernel's ping-pong turns between its consumer warpgroups; no table chose them (persistent "
+    "programs without turns were faster on most tuning shapes)",
 }
-_CLEAR_FLAGS = ("0", "ptr")
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -50,68 +53,34 @@ class AttentionConfig:
         num_warps: warps per program (1, 2, 4, 8 or 16). On Hopper, 8 warps = two warpgroups,
             each owning 64 query rows of a 128-row block.
         num_stages: software-pipelining depth of the K/V loads (1 to 8).
-        use_tma: load K and V through TMA tensor descriptors (Hopper and newer, Triton with
-            ``triton.tools.tensor_descriptor``). Inputs a descriptor cannot describe fall back to
-            plain pointer loads.
-        qo_tma: load the Q block and store the output block through TMA descriptors too. Rows past
-            a sequence are zeroed after the load; a sequence's last, partial block stores through
-            masked pointers (a descriptor store cannot mask rows).
-        warp_specialize: run every key tile in one warp-specialised loop
-            (``tl.range(warp_specialize=True)``). On Hopper, Triton 3.6 splits it into a TMA producer
-            warp group and two consumer warp groups of ``num_warps`` warps, each owning half of the
-            query block, so it needs ``use_tma`` and ``qo_tma`` (it fails when a dot operand comes
-            from pointer loads) and ``num_warps=4`` (it ignores the request at any other count): 12
-            warps run per program. Every tile is masked (one compare per score) and the output is
-            stored through pointers; the kernel's docstring of ``_attend_tiles_ws`` says why. K and V
-            come through descriptors each program builds over its own sequence's and head's rows, so
-            rows outside the sequence read as zeros; Triton's launcher allocates them 128 bytes of global
-            scratch each per program and launch.
-            Without descriptors (an input TMA cannot describe) the usual loops run instead.
-            Experimental: it compiles for sm_90a, but its launches deadlocked on an H200 with Triton
-            3.6.0, so a GPU launch is refused by default (:func:`refuse_unproven_warp_specialization`).
-        lazy_rescale: in the mask-free key loop, rescale the accumulator only when some row's
-            running max grew by more than 2^8 (FlashAttention-4's conditional rescale); exact, it
-            only changes how often the rescale runs. Not with ``warp_specialize``: its branch is an
-            ``if`` with an else block, and Triton 3.6 then silently declines to specialise.
         overlap_softmax: compute each key tile's softmax while the tensor cores run the previous
             tile's P @ V (FlashAttention-3's intra-warpgroup overlap, one tile deep), over the
             mask-free tiles and the masked ones at the end alike: a step issues the next tile's
             Q @ K^T, then this tile's P @ V, then the next tile's exponentials. The probabilities
-            of one tile stay in registers across a step. Not with ``warp_specialize`` (whose loop is
-            a different one) or ``lazy_rescale`` (whose branch would sit between the overlapped
-            products and serialise them).
+            of one tile stay in registers across a step. With ``gluon`` it is the Gluon kernel's
+            loop, which always overlaps.
         gluon: run the Hopper kernel written in Gluon (:mod:`mla_ops.kernels.attention_sm90`:
             a TMA producer warp and two consumer warpgroups of 64 query rows, FlashAttention-3's
             structure) instead of the ``tl.dot`` kernel. SM90 only; it needs ``block_m=128``,
             ``num_warps=4`` (one consumer warpgroup runs in the program's own warps, the other two
-            partitions in warps of their own: 12 per program), ``block_n`` of 64 or 128, and
-            ``num_stages`` buffers in each of its K and V rings; it always loads through TMA, so of the
-            flags above only ``overlap_softmax`` combines with it (the same overlap, in each consumer
-            warpgroup). Inputs it does not cover
+            partitions in warps of their own: 12 per program), ``block_n`` of 64 or 128, ``num_stages``
+            buffers in each of its K and V rings, and ``overlap_softmax`` and ``persistent``, the
+            form the large-batch table runs. Inputs it does not cover
             (:func:`mla_ops.kernels.attention_sm90.sm90_unsupported_reason`) are refused when the
             configuration is requested explicitly, and left to the ``tl.dot`` kernel when it comes
             from the table.
-        pingpong: with ``gluon`` and ``overlap_softmax``, the two consumer warpgroups take turns issuing
-            their products, one tile each, through a pair of mbarriers (FlashAttention-3's ping-pong
-            schedule): one warpgroup's softmax then runs while the other's products hold the tensor
-            cores, instead of leaving that order to the warp schedulers.
-        persistent: with ``gluon``, one program per multiprocessor, each taking work items (blocks of
-            128 query rows of one head) from a global counter until none is left, instead of one program
-            per item: an item's Q and first key tiles load while the previous item's last products and
-            stores finish, which matters where items have few key tiles (short sequences).
+        persistent: with ``gluon``: one program per multiprocessor, each taking work items (blocks of
+            128 query rows of one head) from a global counter until none is left: an item's Q and first
+            key tiles load while the previous item's last products and stores finish, which matters
+            where items have few key tiles (short sequences).
     """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
-    use_tma: bool = False
-    qo_tma: bool = False
-    warp_specialize: bool = False
-    lazy_rescale: bool = False
     overlap_softmax: bool = False
     gluon: bool = False
-    pingpong: bool = False
     persistent: bool = False
 
     def __post_init__(self) -> None:
@@ -124,54 +93,29 @@ class AttentionConfig:
             problems.append(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
         if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
             problems.append(f"num_stages must be an integer from 1 to 8, got {self.num_stages!r}")
-        if self.warp_specialize and not (self.use_tma and self.qo_tma):
-            problems.append(
-                "warp_specialize needs use_tma and qo_tma (the 'tma' and 'qo' flags): Triton specialises only "
-                "loops whose dot operands all come through TMA"
-            )
-        if self.warp_specialize and self.lazy_rescale:
-            problems.append(
-                "warp_specialize and lazy_rescale do not combine (the 'ws' and 'lazy' flags): the lazy rescale's "
-                "branch makes Triton 3.6 decline warp specialisation"
-            )
-        if self.overlap_softmax and (self.warp_specialize or self.lazy_rescale):
-            problems.append(
-                "overlap_softmax combines with neither warp_specialize nor lazy_rescale (the 'ovl' flag with 'ws' "
-                "or 'lazy'): each replaces the same key loop"
-            )
         if self.gluon and (self.block_m != 128 or self.num_warps != 4 or self.block_n not in (64, 128)):
             problems.append(
                 f"gluon (the Hopper Gluon kernel) needs block_m=128, num_warps=4 and block_n 64 or 128, got "
                 f"{self.block_m},{self.block_n},{self.num_warps}"
             )
-        if self.gluon and (self.use_tma or self.qo_tma or self.warp_specialize or self.lazy_rescale):
+        if self.gluon and not (self.overlap_softmax and self.persistent):
             problems.append(
-                "gluon combines with none of 'tma', 'qo', 'ws' and 'lazy': its kernel always loads through TMA in a "
-                "warp-specialised producer, and has no lazy rescale"
-            )
-        if self.pingpong and not (self.gluon and self.overlap_softmax):
-            problems.append(
-                "pingpong (the 'pp' flag) needs gluon and overlap_softmax ('gluon,ovl'): the turns are taken in the "
-                "Gluon kernel's overlapped loop"
+                "gluon needs 'ovl' and 'pers' too ('gluon,ovl,pers'): the Gluon kernel always overlaps its softmax "
+                "and runs persistent programs, the form the large-batch table uses"
             )
         if self.persistent and not self.gluon:
             problems.append("persistent (the 'pers' flag) needs gluon: only the Gluon kernel has persistent programs")
-        if self.warp_specialize and self.num_warps != 4:
-            problems.append(
-                f"warp_specialize needs num_warps=4 (two consumer warp groups of 4 warps and a producer), "
-                f"got {self.num_warps!r}"
-            )
         if problems:
             raise ValueError("invalid Triton attention config: " + "; ".join(problems))
 
     def __str__(self) -> str:
-        flags = "".join(f",{flag}" for flag, name in _FLAGS.items() if flag != "1" and getattr(self, name))
+        flags = "".join(f",{flag}" for flag, name in _FLAGS.items() if getattr(self, name))
         return f"{self.block_m},{self.block_n},{self.num_warps},{self.num_stages}{flags}"
 
     @classmethod
     def parse(cls, text: str, source: str = CONFIG_ENV_VAR) -> AttentionConfig:
-        """Parse ``"BLOCK_M,BLOCK_N,num_warps,num_stages[,FLAG...]"`` (flags: ``tma``/``1``, ``ptr``/``0``,
-        ``qo``, ``ws``, ``lazy``, ``ovl``, ``gluon``, ``pp``, ``pers``); raises ``ValueError`` saying what is wrong."""
+        """Parse ``"BLOCK_M,BLOCK_N,num_warps,num_stages[,FLAG...]"`` (flags: ``ovl``, ``gluon``, ``pers``);
+        raises ``ValueError`` saying what is wrong."""
         fields = [f.strip() for f in text.split(",")]
         if len(fields) < 4:
             raise ValueError(f"{source} must be {_FORMAT!r} (e.g. '128,64,8,3'), got {text!r}")
@@ -184,14 +128,16 @@ class AttentionConfig:
         flags: dict[str, bool] = {}
         for field in fields[4:]:
             flag = field.lower()
-            if flag in _CLEAR_FLAGS:
-                flags["use_tma"] = False
-            elif flag in _FLAGS:
+            if flag in _FLAGS:
                 flags[_FLAGS[flag]] = True
+            elif flag in REMOVED_FLAGS:
+                raise ValueError(
+                    f"{source}={text!r}: the flag {field!r} was removed ({REMOVED_FLAGS[flag]}); drop it, the "
+                    f"flags are 'ovl' and 'gluon,ovl,pers'"
+                )
             else:
                 raise ValueError(
-                    f"{source}={text!r}: unknown flag {field!r}; after the four numbers come any of "
-                    f"'tma' (or 1), 'ptr' (or 0), 'qo', 'ws', 'lazy', 'ovl', 'gluon', 'pp', 'pers'"
+                    f"{source}={text!r}: unknown flag {field!r}; after the four numbers come 'ovl' or 'gluon,ovl,pers'"
                 )
         try:
             return cls(*numbers, **flags)
@@ -251,22 +197,6 @@ _ARCH_TABLES: dict[int, dict[tuple, AttentionConfig]] = {9: SM90_ATTENTION}
 #: 326 / 656; 64-key tiles in 3 buffers 526 / 615 / 456 / 595 / 616 ('ovl') and 513 / 569 / 431 / 590 /
 #: 577 ('ovl,pp'). The H16 chunk (a 0.13 ms kernel) is timed with part of its launch's host time: 317-666
 #: for 'ovl,pers' and 516-687 for 'ovl' in the runs of 2026-12-02/03 (README, Known limitations).
-#: Triton releases (major.minor) whose Gluon the Hopper kernel is written for and was checked with on an
-#: H200; with any other the kernel is not chosen and an explicit ``gluon`` configuration is refused.
-GLUON_TRITON_RELEASES = ("3.6",)
-
-
-def gluon_triton_reason(version: str) -> str | None:
-    """Why the Gluon kernel does not run with Triton ``version``, or ``None`` for the releases it is written
-    and checked against (:data:`GLUON_TRITON_RELEASES`): Gluon is experimental and its API changes
-    between releases (Triton 3.9 removed the TMA copy the kernel issues)."""
-    release = ".".join(version.split(".")[:2])
-    if release in GLUON_TRITON_RELEASES:
-        return None
-    checked = ", ".join(GLUON_TRITON_RELEASES)
-    return f"it is written for the Gluon of Triton {checked}, whose API later releases changed (installed: {version})"
-
-
 SM90_LARGE_BATCH_ATTENTION: dict[tuple, AttentionConfig] = {
     (192, 128, True): AttentionConfig(128, 128, 4, 2, overlap_softmax=True, gluon=True, persistent=True),
     (192, 128, False): AttentionConfig(128, 128, 4, 2, overlap_softmax=True, gluon=True, persistent=True),
@@ -431,21 +361,3 @@ def merge_config(device: torch.device) -> MergeConfig:
         if major == 9:
             return SM90_MERGE
     return GENERIC_MERGE
-
-
-def refuse_unproven_warp_specialization(config: AttentionConfig, device: torch.device) -> None:
-    """Raise ``RuntimeError`` when ``config`` asks for the ``ws`` loop on a CUDA device and
-    ``MLA_OPS_TRITON_EXPERIMENTAL_WS=1`` is not set.
-
-    The variant compiles for sm_90a (``benchmarks/compile_sm90.py``: specialised, no spills) and
-    passes the interpreter's tests, but on an NVIDIA H200 with Triton 3.6.0 every launch tried
-    deadlocked (2026-12-01): single sequences of 1, 128 and 8192 keys, causal and not, each still
-    running after 45 s. A call that never returns is worse than an error, so the variant launches
-    only on request, for work on that deadlock.
-    """
-    if config.warp_specialize and device.type == "cuda" and os.environ.get(EXPERIMENTAL_WS_ENV_VAR) != "1":
-        raise RuntimeError(
-            f"the Triton attention config {config} asks for the experimental 'ws' (warp-specialised) "
-            f"loop, whose launches deadlocked on an NVIDIA H200 with Triton 3.6.0; drop the 'ws' flag (e.g. from "
-            f"{CONFIG_ENV_VAR}), or set {EXPERIMENTAL_WS_ENV_VAR}=1 to launch it anyway (the call may never return)"
-        )

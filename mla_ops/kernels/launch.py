@@ -162,8 +162,7 @@ class FixedLaunch:
     """A compiled variant with its device, its grid and every argument after the leading ones fixed.
 
     Calling it with the leading arguments launches the variant on the current stream of its device,
-    which must be the current device (:meth:`CachedLaunch.relaunch` checks that; a caller that keeps a
-    ``FixedLaunch`` of its own checks it before each call).
+    which must be the current device: whoever keeps a ``FixedLaunch`` checks that before each call.
     """
 
     __slots__ = ("compiled", "device_index", "grid", "middle", "native", "needs_scratch", "tail")
@@ -276,7 +275,6 @@ class CachedLaunch:
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self.compiled: dict[tuple, Any] = {}
-        self.layouts: dict[Hashable, FixedLaunch] = {}
         params = getattr(kernel, "params", None)  # absent under TRITON_INTERPRET=1: JIT launches only
         self.constexpr_names = [p.name for p in params if p.is_constexpr] if params is not None else []
         self.enabled = params is not None and _knobs is not None and _current_stream is not None
@@ -293,20 +291,16 @@ class CachedLaunch:
         args: tuple,
         constexprs: dict[str, Any],
         *,
-        layout: Hashable | None = None,
         leading: int = 0,
         **options: Any,
     ) -> FixedLaunch | None:
         """Launch on ``device`` with ``grid``: ``args`` (the non-constexpr arguments, in order),
         ``constexprs`` (by name) and Triton launch ``options`` (``num_warps``, ``num_stages``).
 
-        ``layout``: when given, remember this launch so that :meth:`relaunch` can repeat it with new
-        values of the first ``leading`` arguments. The caller guarantees that ``layout`` determines
-        ``key``, ``grid``, ``args[leading:]``, ``constexprs`` and ``options``.
-
-        Returns the :class:`FixedLaunch` that launched (a caller may keep it and call it with new leading
-        arguments, as :meth:`relaunch` does), or ``None`` where the launch went through the JIT function
-        (the variant's first launch, another device than the current one, or no direct launches here).
+        Returns the :class:`FixedLaunch` that launched, whose every argument after the first ``leading``
+        is fixed (a caller may keep it and call it with new leading arguments: see the module
+        docstring), or ``None`` where the launch went through the JIT function (the variant's first
+        launch, another device than the current one, or no direct launches here).
         """
         direct = self.enabled and device.type == "cuda" and device.index == current_cuda_device()
         compiled = self.compiled.get(key) if direct else None
@@ -318,26 +312,8 @@ class CachedLaunch:
             return None
         tail = (*args[leading:], *(constexprs[name] for name in self.constexpr_names))
         fixed = FixedLaunch(compiled, device.index, grid, tail)
-        if layout is not None:
-            remember(self.layouts, layout, fixed)
         fixed(args[:leading])
         return fixed
-
-    def relaunch(self, layout: Hashable, device: torch.device, leading: tuple) -> bool:
-        """Launch the variant remembered under ``layout`` with new leading arguments; ``False`` (and
-        nothing launched) when ``layout`` is not remembered or ``device`` is not the current device.
-
-        A pointer argument in ``leading`` may be the tensor's device address (``t.data_ptr()``) instead
-        of the tensor: Triton's launcher takes an integer as it is, where for a tensor it calls
-        ``data_ptr()`` and asks the driver whether the address is a device pointer. Whoever passes
-        addresses makes the layout fix each tensor's device (``t.get_device()``), so that every tensor
-        under a layout sits where the tensors of the layout's first, checked, launch did.
-        """
-        fixed = self.layouts.get(layout)
-        if fixed is None or device.index != current_cuda_device():
-            return False
-        fixed(leading)
-        return True
 
 
 def pointer_alignment(*tensors: torch.Tensor | None) -> tuple[bool, ...]:

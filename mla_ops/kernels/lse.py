@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime.capture import on_device
-from .launch import CachedLaunch, pointer_alignment
+from ..runtime.capture import current_cuda_device, on_device
+from .launch import CachedLaunch, FixedLaunch, pointer_alignment, remember
 
 __all__ = ["lse_base2_to_natural_triton"]
 
@@ -67,15 +67,21 @@ def lse_base2_to_natural_triton(lse: torch.Tensor, out: torch.Tensor) -> torch.T
         num_rows, num_heads, lse.stride(), out.stride(), device, out.get_device(),
         (p_src | p_dst) % 16 == 0 or (p_src % 16 == 0, p_dst % 16 == 0),
     )  # fmt: skip
-    if _launcher.relaunch(layout, device, (p_src, p_dst)):  # only when the tensors' device is the current one
+    known = _known.get(layout)
+    if known is not None and device.index == current_cuda_device():  # launches go to the current device
+        known((p_src, p_dst))  # the addresses as integers (see mla_ops.kernels.launch)
         return out
     with on_device(device):
-        if not _launcher.relaunch(layout, device, (p_src, p_dst)):
-            _launch(lse, out, layout)
+        if known is not None:
+            known((p_src, p_dst))
+        else:
+            fixed = _launch(lse, out)
+            if fixed is not None:
+                remember(_known, layout, fixed)
     return out
 
 
-def _launch(lse: torch.Tensor, out: torch.Tensor, layout: tuple) -> None:
+def _launch(lse: torch.Tensor, out: torch.Tensor) -> FixedLaunch | None:
     num_rows, num_heads = lse.shape
     block_h = min(triton.next_power_of_2(num_heads), _MAX_BLOCK_H)
     grid = (triton.cdiv(num_rows, _BLOCK_T), triton.cdiv(num_heads, block_h))
@@ -85,7 +91,9 @@ def _launch(lse: torch.Tensor, out: torch.Tensor, layout: tuple) -> None:
     # by alignment.
     key = (lse.device.index, num_heads, strides[1], strides[3], pointer_alignment(lse, out), block_h)
     args = (lse, out, num_rows, num_heads, *strides)
-    _launcher(key, lse.device, grid, args, constexprs, num_warps=4, layout=layout, leading=2)
+    return _launcher(key, lse.device, grid, args, constexprs, num_warps=4, leading=2)
 
 
 _launcher = CachedLaunch(_lse_to_natural_kernel)
+#: Layouts launched before (see lse_base2_to_natural_triton); past MAX_LAYOUTS the table starts over.
+_known: dict[tuple, FixedLaunch] = {}

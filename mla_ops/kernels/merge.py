@@ -169,7 +169,7 @@ def merge_attn_states_triton(
     # dtypes and devices, their 16-byte alignment (one test when all are aligned), the LSE bases, the
     # overrides, and whether autograd would record the call (which the op's check refuses). The outputs
     # are fresh, contiguous and aligned. A layout launched before is launched again with the addresses
-    # passed as integers (see CachedLaunch.relaunch).
+    # passed as integers (see mla_ops.kernels.launch).
     p_po, p_pl, p_so, p_sl = prefix_out.data_ptr(), prefix_lse.data_ptr(), suffix_out.data_ptr(), suffix_lse.data_ptr()
     device_index = prefix_out.get_device()
     layout = (

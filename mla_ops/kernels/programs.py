@@ -1,5 +1,5 @@
 """How the attention kernels number their programs: packed query-block slots, head groups for L2, and
-the extra programs that fill the padding rows' LSE. Shared by :mod:`mla_ops.kernels.attention` and
+the extra programs that fill the padding rows' LSE. Shared by :mod:`mla_ops.kernels.attention_kernel` and
 :mod:`mla_ops.kernels.attention_sm90`, whose kernels decode the numbering in the same way.
 Design: docs/design/triton-kernels.md (The ``tl.dot`` kernel).
 """
