@@ -18,7 +18,6 @@ import math
 import pytest
 import standins
 import torch
-from mla_ops.config import DeviceCapability, MLADimensions, SelectorConfig
 from utils import DEEPSEEK_DIMS, assert_attention_close, cu_seqlens_of, make_batch, make_qkv
 
 import mla_ops
@@ -26,6 +25,7 @@ from mla_ops.backends import flashinfer_trtllm as trt
 from mla_ops.backends.base import VarlenCall
 from mla_ops.backends.flashinfer import FlashInferBackend
 from mla_ops.selector import backend_installed
+from mla_ops.specs import DeviceCapability, MLADimensions, SelectorConfig
 
 DQK, DV = DEEPSEEK_DIMS
 H = 4

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from ..config import DeviceCapability
+from ..specs import DeviceCapability
 
 #: FlashInfer's name for the kernel family; the FLASHINFER backend's kernel name for this path.
 TRTLLM_KERNEL = "trtllm-gen"
