@@ -84,9 +84,31 @@ _launches = False
 _load_lock = threading.Lock()
 
 
+def switch(variable: str) -> bool:
+    """The on/off setting ``variable`` (:data:`DISABLE_VARIABLE` or :data:`LAUNCH_VARIABLE`): on where unset
+    or ``1``, off for ``0``; raises ``ValueError`` naming the variable for any other value (``false``, ``no``
+    would otherwise leave it on without a word)."""
+    text = os.environ.get(variable, "").strip()
+    if text in ("", "1"):
+        return True
+    if text == "0":
+        return False
+    raise ValueError(f"{variable} must be 0 (off) or 1 (on, the default), got {text!r}")
+
+
+def cache_root() -> Path:
+    """Where builds are kept: ``$MLA_OPS_CACHE_DIR``, else ``~/.cache/mla_ops``; raises ``ValueError`` where
+    the variable names something that exists but is not a directory."""
+    text = os.environ.get(CACHE_VARIABLE)
+    root = Path(text) if text else Path(os.path.expanduser("~")) / ".cache" / "mla_ops"
+    if text and root.exists() and not root.is_dir():
+        raise ValueError(f"{CACHE_VARIABLE}={text!r} is not a directory; name a directory (it is created if missing)")
+    return root
+
+
 def unavailable_reason() -> str | None:
     """Why the native library cannot be built here without trying (``None`` where it may be)."""
-    if os.environ.get(DISABLE_VARIABLE, "1").strip() == "0":
+    if not switch(DISABLE_VARIABLE):
         return f"disabled by {DISABLE_VARIABLE}=0"
     if torch.version.cuda is None:
         return "this build of torch has no CUDA" + (" (ROCm is not supported)" if torch.version.hip else "")
@@ -127,8 +149,7 @@ def build_key(sources: dict[str, bytes], torch_version: str, cuda_version: str |
 
 def build_directory(key: str) -> Path:
     """Where the build named ``key`` is kept: ``$MLA_OPS_CACHE_DIR/native/<key>``."""
-    root = os.environ.get(CACHE_VARIABLE) or os.path.join(os.path.expanduser("~"), ".cache", "mla_ops")
-    return Path(root) / "native" / key
+    return cache_root() / "native" / key
 
 
 #: Compiler flags of both sources; the architecture flags are added per build.
@@ -241,7 +262,7 @@ def _try_load() -> None:
     _loaded = _reason is None
     _launches = (
         _loaded
-        and os.environ.get(LAUNCH_VARIABLE, "1").strip() != "0"
+        and switch(LAUNCH_VARIABLE)
         and hasattr(torch.ops.mla_native, "remember_attention")  # what the library registers
     )
 
@@ -267,7 +288,7 @@ def status(fallback: str = "Triton kernel") -> str:
 def launch_status() -> str:
     """How a CUDA call of a backend whose launches the library can repeat (TRITON) is launched, in words for
     ``python -m mla_ops info``; builds nothing."""
-    if os.environ.get(LAUNCH_VARIABLE, "1").strip() == "0":
+    if not switch(LAUNCH_VARIABLE):
         return f"launched through Python: {LAUNCH_VARIABLE}=0"
     if _loaded:
         return "a layout's repeated calls launched from C++" if _launches else "launched through Python"

@@ -453,6 +453,17 @@ def merge_config(device: torch.device) -> MergeConfig:
     return GENERIC_MERGE
 
 
+def experimental_ws_allowed() -> bool:
+    """Whether ``MLA_OPS_TRITON_EXPERIMENTAL_WS=1`` lets the ``ws`` variant launch on a GPU (unset or ``0``: no);
+    raises ``ValueError`` naming the variable for any other value."""
+    text = os.environ.get(EXPERIMENTAL_WS_ENV_VAR, "").strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(
+            f"{EXPERIMENTAL_WS_ENV_VAR} must be 1 (allow the 'ws' variant) or 0 (the default), got {text!r}"
+        )
+    return text == "1"
+
+
 def refuse_unproven_warp_specialization(config: AttentionConfig, device: torch.device) -> None:
     """Raise ``RuntimeError`` when ``config`` asks for the ``ws`` loop on a CUDA device and
     ``MLA_OPS_TRITON_EXPERIMENTAL_WS=1`` is not set.
@@ -463,7 +474,7 @@ def refuse_unproven_warp_specialization(config: AttentionConfig, device: torch.d
     running after 45 s. A call that never returns is worse than an error, so the variant launches
     only on request, for work on that deadlock.
     """
-    if config.warp_specialize and device.type == "cuda" and os.environ.get(EXPERIMENTAL_WS_ENV_VAR) != "1":
+    if config.warp_specialize and device.type == "cuda" and not experimental_ws_allowed():
         raise RuntimeError(
             f"the Triton attention config {config} asks for the experimental 'ws' (warp-specialised) "
             f"loop, whose launches deadlocked on an NVIDIA H200 with Triton 3.6.0; drop the 'ws' flag (e.g. from "
