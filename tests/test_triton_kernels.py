@@ -557,11 +557,14 @@ def test_config_env_var(monkeypatch):
 
 
 def test_ws_launch_on_cuda_needs_the_experimental_opt_in(monkeypatch):
-    """A 'ws' config is refused for CUDA launches unless the variable is "1"; the interpreter's CPU
-    launches and configs without the flag pass."""
+    """A 'ws' config is refused for CUDA launches unless the variable is "1" (a value other than 0 or 1 is
+    an error naming it); the interpreter's CPU launches and configs without the flag pass."""
     ws = AttentionConfig(128, 64, 4, 2, use_tma=True, qo_tma=True, warp_specialize=True)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    for value in (None, "0", "yes"):
+    monkeypatch.setenv(configs.EXPERIMENTAL_WS_ENV_VAR, "yes")
+    with pytest.raises(ValueError, match=r"MLA_OPS_TRITON_EXPERIMENTAL_WS must be 1 .* got 'yes'"):
+        configs.refuse_unproven_warp_specialization(ws, cuda)
+    for value in (None, "0"):
         if value is None:
             monkeypatch.delenv(configs.EXPERIMENTAL_WS_ENV_VAR, raising=False)
         else:

@@ -229,6 +229,30 @@ def test_raw_ops_name_a_none_tensor() -> None:
     )  # fmt: skip
 
 
+@pytest.mark.gpu
+def test_raw_ops_name_a_none_tensor_on_cuda() -> None:
+    # Where the native library loads, its C++ kernels see a CUDA call first: with a TRITON layout remembered (the
+    # calls before), an undefined tensor must reach the Python check rather than fail in the C++ layout test.
+    native.load()
+    b = make_batch([3, 4], 2, 192, 128, BF16, device="cuda")
+    with mla_ops.prefill_backend("TRITON"):
+        for _ in range(2):
+            out, lse = mla_ops.prefill(b.q, b.k, b.v, b.cu_seqlens, 4)
+            mla_ops.prefill_with_context(b.q, b.k, b.v, b.cu_seqlens, 4, [(b.k, b.v, b.cu_seqlens, 4)])
+        _refused(
+            TypeError, "mla.prefill: q must be a torch.Tensor [T, H, Dqk], got NoneType",
+            torch.ops.mla.prefill, None, b.k, b.v, b.cu_seqlens, 4, 0.1,
+        )  # fmt: skip
+        _refused(
+            TypeError, "mla.prefill_context_chunk: v must be a torch.Tensor [T, H, Dv], got NoneType",
+            torch.ops.mla.prefill_with_chunk, b.q, b.k, b.v, b.cu_seqlens, 4, b.k, None, b.cu_seqlens, 4, 0.1,
+        )  # fmt: skip
+        _refused(
+            TypeError, "mla.merge_attn_states: suffix_lse must be a float32 torch.Tensor [H, T], got NoneType",
+            torch.ops.mla.merge_attn_states, out, lse, out, None,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("value", [2**63, 2**80, -(2**63) - 1])
 def test_raw_ops_name_an_int_beyond_int64(value) -> None:
     b = _new_tokens()
