@@ -53,7 +53,9 @@ def _check_cu_seqlens(op: str, name: str, cu: object, device: torch.device) -> t
     return cu
 
 
-def _check_max_seqlen(op: str, name: str, value: object) -> None:
+def check_max_seqlen(op: str, name: str, value: object) -> None:
+    """``value`` must be an int (or ``SymInt``) in ``[0, MAX_SEQLEN_LIMIT]``: a ``TypeError`` or ``ValueError``
+    naming ``name`` otherwise."""
     if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
         raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} {value!r:.40}")
     if value < 0:
@@ -89,51 +91,56 @@ _BF16, _FP16, _FP32, _INT32 = torch.bfloat16, torch.float16, torch.float32, torc
 def attention_inputs_are_valid(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, self_attention) -> bool:
     """Whether :func:`check_attention_inputs` would accept these inputs, in one expression: this runs on
     every eager call, so it avoids helper calls and message formatting (the ops' kernels call it first and
-    :func:`check_attention_inputs` only when it says no, for the error that explains the problem)."""
-    qs, ks, vs, dt, dev = q.shape, k.shape, v.shape, q.dtype, q.device
-    return (
-        len(qs) == 3
-        and len(ks) == 3
-        and len(vs) == 3
-        and (dt is _BF16 or dt is _FP16)
-        and qs[1] > 0
-        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-        and k.dtype is dt
-        and v.dtype is dt
-        and k.device == dev
-        and v.device == dev
-        and ks[1] == qs[1]
-        and vs[1] == qs[1]
-        and ks[2] == qs[2]
-        and qs[2] > 0
-        and vs[2] > 0
-        and vs[0] == ks[0]
-        # A contiguous tensor has unit stride where it matters, and is_contiguous() reads a cached flag where
-        # stride() builds a tuple; stride() then [2] is cheaper than parsing stride(2)'s argument.
-        and (q.is_contiguous() or qs[0] == 0 or q.stride()[2] == 1)
-        and (k.is_contiguous() or ks[0] == 0 or k.stride()[2] == 1)
-        and (vs[0] == 0 or v.stride()[2] == 1)  # v is usually a strided view of kv
-        and cu_q.dtype is _INT32
-        and cu_q.dim() == 1
-        and cu_q.shape[0] >= 1
-        and cu_q.device == dev
-        and type(max_q) is int
-        and 0 <= max_q <= MAX_SEQLEN_LIMIT
-        and type(softmax_scale) is float
-        and math.isfinite(softmax_scale)
-        and (
-            ks[0] == qs[0]
-            if self_attention
-            else (
-                cu_k.dtype is _INT32
-                and cu_k.dim() == 1
-                and cu_k.shape[0] == cu_q.shape[0]
-                and cu_k.device == dev
-                and type(max_k) is int
-                and 0 <= max_k <= MAX_SEQLEN_LIMIT
+    :func:`check_attention_inputs` only when it says no, for the error that explains the problem). An
+    argument that is not a tensor (``None`` for a raw op's ``Tensor``) makes it say no as well."""
+    # The try is free until it catches (Python 3.11+): only a call with a non-tensor pays for it.
+    try:
+        qs, ks, vs, dt, dev = q.shape, k.shape, v.shape, q.dtype, q.device
+        return (
+            len(qs) == 3
+            and len(ks) == 3
+            and len(vs) == 3
+            and (dt is _BF16 or dt is _FP16)
+            and qs[1] > 0
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+            and k.dtype is dt
+            and v.dtype is dt
+            and k.device == dev
+            and v.device == dev
+            and ks[1] == qs[1]
+            and vs[1] == qs[1]
+            and ks[2] == qs[2]
+            and qs[2] > 0
+            and vs[2] > 0
+            and vs[0] == ks[0]
+            # A contiguous tensor has unit stride where it matters, and is_contiguous() reads a cached flag where
+            # stride() builds a tuple; stride() then [2] is cheaper than parsing stride(2)'s argument.
+            and (q.is_contiguous() or qs[0] == 0 or q.stride()[2] == 1)
+            and (k.is_contiguous() or ks[0] == 0 or k.stride()[2] == 1)
+            and (vs[0] == 0 or v.stride()[2] == 1)  # v is usually a strided view of kv
+            and cu_q.dtype is _INT32
+            and cu_q.dim() == 1
+            and cu_q.shape[0] >= 1
+            and cu_q.device == dev
+            and type(max_q) is int
+            and 0 <= max_q <= MAX_SEQLEN_LIMIT
+            and type(softmax_scale) is float
+            and math.isfinite(softmax_scale)
+            and (
+                ks[0] == qs[0]
+                if self_attention
+                else (
+                    cu_k.dtype is _INT32
+                    and cu_k.dim() == 1
+                    and cu_k.shape[0] == cu_q.shape[0]
+                    and cu_k.device == dev
+                    and type(max_k) is int
+                    and 0 <= max_k <= MAX_SEQLEN_LIMIT
+                )
             )
         )
-    )
+    except AttributeError:
+        return False
 
 
 #: The arguments of ``mla.prefill_context_chunk`` in its schema's order: ``(q, k, v, cu_seqlens_q,
@@ -188,7 +195,7 @@ def check_attention_inputs(op: str, inputs: AttentionInputs, self_attention: boo
         if k.shape[0] != q.shape[0]:
             raise ValueError(f"{op}: q has {q.shape[0]} tokens but k has {k.shape[0]}; they must match")
         _check_cu_seqlens(op, "cu_seqlens", cu_seqlens_q, q.device)
-        _check_max_seqlen(op, "max_seqlen", max_seqlen_q)
+        check_max_seqlen(op, "max_seqlen", max_seqlen_q)
     else:
         _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.device)
         _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, q.device)
@@ -197,8 +204,8 @@ def check_attention_inputs(op: str, inputs: AttentionInputs, self_attention: boo
                 f"{op}: cu_seqlens_q describes {cu_seqlens_q.shape[0] - 1} sequences but cu_seqlens_k "
                 f"describes {cu_seqlens_k.shape[0] - 1}; a chunk needs one (possibly empty) entry per sequence"
             )
-        _check_max_seqlen(op, "max_seqlen_q", max_seqlen_q)
-        _check_max_seqlen(op, "max_seqlen_k", max_seqlen_k)
+        check_max_seqlen(op, "max_seqlen_q", max_seqlen_q)
+        check_max_seqlen(op, "max_seqlen_k", max_seqlen_k)
     _check_scale(op, softmax_scale)
 
 
@@ -291,7 +298,7 @@ def check_argument_types(op: str, tensors: dict[str, object], ints: dict[str, ob
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
     for name, value in ints.items():
-        _check_max_seqlen(op, name, value)
+        check_max_seqlen(op, name, value)
 
 
 def check_offsets_start_and_order(op: str, name: str, cu_seqlens: torch.Tensor) -> list[int]:

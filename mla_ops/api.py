@@ -8,6 +8,7 @@ Design: docs/design/ops.md and docs/design/graph-trees.md.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import operator
@@ -17,7 +18,14 @@ from typing import NamedTuple
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.mla)
-from .meta.checks import MAX_SEQLEN_LIMIT, check_argument_types, check_attention_inputs, check_merge_inputs
+from .meta.checks import (
+    MAX_SEQLEN_LIMIT,
+    check_argument_types,
+    check_attention_inputs,
+    check_max_seqlen,
+    check_merge_inputs,
+    check_offsets_start_and_order,
+)
 from .runtime.graph_trees import IN_GRAPH_TWINS, routes_in_graph
 
 
@@ -99,8 +107,23 @@ def _length(op: str, name: str, value: object) -> int:
     if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
         return value
     if not isinstance(value, (bool, float, str)) and hasattr(value, "__index__"):
-        return operator.index(value)
+        try:
+            return operator.index(value)
+        except TypeError:  # e.g. a float tensor, which has __index__ but refuses it
+            pass
     raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} {value!r:.40}")
+
+
+_CHUNK_FORM = "ContextChunk or (k, v, cu_seqlens_k, max_seqlen_k) tuples"
+
+
+def _chunk_list(op: str, chunks: object, name: str = "chunks", form: str = _CHUNK_FORM) -> Sequence[object]:
+    """``chunks`` where it is a list or tuple (of chunks), else a ``TypeError`` saying what to pass."""
+    if isinstance(chunks, (list, tuple)):
+        return chunks
+    raise TypeError(
+        f"{op}: {name} must be a list of {form} ([] for no context), got {type(chunks).__name__} {chunks!r:.40}"
+    )
 
 
 def prefill(
@@ -136,7 +159,7 @@ def prefill(
     if (
         not _is_compiling()
         and type(max_seqlen) is int
-        and max_seqlen <= MAX_SEQLEN_LIMIT
+        and 0 <= max_seqlen <= MAX_SEQLEN_LIMIT
         and isinstance(q, _Tensor)
         and isinstance(k, _Tensor)
         and isinstance(v, _Tensor)
@@ -186,8 +209,8 @@ def prefill_context_chunk(
         not _is_compiling()
         and type(max_seqlen_q) is int
         and type(max_seqlen_k) is int
-        and max_seqlen_q <= MAX_SEQLEN_LIMIT
-        and max_seqlen_k <= MAX_SEQLEN_LIMIT
+        and 0 <= max_seqlen_q <= MAX_SEQLEN_LIMIT
+        and 0 <= max_seqlen_k <= MAX_SEQLEN_LIMIT
         and isinstance(q, _Tensor)
         and isinstance(k, _Tensor)
         and isinstance(v, _Tensor)
@@ -250,9 +273,11 @@ def merge_attn_states(
     return torch.ops.mla.merge_attn_states(prefix_out, prefix_lse, suffix_out, suffix_lse)
 
 
-def _as_chunk(index: int, chunk: object, q: torch.Tensor, v: torch.Tensor) -> ContextChunk:
+def _as_chunk(
+    index: int, chunk: object, q: torch.Tensor, v: torch.Tensor, op: str = "prefill_with_context"
+) -> ContextChunk:
     """``chunk`` as a :class:`ContextChunk`, with its shapes checked against the new tokens'."""
-    where = f"prefill_with_context: chunks[{index}]"
+    where = f"{op}: chunks[{index}]"
     if not isinstance(chunk, (tuple, list)) or len(chunk) != 4:
         got = f"{len(chunk)} items" if isinstance(chunk, (tuple, list)) else type(chunk).__name__
         raise TypeError(f"{where} must be (k, v, cu_seqlens_k, max_seqlen_k), got {got}")
@@ -293,7 +318,7 @@ def _fused_arguments(q, k, v, cu_seqlens, max_seqlen, chunk, scale) -> tuple | N
     is wrong. What is left to check, the fused op's kernel checks as the three ops would."""
     plain = (
         type(max_seqlen) is int
-        and max_seqlen <= MAX_SEQLEN_LIMIT
+        and 0 <= max_seqlen <= MAX_SEQLEN_LIMIT
         and isinstance(q, _Tensor)
         and isinstance(k, _Tensor)
         and isinstance(v, _Tensor)
@@ -305,7 +330,9 @@ def _fused_arguments(q, k, v, cu_seqlens, max_seqlen, chunk, scale) -> tuple | N
     if len(qs) != 3 or len(vs) != 3:
         return None
     chunk = _plain_chunk(chunk, qs[1], qs[2], vs[1], vs[2])
-    if chunk is None or chunk.max_seqlen_k > MAX_SEQLEN_LIMIT or not isinstance(chunk.cu_seqlens_k, _Tensor):
+    if chunk is None or not isinstance(chunk.cu_seqlens_k, _Tensor):
+        return None
+    if not 0 <= chunk.max_seqlen_k <= MAX_SEQLEN_LIMIT:
         return None
     return q, k, v, cu_seqlens, max_seqlen, *chunk, scale
 
@@ -393,6 +420,7 @@ def prefill_with_context(
         fused = _fused_arguments(q, k, v, cu_seqlens, max_seqlen, chunks[0], scale)
         if fused is not None:
             return _PREFILL_WITH_CHUNK(*fused)
+    chunks = _chunk_list("prefill_with_context", chunks)
     out, lse = prefill(q, k, v, cu_seqlens, max_seqlen, scale)
     chunks = _as_chunks(chunks, q, v)
     partials = (
@@ -467,11 +495,81 @@ def pack_chunks(
     Returns:
         One :class:`ContextChunk` with contiguous ``k``/``v``.
     """
-    chunks = [_as_chunk(i, chunk, k, v) for i, chunk in enumerate(chunks)]
+    chunks = [_as_chunk(i, chunk, k, v, "pack_chunks") for i, chunk in enumerate(_chunk_list("pack_chunks", chunks))]
+    check_packing("pack_chunks", cu_seqlens, [(("k", c.k, k), ("v", c.v, v)) for c in chunks], chunks)
     keys, values, offsets = pack_rows(
         [(c.k, c.v) for c in chunks], (k, v), [c.cu_seqlens_k for c in chunks], cu_seqlens
     )
     return ContextChunk(keys, values, offsets, max(sum(int(c.max_seqlen_k) for c in chunks), MIN_PACKED_ROWS))
+
+
+def check_packing(
+    op: str,
+    cu_seqlens: object,
+    tensors: Sequence[tuple[tuple[str, torch.Tensor, torch.Tensor], tuple[str, torch.Tensor, torch.Tensor]]],
+    chunks: Sequence[tuple],
+    name: str = "chunks",
+) -> None:
+    """Validate what :func:`pack_rows` packs, naming the chunk at fault (``chunks[c]``, after ``name``).
+
+    ``tensors[c]`` holds chunk ``c``'s two per-row tensors as ``(name, tensor, like)``: each must have the
+    dtype and device of ``like`` (the new tokens' counterpart), and both the same row count. ``chunks[c]``
+    ends with the chunk's offsets and its ``max_seqlen_k`` (already an int). The offsets must be int32
+    ``[B+1]`` like ``cu_seqlens`` (float offsets are refused, never rounded); where they are on the CPU their
+    values are checked too: from 0, non-decreasing, within the chunk's rows and ``max_seqlen_k``. Offsets on a
+    GPU are not read here, which would wait for the device, as the CUDA kernels do not read them on the host.
+    """
+    device = tensors[0][0][2].device if tensors else getattr(cu_seqlens, "device", None)
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{op}: cu_seqlens must be an int32 torch.Tensor [B+1], got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(
+            f"{op}: cu_seqlens must be an int32 tensor [B+1], got {str(cu_seqlens.dtype).removeprefix('torch.')} "
+            f"of shape {tuple(cu_seqlens.shape)}"
+        )
+    entries = cu_seqlens.shape[0]
+    for c, (pair, chunk) in enumerate(zip(tensors, chunks)):
+        where = f"{op}: {name}[{c}]"
+        for part, t, like in pair:
+            if t.dtype != like.dtype or t.device != like.device:
+                raise ValueError(
+                    f"{where}: {part} is {str(t.dtype).removeprefix('torch.')} on {t.device}, but the new tokens' "
+                    f"{part} is {str(like.dtype).removeprefix('torch.')} on {like.device}; pass the chunk in that "
+                    "dtype, on that device"
+                )
+        (first, a, _), (second, b, _) = pair
+        if a.shape[0] != b.shape[0]:
+            raise ValueError(f"{where}: {first} has {a.shape[0]} rows but {second} has {b.shape[0]}; they must match")
+        cu_k, max_k = chunk[-2], chunk[-1]
+        offsets = f"{where}.cu_seqlens_k"
+        if not isinstance(cu_k, torch.Tensor):
+            raise TypeError(f"{offsets} must be an int32 torch.Tensor [B+1], got {type(cu_k).__name__}")
+        if cu_k.dtype != torch.int32:
+            raise TypeError(
+                f"{offsets} must have dtype int32, got {str(cu_k.dtype).removeprefix('torch.')}; offsets count rows: "
+                f"pass them as integers (e.g. torch.tensor([...], dtype=torch.int32))"
+            )
+        if cu_k.dim() != 1 or cu_k.shape[0] != entries:
+            raise ValueError(
+                f"{offsets} must be a 1-D tensor of {entries} entries (one per sequence of cu_seqlens, and 0 first), "
+                f"got shape {tuple(cu_k.shape)}"
+            )
+        if cu_k.device != device:
+            raise ValueError(f"{offsets} is on {cu_k.device} but the new tokens are on {device}; move it there")
+        check_max_seqlen(f"{where}", "max_seqlen_k", max_k)
+        if cu_k.device.type == "cpu":
+            bounds = check_offsets_start_and_order(where, "cu_seqlens_k", cu_k)
+            if bounds[-1] > a.shape[0]:
+                raise ValueError(
+                    f"{offsets} ends at {bounds[-1]} but the chunk's {first} holds only {a.shape[0]} rows; "
+                    f"cu_seqlens_k[-1] must be <= its row count"
+                )
+            longest = max((y - x for x, y in itertools.pairwise(bounds)), default=0)
+            if longest > max_k:
+                raise ValueError(
+                    f"{where}: max_seqlen_k is {max_k} but a sequence has {longest} rows in this chunk; "
+                    "pass an upper bound"
+                )
 
 
 def pack_rows(

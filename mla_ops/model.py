@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .api import MIN_PACKED_ROWS, ContextChunk, pack_rows, prefill_with_context
+from .api import MIN_PACKED_ROWS, ContextChunk, _chunk_list, _length, check_packing, pack_rows, prefill_with_context
 from .specs import MLADimensions
 
 
@@ -39,6 +39,31 @@ class MLAConfig:
     v_head_dim: int = 128
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        # Each field as a layer needs it, so that a bad config fails here, naming the field, rather than in a
+        # reshape or a negative dimension inside the first forward.
+        counts = ("hidden_size", "num_heads", "kv_lora_rank", "v_head_dim", "q_lora_rank")
+        for name in (*counts, "qk_nope_head_dim", "qk_rope_head_dim"):
+            value = getattr(self, name)
+            if name == "q_lora_rank" and value is None:
+                continue
+            least = 1 if name in counts else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                what = "a positive int" if least else "an int >= 0"
+                also = " or None (queries from one q_proj)" if name == "q_lora_rank" else ""
+                raise ValueError(f"MLAConfig: {name} must be {what}{also}, got {value!r:.40}")
+        if self.qk_nope_head_dim + self.qk_rope_head_dim == 0:
+            raise ValueError("MLAConfig: qk_nope_head_dim + qk_rope_head_dim must be positive, got 0 + 0")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"MLAConfig: qk_rope_head_dim must be even (the rotary embedding rotates channel pairs), "
+                f"got {self.qk_rope_head_dim}"
+            )
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"MLAConfig: {name} must be a positive finite float, got {value!r:.40}")
 
     @classmethod
     def deepseek_v3(cls, num_heads: int = 128) -> MLAConfig:
@@ -185,6 +210,23 @@ class MLAAttention(nn.Module):
         return self.o_proj(out.reshape(-1, c.num_heads * c.v_head_dim))
 
 
+def _as_latent_chunk(index: int, chunk: object, like: tuple[torch.Tensor, torch.Tensor]) -> LatentChunk:
+    """``chunk`` as a :class:`LatentChunk`, its tensors' widths checked against the layer's (``like``)."""
+    where = f"pack_context: context[{index}]"
+    if not isinstance(chunk, (tuple, list)) or len(chunk) != 4:
+        got = f"{len(chunk)} items" if isinstance(chunk, (tuple, list)) else type(chunk).__name__
+        raise TypeError(f"{where} must be a LatentChunk (kv_c, k_pe, cu_seqlens_k, max_seqlen_k), got {got}")
+    kv_c, k_pe, cu_seqlens_k, max_seqlen_k = chunk
+    for name, t, model in (("kv_c", kv_c, like[0]), ("k_pe", k_pe, like[1])):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2 or t.shape[1] != model.shape[1]:
+            raise ValueError(
+                f"{where}: {name} must be [Tk, {model.shape[1]}] for this layer, got shape {tuple(t.shape)}"
+            )
+    return LatentChunk(kv_c, k_pe, cu_seqlens_k, _length(where, "max_seqlen_k", max_seqlen_k))
+
+
 def pack_context(layer: MLAAttention, cu_seqlens: torch.Tensor, context: Sequence[LatentChunk]) -> LatentChunk:
     """Every chunk of cached context as one, in the latent cache's form.
 
@@ -194,6 +236,10 @@ def pack_context(layer: MLAAttention, cu_seqlens: torch.Tensor, context: Sequenc
     """
     c, weight = layer.config, layer.o_proj.weight
     like = (weight.new_empty((0, c.kv_lora_rank)), weight.new_empty((0, c.qk_rope_head_dim)))
+    context = _chunk_list("pack_context", context, "context", "LatentChunk items")
+    context = [_as_latent_chunk(i, chunk, like) for i, chunk in enumerate(context)]
+    latent = [(("kv_c", ch.kv_c, like[0]), ("k_pe", ch.k_pe, like[1])) for ch in context]
+    check_packing("pack_context", cu_seqlens, latent, context, "context")
     kv_c, k_pe, offsets = pack_rows(
         [(ch.kv_c, ch.k_pe) for ch in context], like, [ch.cu_seqlens_k for ch in context], cu_seqlens
     )

@@ -8,6 +8,8 @@ kernels. Declared with ``Library.define`` and ``impl``, forward-only. Design: do
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from . import meta, native
@@ -146,7 +148,12 @@ def _merge(prefix_out, prefix_lse, suffix_out, suffix_lse):
     # them (shapes, strides, dtypes, devices, grad recording: all the check reads), since it builds that
     # layout for its launch anyway. No device switch here: each merge function runs on its tensors' device
     # whichever is current.
-    return merge_kernel(prefix_out.device)(prefix_out, prefix_lse, suffix_out, suffix_lse, check=check_merge_inputs)
+    try:
+        device = prefix_out.device
+    except AttributeError:  # None for a Tensor argument (a raw call): the check names the argument
+        check_merge_inputs(prefix_out, prefix_lse, suffix_out, suffix_lse)
+        raise
+    return merge_kernel(device)(prefix_out, prefix_lse, suffix_out, suffix_lse, check=check_merge_inputs)
 
 
 #: The public ops' eager kernels by op name, as registered for CPU and CUDA: what a call runs after the
@@ -192,3 +199,48 @@ _register("_check_merge_inputs", check_merge_inputs, check_merge_inputs, cuda_ke
 # The twins' fakes need no graph-tree check: their kernels never select a backend that plans on the host.
 _register(IN_GRAPH_TWINS["prefill"], _prefill_in_graph, meta.prefill_fake)
 _register(IN_GRAPH_TWINS["prefill_context_chunk"], _prefill_context_chunk_in_graph, meta.prefill_context_chunk_fake)
+
+
+# --- raw calls: the dispatcher's own argument errors, made to name what to pass -----------------------
+
+# torch's argument parser refuses an int beyond int64 for a SymInt with "Expected a value of type 'int' for
+# argument 'max_seqlen' but instead found type 'int'", before any kernel of ours runs.
+_INT_ARGUMENT_ERROR = re.compile(r"Expected a value of type '(?:int|SymInt)' for argument '(\w+)'")
+
+
+def _argument_error(packet: torch._ops.OpOverloadPacket, exc: RuntimeError, args: tuple, kwargs: dict) -> Exception:
+    """The error to raise for the dispatcher's ``exc`` from ``packet(*args, **kwargs)``: a ``ValueError`` naming
+    the argument, what was passed and what to pass where ``exc`` refused an int out of range, else ``exc``."""
+    match = _INT_ARGUMENT_ERROR.search(str(exc))
+    if match is None:
+        return exc
+    name = match.group(1)
+    schema = packet.default._schema
+    names = [a.name for a in schema.arguments]
+    value = kwargs.get(name, args[names.index(name)] if name in names and names.index(name) < len(args) else None)
+    if isinstance(value, bool) or not isinstance(value, int):
+        return exc
+    return ValueError(
+        f"{NAMESPACE}.{schema.name.split('::')[-1]}: {name} must be an int in [0, 2**31 - 1] "
+        f"(an upper bound of the longest sequence), got {value}"
+    )
+
+
+class _OpPacket(torch._ops.OpOverloadPacket):
+    """``torch.ops.mla.<op>``, calling the op as torch does, with one clearer error: an int argument beyond
+    int64 (e.g. ``max_seqlen=2**63``) is refused by torch's argument parser, before the op's kernel and its
+    checks, with a message that says the argument's type is wrong (``expected 'int' ... found 'int'``)."""
+
+    def __call__(self, /, *args, **kwargs):
+        try:  # free until it catches (Python 3.11+)
+            return self._op(*args, **kwargs)
+        except RuntimeError as exc:
+            error = _argument_error(self, exc, args, kwargs)
+            if error is exc:
+                raise
+            raise error from None
+
+
+# The ops have no TorchBind arguments, which is all OpOverloadPacket.__call__ looks for besides calling _op.
+for _name in (*SCHEMAS, "prefill_with_chunk"):
+    getattr(torch.ops.mla, _name).__class__ = _OpPacket

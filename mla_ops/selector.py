@@ -164,8 +164,16 @@ def validate_backend(
 _override: PrefillBackendEnum | None = None
 
 
-def _coerce(name: str | PrefillBackendEnum) -> PrefillBackendEnum:
-    return name if isinstance(name, PrefillBackendEnum) else PrefillBackendEnum.from_name(name)
+def _coerce(name: str | PrefillBackendEnum, where: str = "set_prefill_backend") -> PrefillBackendEnum:
+    if isinstance(name, PrefillBackendEnum):
+        return name
+    if not isinstance(name, str):
+        choices = ", ".join(repr(member.name) for member in PrefillBackendEnum)
+        raise TypeError(
+            f"{where}: name must be a backend name ({choices}), a PrefillBackendEnum member or None, "
+            f"got {type(name).__name__} {name!r:.40}"
+        )
+    return PrefillBackendEnum.from_name(name)
 
 
 def current_override() -> PrefillBackendEnum | None:
@@ -175,6 +183,12 @@ def current_override() -> PrefillBackendEnum | None:
     """
     if _override is not None:
         return _override
+    return env_override()
+
+
+def env_override() -> PrefillBackendEnum | None:
+    """The backend ``MLA_OPS_PREFILL_BACKEND`` names, or ``None`` where it is unset; raises ``ValueError``
+    naming the variable and the choices where it names no backend."""
     name = os.environ.get(ENV_VAR, "").strip()
     if not name:
         return None
@@ -199,6 +213,8 @@ def set_prefill_backend(name: str | PrefillBackendEnum | None) -> None:
 def prefill_backend(name: str | PrefillBackendEnum) -> Iterator[None]:
     """Context manager form of :func:`set_prefill_backend`; restores the previous setting on exit."""
     previous = _override
+    if name is not None:
+        _coerce(name, "prefill_backend")  # before the with block, so that the error names this function
     set_prefill_backend(name)
     try:
         yield

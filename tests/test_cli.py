@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -14,7 +16,9 @@ ENV_VAR = "MLA_OPS_PREFILL_BACKEND"
 
 
 def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    environment = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    # Only the settings a test names: the package's (and the test suite's own MLA_OPS_HYPOTHESIS_PROFILE) are
+    # left out, so that info's table of settings shows what the test set.
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("MLA_OPS_")}
     environment.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "mla_ops", *args], capture_output=True, text=True, env=environment, timeout=timeout
@@ -23,10 +27,59 @@ def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 120) ->
 
 def test_info_reports_a_misspelt_override() -> None:
     result = _run("info", env={ENV_VAR: "BOGUS"})
-    assert result.returncode == 0, result.stderr
+    # The whole report, then the one-line error and status 2 of any bad setting.
+    assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert "override: invalid: MLA_OPS_PREFILL_BACKEND='BOGUS': unknown MLA prefill backend 'BOGUS'" in result.stdout
     assert "choose one of: REFERENCE, TRITON, FLASH_ATTN, FLASHINFER" in result.stdout
+    assert (
+        result.stderr
+        == "python -m mla_ops info: error: invalid setting: MLA_OPS_PREFILL_BACKEND (see Settings above)\n"
+    )
+
+
+SETTINGS = {
+    "MLA_OPS_PREFILL_BACKEND": ("tpu", "MLA_OPS_PREFILL_BACKEND='tpu': unknown MLA prefill backend 'tpu'"),
+    "MLA_OPS_TRITON_CONFIG": ("garbage", "MLA_OPS_TRITON_CONFIG must be 'BLOCK_M,BLOCK_N,num_warps,num_stages"),
+    "MLA_OPS_NATIVE": ("yes", "MLA_OPS_NATIVE must be 0 (off) or 1 (on, the default), got 'yes'"),
+    "MLA_OPS_FLASHINFER_WORKSPACE_MB": ("abc", "MLA_OPS_FLASHINFER_WORKSPACE_MB must be a positive number of MiB"),
+    "MLA_OPS_NATIVE_MERGE": ("false", "MLA_OPS_NATIVE_MERGE must be 0 (off) or 1 (on, the default), got 'false'"),
+    "MLA_OPS_NATIVE_LAUNCH": ("no", "MLA_OPS_NATIVE_LAUNCH must be 0 (off) or 1 (on, the default), got 'no'"),
+    "MLA_OPS_CACHE_DIR": ("/dev/null", "MLA_OPS_CACHE_DIR='/dev/null' is not a directory"),
+}
+
+
+def test_info_shows_every_setting() -> None:
+    result = _run("info", env={"MLA_OPS_TRITON_CONFIG": "128,64,8,3", "MLA_OPS_PREFIL_BACKEND": "TRITON"})
+    assert result.returncode == 0, result.stderr
+    settings = result.stdout.split("Settings (environment)\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert [line.split()[0] for line in settings] == [*SETTINGS, "MLA_OPS_PREFIL_BACKEND"]
+    assert "MLA_OPS_TRITON_CONFIG            '128,64,8,3' every TRITON launch as 128,64,8,3" in result.stdout
+    assert "MLA_OPS_FLASHINFER_WORKSPACE_MB  unset        128 MiB of FlashInfer workspace per device" in result.stdout
+    assert (
+        "MLA_OPS_PREFIL_BACKEND           'TRITON'     not a setting of mla_ops: ignored (misspelt?)" in result.stdout
+    )
+
+
+def test_info_validates_every_setting() -> None:
+    result = _run("info", env={variable: value for variable, (value, _) in SETTINGS.items()})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    for variable, (value, message) in SETTINGS.items():
+        assert f"{variable:<32} {value!r:<12} invalid: {message}" in result.stdout
+    assert (
+        result.stderr
+        == f"python -m mla_ops info: error: invalid settings: {', '.join(SETTINGS)} (see Settings above)\n"
+    )
+
+
+@pytest.mark.parametrize("command", [("demo", "--no-compile"), ("warmup",)])
+@pytest.mark.parametrize("variable", ["MLA_OPS_TRITON_CONFIG", "MLA_OPS_FLASHINFER_WORKSPACE_MB"])
+def test_commands_refuse_a_bad_setting_in_one_line(command, variable) -> None:
+    value, message = SETTINGS[variable]
+    result = _run(*command, env={variable: value})
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith(f"python -m mla_ops {command[0]}: error: {message}")
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
 
 
 def test_info_says_an_override_concerns_cuda_only() -> None:
@@ -46,13 +99,24 @@ def test_info_says_an_override_concerns_cuda_only() -> None:
         (("info", "--capability", "nine"), "cannot parse compute capability"),
         (("info", "--dtype", "float99"), "is not a torch dtype"),
         (("warmup", "--dims", "1,x,2"), "--dims must be three integers"),
+        (("demo", "--device", "tpu"), "--device 'tpu': pass cpu, cuda or cuda:N (N a GPU's index)"),
+        (("demo", "--device", "CPU"), "--device 'CPU': pass cpu, cuda or cuda:N (N a GPU's index)"),
+        (("demo", "--device", "0"), "--device '0': pass cpu, cuda or cuda:N (N a GPU's index)"),
+        (("demo", "--device", "cuda:x"), "--device 'cuda:x': pass cpu, cuda or cuda:N (N a GPU's index)"),
+        (("demo", "--device", "meta"), "--device 'meta': pass cpu, cuda or cuda:N (N a GPU's index)"),
+        (("warmup", "--device", "banana"), "--device 'banana': pass cuda or cuda:N (N a GPU's index)"),
+        (("warmup", "--device", "cuda:x"), "--device 'cuda:x': pass cuda or cuda:N (N a GPU's index)"),
+        (("warmup", "--device", "cpu"), "--device cpu: warmup compiles CUDA kernels; name a CUDA device"),
+        (("demo", "--dtype", "float32"), "argument --dtype: invalid choice: 'float32'"),
+        (("bogus",), "argument COMMAND: invalid choice: 'bogus'"),
     ],
 )
 def test_user_errors_are_one_line(args: tuple[str, ...], message: str) -> None:
-    result = _run(*args)
+    result = _run(*args, "--no-compile") if args[0] == "demo" else _run(*args)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert message in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
 
 
 @pytest.mark.skipif(
@@ -73,6 +137,32 @@ def test_demo_with_a_cuda_override_runs_on_cpu_and_says_so() -> None:
         result.stdout
     )
     assert "demo passed" in result.stdout
+
+
+def test_ctrl_c_during_demo_is_one_line_and_status_130() -> None:
+    # As a terminal sends it: SIGINT to the whole process group, once the demo is running its batches.
+    environment = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "mla_ops", "demo", "--device", "cpu"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment,
+        start_new_session=True,
+    )
+    try:
+        for line in demo.stdout:
+            if line.startswith("batch 0"):
+                break
+        time.sleep(1.0)  # into the batch's eager and compiled runs
+        os.killpg(demo.pid, signal.SIGINT)
+        _, stderr = demo.communicate(timeout=120)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait()
+    assert demo.returncode == 130, stderr
+    assert stderr.strip() == "python -m mla_ops demo: interrupted", stderr
 
 
 def test_a_closed_pipe_ends_quietly() -> None:

@@ -3,13 +3,14 @@ recompiles counted. On CPU the ops run REFERENCE; tests/test_gpu_e2e.py repeats 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from utils import cu_seqlens_of, make_batch, make_qkv, reset_compile
 
 import mla_ops
-from mla_ops.model import MLAAttention, MLAConfig, random_batch
+from mla_ops.model import MLAAttention, MLAConfig, pack_context, random_batch
 
 # Five ragged batches with different token counts and batch sizes, each with two context chunks.
 # Dynamo specialises sizes 0 and 1, so no tensor here is 0 or 1 tokens long (individual sequences
@@ -119,3 +120,92 @@ def test_mla_layer_compiles_fullgraph_once_across_ten_batches() -> None:
     assert _graph_breaks() == 0
     variants = _compiled_variants(layer.forward)
     assert variants == 1, f"{variants - 1} recompiles over 10 batches"
+
+
+# --- one graph for every batch: what PyTorch needs from the user --------------------------------------------------
+#
+# Under dynamic=True every size is a symbol, and two sizes of the first batch that happen to be equal share one
+# ("duck sizing"): a first batch of T = 16 tokens at H = 16 heads (or T = 128 = Dv, T = 192 = Dqk, a packed
+# context of 512 rows = kv_lora_rank or of 64 = the rotary dim) compiles a graph that guards on T == H, and the
+# next batch recompiles. Sizes 0 and 1 are specialised too: a batch of one token compiles a graph of its own.
+# Neither comes from the package's code (the sizes are fixed when Dynamo first sees the inputs, before any of it
+# runs), and neither can be undone from inside a compiled function; PyTorch's switches for both are global, so
+# the package leaves them to the user, and the README shows these two lines, which the tests below run verbatim.
+
+
+@pytest.fixture
+def one_graph_settings():
+    """The README's two lines before torch.compile (restored afterwards); the compile profiles PyTorch keeps
+    on disk between processes are left out, so that what is counted is this process's compiles."""
+    import torch.fx.experimental._config
+
+    saved = (torch.fx.experimental._config.use_duck_shape, torch.fx.experimental._config.backed_size_oblivious)
+    # --- as in the README:
+    torch.fx.experimental._config.use_duck_shape = False  # sizes that are equal by chance stay apart
+    torch.fx.experimental._config.backed_size_oblivious = True  # and 0 or 1 tokens are not special
+    # ---
+    try:
+        with torch._dynamo.config.patch(automatic_dynamic_local_pgo=False):
+            yield
+    finally:
+        torch.fx.experimental._config.use_duck_shape, torch.fx.experimental._config.backed_size_oblivious = saved
+
+
+# Batches after the first: ragged, and of one token (H = 16, Dqk = 192, Dv = 128 as DeepSeek-V3 under TP=8).
+OP_BATCHES = [[5, 9], [1], [40, 3, 7], [2], [1]]
+
+
+def _op_graphs(first_tokens: int) -> int:
+    reset_compile()
+
+    def attend(q, k, v, cu, max_seqlen):
+        return mla_ops.prefill(q, k, v, cu, max_seqlen)
+
+    compiled = torch.compile(attend, fullgraph=True, dynamic=True)
+    for seed, lengths in enumerate([[first_tokens], *OP_BATCHES]):
+        b = make_batch(lengths, 16, 192, 128, torch.bfloat16, strided_v=True, seed=seed)
+        out, lse = compiled(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen)
+        want_out, want_lse = mla_ops.prefill(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen)
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert _graph_breaks() == 0
+    return _compiled_variants(attend)
+
+
+@pytest.mark.parametrize("first_tokens", [16, 128, 192])
+def test_op_compiles_once_when_the_first_batch_matches_a_model_dimension(one_graph_settings, first_tokens) -> None:
+    graphs = _op_graphs(first_tokens)
+    assert graphs == 1, f"{graphs} graphs for a first batch of {first_tokens} tokens and {len(OP_BATCHES)} more"
+
+
+def test_without_the_settings_pytorch_recompiles_after_a_first_batch_of_h_tokens() -> None:
+    # Why the README asks for the two lines: PyTorch's defaults compile more than one graph here. (Should this
+    # start to fail, PyTorch no longer needs them, and the README's lines can go.)
+    import torch.fx.experimental._config
+
+    defaults = torch.fx.experimental._config.patch(use_duck_shape=True, backed_size_oblivious=False)
+    with defaults, torch._dynamo.config.patch(automatic_dynamic_local_pgo=False):
+        assert _op_graphs(16) > 1
+
+
+@pytest.mark.parametrize(
+    ("first_new", "first_context"),
+    [(7, 512), (7, 64), (1, 10)],
+    ids=["context of kv_lora_rank rows", "context of rotary-dim rows", "one token"],
+)
+@torch.no_grad()
+def test_mla_layer_compiles_once_for_any_first_batch(one_graph_settings, first_new, first_context) -> None:
+    reset_compile()
+    torch.manual_seed(0)
+    layer = MLAAttention(MLAConfig(hidden_size=256, num_heads=4, kv_lora_rank=512), dtype=torch.bfloat16)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    gen = torch.Generator().manual_seed(0)
+    plan = [([first_new], [first_context]), ([5, 9], [30, 0]), ([1], [3]), ([40, 3, 7], [0, 0, 300]), ([1], [0])]
+    for lengths, context in plan:
+        batch = random_batch(layer, lengths, context, chunk_size=256, generator=gen)
+        packed = [pack_context(layer, batch.cu_seqlens, batch.context)]
+        got = compiled(batch.hidden, batch.positions, batch.cu_seqlens, batch.max_seqlen, packed)
+        want = layer(batch.hidden, batch.positions, batch.cu_seqlens, batch.max_seqlen, batch.context)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
+    assert _graph_breaks() == 0
+    graphs = _compiled_variants(layer.forward)
+    assert graphs == 1, f"{graphs} graphs over {len(plan)} batches"

@@ -237,12 +237,27 @@ def main(argv: Sequence[str] | None = None) -> None:
             CHECKS[name](dense, args.device)
     dist.barrier()
     _log(f"passed: {' '.join(args.checks)}" + (f" on {args.backend}" if args.backend else ""))
-    # Only after success: a rank that fails exits without it, since tearing NCCL down waits for the
-    # other ranks (and for captured graphs that a traceback may keep alive); torchrun then stops them.
+    _exit_together(dist.distributed_c10d._get_default_store(), dist.get_world_size())
+
+
+def _exit_together(store: dist.Store, world_size: int) -> None:
+    """Tear the process group down, wait until every rank has, then leave: called only after success (a rank
+    that fails exits without it, since tearing NCCL down waits for the other ranks, and for captured graphs
+    that a traceback may keep alive; torchrun then stops them).
+
+    The order is what makes the teardown deterministic. Without the wait, the first rank to finish
+    ``destroy_process_group`` exited while another was still inside it, and the connections the exit closed
+    under that rank's teardown could abort it ("terminate called without an active exception", SIGABRT, after
+    it had passed). The wait goes through the launcher's store (``store``, which outlives the process group:
+    it is torchrun's TCP store, not a gloo or NCCL connection): a rank leaves only once every rank's
+    communicators are gone. Then ``os._exit``, without the interpreter's teardown, in which a rank of the
+    compile check sometimes aborted the same way (a native thread of the compiled code's runtime destroyed
+    while still joinable).
+    """
     dist.destroy_process_group()
-    # Then leave without the interpreter's teardown: in the compile check a rank sometimes aborted there,
-    # after passing ("terminate called without an active exception": a native thread of the compiled
-    # code's runtime destroyed while still joinable), which turned a passed check into exit code -6.
+    if store.add("tp_worker/torn_down", 1) == world_size:
+        store.set("tp_worker/all_torn_down", "1")
+    store.wait(["tp_worker/all_torn_down"])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -19,6 +19,7 @@ from ..api import ContextChunk
 from ..model import MLAAttention, MLABatch, MLAConfig, pack_context, random_batch
 from ..selector import ENV_VAR, current_override, route
 from ..specs import DeviceCapability, SelectorConfig
+from .info import check_settings, parse_device
 
 # bf16 activations between the projections already cost ~0.4% relative error; an attention kernel
 # that is wrong by even one masked row or a wrong LSE base lands far above this.
@@ -127,9 +128,10 @@ def run_demo(
     The compiled layer receives each batch's context packed into one chunk
     (:func:`mla_ops.model.pack_context`), so every batch runs the graph compiled for the first.
     """
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: no CUDA device is visible (torch.cuda.is_available() is False)")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = parse_device(str(device))
+    check_settings()
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     config = MLAConfig(hidden_size=1024, num_heads=16)

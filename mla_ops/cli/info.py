@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 
 import torch
 
@@ -20,6 +21,7 @@ from ..selector import (
     ENV_VAR,
     backend_priorities,
     current_override,
+    env_override,
     order_evidence,
     select_backend,
     unsupported_platform_reason,
@@ -48,6 +50,80 @@ def library_versions() -> dict[str, str]:
     versions["torch"] = torch.__version__
     versions["CUDA (torch build)"] = str(torch.version.cuda)
     return versions
+
+
+def _setting_value(variable: str) -> str:
+    """What ``variable``, one of :data:`SETTINGS`, makes the package do, parsed by the code that reads it;
+    raises that code's ``ValueError`` where the value is invalid."""
+    from .backends import flashinfer
+    from .kernels import configs
+
+    if variable == ENV_VAR:
+        forced = env_override()
+        return f"{forced.name} on CUDA devices" if forced else "automatic selection"
+    if variable == configs.CONFIG_ENV_VAR:
+        config = configs.env_attention_config()
+        return f"every TRITON launch as {config}" if config else "the configuration tables"
+    if variable == flashinfer.WORKSPACE_ENV:
+        return f"{flashinfer.workspace_bytes_from_env() >> 20} MiB of FlashInfer workspace per device"
+    if variable == native.DISABLE_VARIABLE:
+        return "native library used" if native.switch(variable) else "native library never built"
+    if variable == native.DEPRECATED_DISABLE_VARIABLE:
+        if native.DISABLE_VARIABLE in os.environ or variable not in os.environ:
+            return f"deprecated name of {native.DISABLE_VARIABLE}; not read"
+        on = native.switch(native.DISABLE_VARIABLE)
+        return f"deprecated name of {native.DISABLE_VARIABLE}: native library " + ("used" if on else "never built")
+    if variable == native.LAUNCH_VARIABLE:
+        return "TRITON launches handed to it" if native.switch(variable) else "TRITON launched through Python"
+    if variable == native.CACHE_VARIABLE:
+        return f"builds kept in {native.cache_root()}"
+    raise KeyError(variable)
+
+
+#: Every environment variable the package reads (``python -m mla_ops info`` shows each).
+SETTINGS = (
+    ENV_VAR,
+    "MLA_OPS_TRITON_CONFIG",
+    "MLA_OPS_FLASHINFER_WORKSPACE_MB",
+    native.DISABLE_VARIABLE,
+    native.DEPRECATED_DISABLE_VARIABLE,
+    native.LAUNCH_VARIABLE,
+    native.CACHE_VARIABLE,
+)
+
+
+def setting_problems() -> dict[str, str]:
+    """Each invalid setting's error, by variable (empty when every setting is valid)."""
+    problems = {}
+    for variable in SETTINGS:
+        try:
+            _setting_value(variable)
+        except ValueError as exc:
+            problems[variable] = str(exc)
+    return problems
+
+
+def check_settings() -> None:
+    """Raise the first invalid setting's ``ValueError`` (the commands call it before they start)."""
+    problems = setting_problems()
+    if problems:
+        raise ValueError(next(iter(problems.values())))
+
+
+def settings_table() -> tuple[str, dict[str, str]]:
+    """Every ``MLA_OPS_*`` setting with its value and what it does (or why it is invalid), plus variables named
+    ``MLA_OPS_*`` that are not settings; and the invalid settings' errors."""
+    lines = ["Settings (environment)"]
+    problems = setting_problems()
+    for variable in SETTINGS:
+        text = os.environ.get(variable)
+        shown = "unset" if text is None else repr(text)
+        verdict = f"invalid: {problems[variable]}" if variable in problems else _setting_value(variable)
+        lines.append(f"  {variable:<32} {shown:<12} {verdict}")
+    for variable in sorted(os.environ):
+        if variable.startswith("MLA_OPS_") and variable not in SETTINGS:
+            lines.append(f"  {variable:<32} {os.environ[variable]!r:<12} not a setting of mla_ops: ignored (misspelt?)")
+    return "\n".join(lines), problems
 
 
 def _device_name(capability: DeviceCapability | None) -> str:
@@ -183,6 +259,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="CUDA device to describe (default: the current one)")
 
 
+def parse_device(text: str, types: tuple[str, ...] = ("cpu", "cuda"), present: bool = True) -> torch.device:
+    """``--device`` as a ``torch.device``: ``cpu``, ``cuda`` or ``cuda:N`` (of ``types``), with ``present``
+    naming a device this machine has; raises ``ValueError`` saying what to pass instead."""
+    kind, colon, index = text.partition(":")
+    if kind not in types or (colon and (kind != "cuda" or not index.isdigit())):
+        choices = ", ".join(types).replace("cuda", "cuda, cuda:N").rsplit(", ", 1)
+        raise ValueError(f"--device {text!r}: pass {' or '.join(choices)} (N a GPU's index)")
+    device = torch.device(text)
+    if present and device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {text}: no CUDA device is visible (torch.cuda.is_available() is False)")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(
+                f"--device {text}: there is no such GPU; this machine shows {count} (cuda:0 to cuda:{count - 1})"
+            )
+    return device
+
+
 def parse_dims(text: str) -> MLADimensions:
     """``"qk_nope,qk_rope,v"`` as :class:`MLADimensions`; raises ``ValueError`` saying what is wrong."""
     try:
@@ -214,9 +309,19 @@ def main(args: argparse.Namespace) -> int:
     else:
         print("device: CPU only (no CUDA device visible)")
     print()
-    print(selection_rules(capability, config))
-    print()
-    print(machine_table(capability, config, simulated=args.capability is not None))
-    print()
-    print(dispatch_table(capability, config))
+    table, problems = settings_table()
+    print(table)
+    for section in (
+        lambda: selection_rules(capability, config),
+        lambda: machine_table(capability, config, simulated=args.capability is not None),
+        lambda: dispatch_table(capability, config),
+    ):
+        print()
+        try:
+            print(section())
+        except ValueError as exc:  # an invalid setting that this part reads: reported above, and below
+            print(f"  (not shown: {exc})")
+    if problems:
+        names = ", ".join(problems)
+        raise ValueError(f"invalid setting{'s' if len(problems) > 1 else ''}: {names} (see Settings above)")
     return 0

@@ -18,7 +18,7 @@ from .. import native
 from ..backends.registry import PrefillBackendEnum
 from ..selector import validate_backend
 from ..specs import DEEPSEEK_V3, DeviceCapability, SelectorConfig
-from .info import parse_dims
+from .info import check_settings, parse_device, parse_dims
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,12 +48,15 @@ def main(args: argparse.Namespace) -> int:
     dims_list = [parse_dims(d) for d in (args.dims or [",".join(map(str, DEEPSEEK_V3))])]
     if args.heads < 1:
         raise ValueError(f"--heads must be at least 1, got {args.heads}")
+    check_settings()
+    if args.device == "cpu":
+        raise ValueError("--device cpu: warmup compiles CUDA kernels; name a CUDA device (cuda or cuda:N)")
+    # The option's form is checked on every machine, so that a script's mistake shows before it meets a GPU.
+    parse_device(args.device, ("cuda",), present=False)
     if not torch.cuda.is_available():
         print("warmup: no CUDA device visible; the CPU path (REFERENCE) has nothing to compile")
         return 0
-    device = torch.device(args.device)
-    if device.type != "cuda":
-        raise ValueError(f"--device {args.device}: warmup compiles CUDA kernels; name a CUDA device (e.g. cuda:0)")
+    device = parse_device(args.device, ("cuda",))
     capability = DeviceCapability.of(device)
     wanted = [PrefillBackendEnum[name] for name in args.backend] if args.backend else list(PrefillBackendEnum)
     jobs = [(b, SelectorConfig(dt, dims)) for b in wanted for dt in dtypes for dims in dims_list]

@@ -88,10 +88,38 @@ def _disable_setting() -> tuple[str, str]:
     return DEPRECATED_DISABLE_VARIABLE, value
 
 
+def switch(variable: str) -> bool:
+    """The on/off setting ``variable`` (:data:`DISABLE_VARIABLE`, read under its deprecated name too, or
+    :data:`LAUNCH_VARIABLE`): on where unset or ``1``, off for ``0``; raises ``ValueError`` naming the variable
+    for any other value (``false``, ``no`` would otherwise leave it on without a word)."""
+    if variable == DISABLE_VARIABLE:
+        return _on(*_disable_setting())
+    return _on(variable, os.environ.get(variable, ""))
+
+
+def _on(name: str, value: str) -> bool:
+    text = value.strip()
+    if text in ("", "1"):
+        return True
+    if text == "0":
+        return False
+    raise ValueError(f"{name} must be 0 (off) or 1 (on, the default), got {text!r}")
+
+
+def cache_root() -> Path:
+    """Where builds are kept: ``$MLA_OPS_CACHE_DIR``, else ``~/.cache/mla_ops``; raises ``ValueError`` where
+    the variable names something that exists but is not a directory."""
+    text = os.environ.get(CACHE_VARIABLE)
+    root = Path(text) if text else Path(os.path.expanduser("~")) / ".cache" / "mla_ops"
+    if text and root.exists() and not root.is_dir():
+        raise ValueError(f"{CACHE_VARIABLE}={text!r} is not a directory; name a directory (it is created if missing)")
+    return root
+
+
 def unavailable_reason() -> str | None:
     """Why the native library cannot be built here without trying (``None`` where it may be)."""
     name, value = _disable_setting()
-    if value.strip() == "0":
+    if not _on(name, value):
         return f"disabled by {name}=0"
     if torch.version.cuda is None:
         return "this build of torch has no CUDA" + (" (ROCm is not supported)" if torch.version.hip else "")
@@ -163,8 +191,7 @@ def compilers() -> str:
 
 def build_directory(key: str) -> Path:
     """Where the build named ``key`` is kept: ``$MLA_OPS_CACHE_DIR/native/<key>``."""
-    root = os.environ.get(CACHE_VARIABLE) or os.path.join(os.path.expanduser("~"), ".cache", "mla_ops")
-    return Path(root) / "native" / key
+    return cache_root() / "native" / key
 
 
 #: Compiler flags of both sources; the architecture flags are added per build.
@@ -316,7 +343,7 @@ def _try_load(loader: Loader) -> None:
     loader.loaded = reason is None
     loader.launches = (
         reason is None
-        and os.environ.get(LAUNCH_VARIABLE, "1").strip() != "0"
+        and switch(LAUNCH_VARIABLE)
         and hasattr(torch.ops.mla_native, "remember_attention")  # what the library registers
     )
 
@@ -342,7 +369,7 @@ def status(fallback: str = "Triton kernel") -> str:
 def launch_status() -> str:
     """How a CUDA call of a backend whose launches the library can repeat (TRITON) is launched, in words for
     ``python -m mla_ops info``; builds nothing."""
-    if os.environ.get(LAUNCH_VARIABLE, "1").strip() == "0":
+    if not switch(LAUNCH_VARIABLE):
         return f"launched through Python: {LAUNCH_VARIABLE}=0"
     if LOADER.loaded:
         return "a layout's repeated calls launched from C++" if LOADER.launches else "launched through Python"

@@ -85,6 +85,8 @@ int64_t address_alignment(const at::Tensor& t) {
 std::optional<Key> layout_of(int64_t op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q, int64_t max_k,
                              double scale) {
+  // Undefined tensors (None for a Tensor argument) too: the Python kernel's check names the argument.
+  if (!q.defined() || !k.defined() || !v.defined() || !cu_q.defined() || !cu_k.defined()) return std::nullopt;
   if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3 || cu_q.dim() != 1 || cu_k.dim() != 1) return std::nullopt;
   Key key{};
   size_t i = 0;
@@ -293,7 +295,7 @@ Outputs prefill_context_chunk(const at::Tensor& q, const at::Tensor& k, const at
 Outputs prefill_with_chunk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens,
                            c10::SymInt max_seqlen, const at::Tensor& k_chunk, const at::Tensor& v_chunk,
                            const at::Tensor& cu_seqlens_k, c10::SymInt max_seqlen_k, double softmax_scale) {
-  if (v.dim() == 3 && v_chunk.dim() == 3 && v.size(2) == v_chunk.size(2)) {
+  if (v.defined() && v_chunk.defined() && v.dim() == 3 && v_chunk.dim() == 3 && v.size(2) == v_chunk.size(2)) {
     const int64_t bound = max_seqlen.expect_int();
     const int64_t bound_k = max_seqlen_k.expect_int();
     auto causal = launchable(0, q, k, v, cu_seqlens, cu_seqlens, bound, bound, softmax_scale);

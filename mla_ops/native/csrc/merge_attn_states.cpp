@@ -30,6 +30,8 @@ namespace {
 
 bool inputs_are_valid(const at::Tensor& prefix_out, const at::Tensor& prefix_lse, const at::Tensor& suffix_out,
                       const at::Tensor& suffix_lse) {
+  // An undefined tensor (None for a Tensor argument) goes to the Python check, which names the argument.
+  if (!prefix_out.defined() || !prefix_lse.defined() || !suffix_out.defined() || !suffix_lse.defined()) return false;
   if (prefix_out.dim() != 3) return false;
   const auto dtype = prefix_out.scalar_type();
   const auto sizes = prefix_out.sizes();
