@@ -55,8 +55,8 @@ def library_versions() -> dict[str, str]:
 def _setting_value(variable: str) -> str:
     """What ``variable``, one of :data:`SETTINGS`, makes the package do, parsed by the code that reads it;
     raises that code's ``ValueError`` where the value is invalid."""
-    from .backends import flashinfer
-    from .kernels import configs
+    from ..backends import flashinfer
+    from ..kernels import configs
 
     if variable == ENV_VAR:
         forced = env_override()
