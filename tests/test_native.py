@@ -189,3 +189,16 @@ def test_the_old_name_of_the_off_switch_still_works_and_warns(fresh, monkeypatch
     # The new name wins where both are set.
     monkeypatch.setenv(native.DISABLE_VARIABLE, "1")
     assert native.unavailable_reason() != "disabled by MLA_OPS_NATIVE_MERGE=0"
+
+
+def test_a_launch_the_library_cannot_repeat_is_not_handed_over(fresh, monkeypatch):
+    """Where the installed Triton's launcher is not one the C++ kernel can repeat (any release but 3.6), no
+    layout is remembered, so the C++ kernels never take the ops' CUDA key and no TRITON call pays their hop."""
+    from mla_ops.kernels import attention
+
+    fresh.loaded = fresh.launches = True  # as if loaded; torch.ops.mla_native must not be reached
+    monkeypatch.setattr(attention, "known_native_launch", lambda *call: None)
+    t = torch.zeros(4, 2, 16, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    assert not native.remember_attention(native.PREFILL, VarlenCall(t, t, t, cu, cu, 4, 4, 0.25, True))
+    fresh.launches = False
