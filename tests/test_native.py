@@ -197,7 +197,7 @@ def test_a_launch_the_library_cannot_repeat_is_not_handed_over(fresh, monkeypatc
     from mla_ops.kernels import attention
 
     fresh.loaded = fresh.launches = True  # as if loaded; torch.ops.mla_native must not be reached
-    monkeypatch.setattr(attention, "known_native_launch", lambda *call: None)
+    monkeypatch.setattr(attention, "known_native_launch", lambda call: None)
     t = torch.zeros(4, 2, 16, dtype=torch.bfloat16)
     cu = torch.tensor([0, 4], dtype=torch.int32)
     assert not native.remember_attention(native.PREFILL, VarlenCall(t, t, t, cu, cu, 4, 4, 0.25, True))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
@@ -34,6 +34,9 @@ from .configs import (
 from .launch import CachedLaunch, FixedLaunch, KnownLayout, NativeLaunch, pointer_alignment, remember
 from .programs import program_layout
 from .triton_compat import gluon_triton_reason
+
+if TYPE_CHECKING:
+    from ..backends.base import VarlenCall
 
 __all__ = ["LaunchPlan", "attention_triton", "head_dim_split", "known_native_launch", "launch_plan"]
 
@@ -265,23 +268,14 @@ def _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
 NATIVE_TENSOR_CODES = (0, 1, 2, 3, 4, 5, 6)
 
 
-def known_native_launch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    causal: bool,
-) -> NativeLaunch | None:
+def known_native_launch(call: VarlenCall) -> NativeLaunch | None:
     """The launch that :func:`attention_triton` (with its default configuration) repeats for the layout of
-    these arguments, in the form a launcher in C++ takes (:meth:`FixedLaunch.native_launch`, the tensors
+    ``call``'s arguments (:class:`~mla_ops.backends.base.VarlenCall`, the order of :func:`attention_triton`'s),
+    in the form a launcher in C++ takes (:meth:`FixedLaunch.native_launch`, the tensors
     coded as :data:`NATIVE_TENSOR_CODES`); ``None`` where no launch of the layout is known (none made yet,
     or the Gluon kernel's, whose host descriptors hold the tensors' addresses) or it cannot be made
     natively."""
-    layout, _ = _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, None)
+    layout, _ = _layout(*call, None)
     known = _known.get(layout)
     return None if known is None else known.launch.native_launch(NATIVE_TENSOR_CODES)
 

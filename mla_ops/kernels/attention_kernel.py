@@ -528,4 +528,3 @@ def attn_fwd_kernel(
     else:
         tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     tl.store(Lse + h.to(tl.int64) * stride_lse_h + q_start + offs_m, lse, mask=row_ok)
-

@@ -430,7 +430,7 @@ def remember_attention(op: int, call: VarlenCall) -> bool:
         return False
     from ..kernels.attention import known_native_launch
 
-    launch = known_native_launch(*call)
+    launch = known_native_launch(call)
     if launch is None:
         return False
     from ..kernels.configs import CONFIG_ENV_VAR
