@@ -8,7 +8,6 @@ Design: docs/design/ops.md and docs/design/graph-trees.md.
 
 from __future__ import annotations
 
-import itertools
 import math
 import numbers
 import operator
@@ -22,9 +21,9 @@ from .meta.checks import (
     MAX_SEQLEN_LIMIT,
     check_argument_types,
     check_attention_inputs,
+    check_cu_seqlens_values,
     check_max_seqlen,
     check_merge_inputs,
-    check_offsets_start_and_order,
 )
 from .runtime.graph_trees import IN_GRAPH_TWINS, routes_in_graph
 
@@ -557,19 +556,8 @@ def check_packing(
         if cu_k.device != device:
             raise ValueError(f"{offsets} is on {cu_k.device} but the new tokens are on {device}; move it there")
         check_max_seqlen(f"{where}", "max_seqlen_k", max_k)
-        if cu_k.device.type == "cpu":
-            bounds = check_offsets_start_and_order(where, "cu_seqlens_k", cu_k)
-            if bounds[-1] > a.shape[0]:
-                raise ValueError(
-                    f"{offsets} ends at {bounds[-1]} but the chunk's {first} holds only {a.shape[0]} rows; "
-                    f"cu_seqlens_k[-1] must be <= its row count"
-                )
-            longest = max((y - x for x, y in itertools.pairwise(bounds)), default=0)
-            if longest > max_k:
-                raise ValueError(
-                    f"{where}: max_seqlen_k is {max_k} but a sequence has {longest} rows in this chunk; "
-                    "pass an upper bound"
-                )
+        if cu_k.device.type == "cpu":  # the values, as the ops' CPU kernels check them
+            check_cu_seqlens_values(where, cu_k, a.shape[0], max_k, "cu_seqlens_k")
 
 
 def pack_rows(

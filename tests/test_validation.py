@@ -91,13 +91,14 @@ PACK_CASES = [
         "offsets past the chunk's rows",
         [_chunk([2, 2], torch.tensor([0, 2, 9], dtype=torch.int32), max_seqlen=7)],
         ValueError,
-        "pack_chunks: chunks[0].cu_seqlens_k ends at 9 but the chunk's k holds only 4 rows",
+        "pack_chunks: chunks[0]: cu_seqlens_k ends at 9 but the tensor holds only 4 tokens; "
+        "cu_seqlens_k[-1] must be <= the token count",
     ),
     (
         "max_seqlen_k below the longest slice",
         [_chunk([2, 5], max_seqlen=3)],
         ValueError,
-        "pack_chunks: chunks[0]: max_seqlen_k is 3 but a sequence has 5 rows in this chunk; pass an upper bound",
+        "pack_chunks: chunks[0]: max_seqlen for cu_seqlens_k is 3 but a sequence has 5 tokens; pass an upper bound",
     ),
     (
         "negative max_seqlen_k",
