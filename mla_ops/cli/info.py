@@ -69,7 +69,7 @@ def _setting_value(variable: str) -> str:
     if variable == native.DISABLE_VARIABLE:
         return "native library used" if native.switch(variable) else "native library never built"
     if variable == native.DEPRECATED_DISABLE_VARIABLE:
-        if native.DISABLE_VARIABLE in os.environ or variable not in os.environ:
+        if native.disable_setting()[0] != variable:  # MLA_OPS_NATIVE set, or the old name unset
             return f"deprecated name of {native.DISABLE_VARIABLE}; not read"
         on = native.switch(native.DISABLE_VARIABLE)
         return f"deprecated name of {native.DISABLE_VARIABLE}: native library " + ("used" if on else "never built")

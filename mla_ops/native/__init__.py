@@ -42,6 +42,7 @@ __all__ = [
     "Loader",
     "attention_kernels_registered",
     "build_directory",
+    "disable_setting",
     "forget_attention",
     "is_built",
     "is_loaded",
@@ -67,7 +68,7 @@ CACHE_VARIABLE = "MLA_OPS_CACHE_DIR"
 _CSRC = Path(__file__).resolve().parent / "csrc"
 
 
-def _disable_setting() -> tuple[str, str]:
+def disable_setting() -> tuple[str, str]:
     """``(name, value)`` of the setting that turns the library off: ``MLA_OPS_NATIVE``, else its deprecated
     name (which warns once per process), else ``(MLA_OPS_NATIVE, "1")``."""
     value = os.environ.get(DISABLE_VARIABLE)
@@ -93,7 +94,7 @@ def switch(variable: str) -> bool:
     :data:`LAUNCH_VARIABLE`): on where unset or ``1``, off for ``0``; raises ``ValueError`` naming the variable
     for any other value (``false``, ``no`` would otherwise leave it on without a word)."""
     if variable == DISABLE_VARIABLE:
-        return _on(*_disable_setting())
+        return _on(*disable_setting())
     return _on(variable, os.environ.get(variable, ""))
 
 
@@ -118,7 +119,7 @@ def cache_root() -> Path:
 
 def unavailable_reason() -> str | None:
     """Why the native library cannot be built here without trying (``None`` where it may be)."""
-    name, value = _disable_setting()
+    name, value = disable_setting()
     if not _on(name, value):
         return f"disabled by {name}=0"
     if torch.version.cuda is None:
