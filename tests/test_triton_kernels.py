@@ -749,20 +749,16 @@ def test_backend_dimension_reasons():
     ]
 
 
-def test_backend_describes_the_hopper_kernel_where_it_applies(monkeypatch):
+def test_backend_describes_the_hopper_kernel_where_it_applies():
     """``info`` names the kernel that runs large batches: the Gluon one on Hopper, for the dims its table lists,
     with the Triton releases it is adapted to; with another release the ``tl.dot`` kernel, and why."""
-    from mla_ops.backends import triton as triton_backend
-
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
-    describe = TritonBackend().describe
     deepseek = SelectorConfig(torch.bfloat16, DEEPSEEK_V3)
-    monkeypatch.setattr(triton_backend, "_triton_version", lambda: "3.10.0")
-    text = describe(DeviceCapability(9, 0), deepseek)
+    text = TritonBackend(triton_version=lambda: "3.10.0").describe(DeviceCapability(9, 0), deepseek)
     assert "large batches: this kernel too, not the Hopper kernel written in Gluon:" in text
     assert "(installed: 3.10.0)" in text
     for version in ("3.6.0", "3.8.0", "3.9.0"):
-        monkeypatch.setattr(triton_backend, "_triton_version", lambda version=version: version)
+        describe = TritonBackend(triton_version=lambda version=version: version).describe
         assert "large batches: the Hopper kernel written in Gluon" in describe(DeviceCapability(9, 0), deepseek)
     assert "Gluon" not in describe(DeviceCapability(10, 0), deepseek)
     assert "Gluon" not in describe(DeviceCapability(9, 0), SelectorConfig(torch.float16, MLADimensions(64, 0, 64)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Callable
 
 import torch
 
@@ -23,7 +24,8 @@ MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 16
 
 
-def _triton_version() -> str | None:
+def installed_triton_version() -> str | None:
+    """The installed Triton's version, or ``None`` where it does not import."""
     try:
         return importlib.import_module("triton").__version__
     except Exception:
@@ -34,11 +36,17 @@ class TritonBackend(PrefillBackend):
     """Triton varlen attention: causal for new tokens, non-causal for context chunks, ``Dqk != Dv``.
 
     Serves SM80 and newer (the base class's rule): ``tl.dot`` on 16-bit inputs needs their tensor cores.
+
+    Args:
+        triton_version: what :meth:`describe` asks for the installed Triton's version (tests pass others).
     """
 
     name = "TRITON"
     launches_natively = True  # every launch of a known layout is a FixedLaunch (mla_ops.kernels.launch)
     _kernel = None  # mla_ops.kernels.attention.attention_triton, once imported
+
+    def __init__(self, triton_version: Callable[[], str | None] = installed_triton_version) -> None:
+        self.triton_version = triton_version
 
     def library_reasons(self, capability: DeviceCapability | None, config: SelectorConfig) -> list[str]:
         try:
@@ -57,7 +65,7 @@ class TritonBackend(PrefillBackend):
         return reasons
 
     def describe(self, capability: DeviceCapability | None, config: SelectorConfig) -> str:
-        version = _triton_version()
+        version = self.triton_version()
         where = f"Triton {version}" if version else "Triton (not installed)"
         text = f"{where}: mla_ops varlen flash-attention forward, QK split into power-of-two dots (192 = 128 + 64)"
         dims = config.mla_dimensions
