@@ -425,7 +425,7 @@ def merge_parts(merge_args: tuple, device: torch.device) -> tuple[Callable[[], A
     fixed = None
     for _ in range(2):  # the first launch compiles the variant through the JIT function, the second returns it
         out, lse = torch.empty_like(out_template), torch.empty_like(lse_template)
-        fixed = merge._launch(*merge_args, out, lse, (False, False), None, None)
+        fixed = merge.LAUNCHES.launch(*merge_args, out, lse, (False, False), None, None)
     if fixed is None:
         return None
     inputs = tuple(t.data_ptr() for t in merge_args)

@@ -7,6 +7,8 @@ the variable is set here, before any test module imports ``mla_ops.kernels``.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -48,3 +50,28 @@ def _isolated_selection(monkeypatch: pytest.MonkeyPatch):
     mla_ops.set_prefill_backend(None)
     yield
     mla_ops.set_prefill_backend(None)
+
+
+def _emptied(cache: Any) -> Iterator[Any]:
+    """``cache`` (a :class:`mla_ops.kernels.launch.LaunchCache`) emptied for the test, then put back as it
+    was, with whatever the test replaced on it."""
+    saved = cache.state()
+    cache.reset()
+    yield cache
+    cache.restore(saved)
+
+
+@pytest.fixture
+def attention_launches() -> Iterator[Any]:
+    """The Triton attention's launch state (``mla_ops.kernels.attention.LAUNCHES``) with no known layout or
+    configuration; the test may replace its tables, ``launcher`` or ``launch``."""
+    attention = pytest.importorskip("mla_ops.kernels.attention", reason="the Triton kernels need triton installed")
+    yield from _emptied(attention.LAUNCHES)
+
+
+@pytest.fixture
+def merge_launches() -> Iterator[Any]:
+    """The Triton merge's launch state (``mla_ops.kernels.merge.LAUNCHES``) with no known layout; the test
+    may replace its ``known``, launchers or ``launch``."""
+    merge = pytest.importorskip("mla_ops.kernels.merge", reason="the Triton kernels need triton installed")
+    yield from _emptied(merge.LAUNCHES)

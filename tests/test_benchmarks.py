@@ -303,11 +303,9 @@ def test_dispatch_cpu_run(default_out, written):
     assert json.loads((default_out / "dispatch.env.json").read_text())["iters"] == 5
 
 
-def test_dispatch_merge_parts_allocate_two_outputs_and_launch_once(monkeypatch):
+def test_dispatch_merge_parts_allocate_two_outputs_and_launch_once(merge_launches):
     """The merge row's raw column: two fresh outputs and one launch of the fixed kernel per call, with the
     inputs' and those outputs' addresses; nothing where the kernel is not launched directly (CPU)."""
-    from mla_ops.kernels import merge
-
     launches = []
 
     def fake_launch(*args):
@@ -315,7 +313,7 @@ def test_dispatch_merge_parts_allocate_two_outputs_and_launch_once(monkeypatch):
         assert out.shape == (8, 2, 64) and lse.shape == (2, 8)
         return lambda leading: launches.append(leading)
 
-    monkeypatch.setattr(merge, "_launch", fake_launch)
+    merge_launches.launch = fake_launch
     args = (torch.randn(8, 2, 64).bfloat16(), torch.randn(2, 8), torch.randn(8, 2, 64).bfloat16(), torch.randn(2, 8))
     assert BD.merge_parts(args, torch.device("cpu")) is None
     parts, allocations, launch = BD.merge_parts(args, torch.device("cuda"))  # CPU tensors stand in for the device's

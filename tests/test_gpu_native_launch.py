@@ -211,11 +211,11 @@ def test_config_variable_sends_calls_to_python(monkeypatch):
     q, k, v, cu, max_q, scale = _new_tokens([16])
     want = torch.ops.mla.prefill(q, k, v, cu, max_q, scale)
     torch.ops.mla.prefill(q, k, v, cu, max_q, scale)
-    known = len(attention._known)
+    known = len(attention.LAUNCHES.known)
     monkeypatch.setenv("MLA_OPS_TRITON_CONFIG", "64,64,4,2")
     torch.ops.mla.prefill(q, k, v, cu, max_q, scale)  # the Python kernel compiles the forced configuration
-    got = torch.ops.mla.prefill(q, k, v, cu, max_q, scale)  # and remembers its launch (only Python writes _known)
-    assert len(attention._known) == known + 1
+    got = torch.ops.mla.prefill(q, k, v, cu, max_q, scale)  # and remembers its launch (only Python remembers)
+    assert len(attention.LAUNCHES.known) == known + 1
     torch.testing.assert_close(got[0].float(), want[0].float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
 

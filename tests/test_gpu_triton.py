@@ -294,7 +294,7 @@ def test_gluon_persistent_programs_carry_their_rings(monkeypatch, text, causal, 
     _check_padding(lse, sum(lengths_q))
 
 
-def test_large_batches_take_the_gluon_kernel(monkeypatch):
+def test_large_batches_take_the_gluon_kernel(monkeypatch, attention_launches):
     """Through the table (no explicit configuration), a batch of at least TMA_MIN_KEY_ROWS key rows times
     heads runs the Gluon kernel on SM90 and a smaller one the tl.dot kernel; both match the reference.
     Inputs the Gluon kernel does not cover (here (128, 128) heads) fall back to the tl.dot kernel, and an
@@ -302,7 +302,6 @@ def test_large_batches_take_the_gluon_kernel(monkeypatch):
     from mla_ops.kernels import attention, attention_sm90
 
     config = _gluon_config(GLUON_VARIANTS[0])
-    monkeypatch.setattr(attention, "_large_configs", {})
     calls = record_results(monkeypatch, attention_sm90, "attention_sm90")
     heads, scale = 16, _scale(192)
     for rows, expected in ((1024, 0), (attention.TMA_MIN_KEY_ROWS // heads, 1)):
@@ -449,7 +448,7 @@ def test_merge_matches_reference(shape, dtype):
 def test_merge_relaunches_its_layout_on_new_tensors():
     """From a layout's second launch on, the kernel is relaunched with only the tensors replaced: every
     call must read its own inputs and write its own outputs, whatever the layout remembered."""
-    from mla_ops.kernels.merge import _known, merge_attn_states_triton
+    from mla_ops.kernels.merge import LAUNCHES, merge_attn_states_triton
 
     gen = torch.Generator().manual_seed(4)
     kv = torch.randn(64, 8, 192, generator=gen).to(DEVICE, torch.bfloat16)
@@ -468,7 +467,7 @@ def test_merge_relaunches_its_layout_on_new_tensors():
         torch.testing.assert_close(out.float(), ref_out.float(), rtol=1e-2, atol=1e-2)
         results.append(out)
     assert len({t.data_ptr() for t in results}) == len(results)  # fresh outputs each call
-    assert _known, "the merge remembers its layouts"
+    assert LAUNCHES.known, "the merge remembers its layouts"
 
 
 def test_relaunches_call_the_c_launcher_where_its_forwarding_is_known():
@@ -482,7 +481,7 @@ def test_relaunches_call_the_c_launcher_where_its_forwarding_is_known():
     for _ in range(2):
         out, lse = mla_ops.prefill(batch.q, batch.k, batch.v, batch.cu_seqlens, 40)
         mla_ops.merge_attn_states(out, lse, out, lse)
-    fixed = [known.launch for table in (attention._known, merge._known) for known in table.values()]
+    fixed = [known.launch for cache in (attention.LAUNCHES, merge.LAUNCHES) for known in cache.known.values()]
     natives = [f.native is not None for f in fixed]
     if not triton.__version__.startswith("3.6."):
         pytest.skip(f"Triton {triton.__version__}: its launcher's forwarding is not one this package knows")
@@ -554,12 +553,11 @@ def test_warmup_compiles_without_error(dims):
     TritonBackend().warmup(torch.device(DEVICE), config, num_heads=16)
 
 
-def test_a_captured_call_launches_what_the_eager_warmup_compiled(monkeypatch):
+def test_a_captured_call_launches_what_the_eager_warmup_compiled(attention_launches):
     """Which kernel and variant a call launches depends on its shapes only (TMA_MIN_KEY_ROWS, the tables), so
     a captured call of shapes launched eagerly before meets nothing to compile inside the capture."""
     from mla_ops.kernels import attention
 
-    monkeypatch.setattr(attention, "_known", {})
     heads, scale = 16, _scale(192)
     batch = make_batch([40, 24], heads, 192, 128, torch.bfloat16, device=DEVICE, strided_v=True, seed=8)
     keys = 1024
@@ -567,10 +565,10 @@ def test_a_captured_call_launches_what_the_eager_warmup_compiled(monkeypatch):
     cu_k = cu_seqlens_of([keys // 2, keys - keys // 2], DEVICE)
     out, lse = attention.attention_triton(batch.q, k, v, batch.cu_seqlens, cu_k, 40, keys, scale, False)
     assert_attention_close(out, lse, batch.q, k, v, batch.cu_seqlens, cu_k, scale, False)
-    compiled = dict(attention._launcher.compiled)
+    compiled = dict(attention_launches.launcher.compiled)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, lse = attention.attention_triton(batch.q, k, v, batch.cu_seqlens, cu_k, 40, keys, scale, False)
-    assert attention._launcher.compiled == compiled, "the capture met no variant the eager call had not compiled"
+    assert attention_launches.launcher.compiled == compiled, "the capture met no variant the eager call did not"
     graph.replay()
     assert_attention_close(out, lse, batch.q, k, v, batch.cu_seqlens, cu_k, scale, False)

@@ -112,14 +112,15 @@ def test_grid_does_not_grow_with_max_seqlen(monkeypatch):
     from mla_ops.kernels import attention
 
     grids = []
-    real_kernel = attention._launcher.kernel
+    real_kernel = attention.LAUNCHES.launcher.kernel
 
     class Recorder:
         def __getitem__(self, grid):
             grids.append(grid)
             return real_kernel[grid]
 
-    monkeypatch.setattr(attention._launcher, "kernel", Recorder())  # every launch of the interpreter goes through it
+    # Every launch of the interpreter goes through the JIT function.
+    monkeypatch.setattr(attention.LAUNCHES.launcher, "kernel", Recorder())
     batch = make_batch([30, 0, 7], HEADS, 64, 64, torch.float16, padding=4, seed=19)
     for max_seqlen in (30, 1_000_000):
         out, lse = attention_triton(
@@ -385,7 +386,7 @@ def test_merge_reads_a_base2_lse_as_if_converted_first(merge):
     assert not torch.equal(plain[1].nan_to_num(), want[1].nan_to_num())
 
 
-def test_merge_checks_each_layout_once_on_host_stand_ins(monkeypatch):
+def test_merge_checks_each_layout_once_on_host_stand_ins(monkeypatch, merge_launches):
     """``check=``: called before a layout's first launch and not again for it; called again for any change of
     shape, stride, dtype, device or grad recording (all that mla.merge_attn_states' check reads), and for a
     layout known only from calls without a check. The launches are stand-ins, so this runs on CPU tensors."""
@@ -409,8 +410,7 @@ def test_merge_checks_each_layout_once_on_host_stand_ins(monkeypatch):
         checks.append(len(tensors))
         check_merge_inputs(*tensors)
 
-    monkeypatch.setattr(merge, "_launch", fake_launch)
-    monkeypatch.setattr(merge, "_known", {})
+    merge_launches.launch = fake_launch
     monkeypatch.setattr(merge, "current_cuda_device", lambda: -1)  # a CPU tensor's get_device()
     gen = torch.Generator().manual_seed(3)
     po, so = (torch.randn(8, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
@@ -818,13 +818,13 @@ def test_backend_warmup_rejects_cpu():
 
 
 @interpreted
-def test_out_of_resources_steps_down_unless_explicit(monkeypatch):
+def test_out_of_resources_steps_down_unless_explicit(monkeypatch, attention_launches):
     """A table config too big for the GPU is shrunk (and remembered); an explicit one is reported."""
     from triton.runtime.errors import OutOfResources
 
     from mla_ops.kernels import attention
 
-    real_launch, tried, layouts = attention._launch, [], []
+    real_launch, tried, layouts = attention_launches.launch, [], []
 
     def launch(plan_args):
         config = plan_args[-1]
@@ -838,9 +838,8 @@ def test_out_of_resources_steps_down_unless_explicit(monkeypatch):
             layouts.append(layout)
             return super().get(layout, default)
 
-    monkeypatch.setattr(attention, "_launch", launch)
-    monkeypatch.setattr(attention, "_known", Known())
-    monkeypatch.setattr(attention, "_table_configs", {})
+    attention_launches.launch = launch
+    attention_launches.known = Known()
     monkeypatch.setattr(attention, "attention_config", lambda *a: AttentionConfig(16, 64, 4, 2))
     batch = make_batch([20], HEADS, 64, 64, torch.float16, seed=16)
     args = (batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 20, 20, 0.125, True)
@@ -856,6 +855,17 @@ def test_out_of_resources_steps_down_unless_explicit(monkeypatch):
     # The layout names what chose the configuration: an explicit one (or MLA_OPS_TRITON_CONFIG's text), else
     # None for the table, whose entry a step-down changes before any layout of it is remembered.
     assert [layout[-2] for layout in layouts] == [None, None, AttentionConfig(16, 64, 4, 1)]
+
+
+def _runtime(stream=lambda index: f"stream{index}", enter=None, leave=None):
+    """A launch runtime of stand-ins: ``stream(device_index)`` for the current stream, and Triton's knobs with
+    these launch hooks (``None``: none installed)."""
+    from types import SimpleNamespace
+
+    from mla_ops.kernels import launch
+
+    hooks = SimpleNamespace(launch_enter_hook=enter, launch_exit_hook=leave)
+    return launch.Runtime(knobs=SimpleNamespace(runtime=hooks), current_stream=stream)
 
 
 def test_cached_launch_skips_the_jit_after_the_first_launch(monkeypatch):
@@ -895,12 +905,8 @@ def test_cached_launch_skips_the_jit_after_the_first_launch(monkeypatch):
 
             return launch_
 
-    monkeypatch.setattr(
-        launch, "_knobs", SimpleNamespace(runtime=SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
-    )
-    monkeypatch.setattr(launch, "_current_stream", lambda index: f"stream{index}")
     monkeypatch.setattr(launch, "current_cuda_device", lambda: 0)
-    launcher = launch.CachedLaunch(Jit())
+    launcher = launch.CachedLaunch(Jit(), _runtime())
     assert launcher.enabled and launcher.constexpr_names == ["BLOCK", "MODE"]
     cuda0 = torch.device("cuda", 0)
     constexprs = {"MODE": 1, "BLOCK": 64}  # given out of order: the launcher orders them by the signature
@@ -920,12 +926,11 @@ def test_cached_launch_skips_the_jit_after_the_first_launch(monkeypatch):
     assert [c[0] for c in calls[4:]] == ["jit", "direct", "direct"]
     assert calls[-1][2] == (6, 3, 1, "stream0", "function", "metadata", None, None, None, "u", 9, 16, 64, 1)
     # Triton's hooks are passed, with launch metadata, only when one is installed.
-    chain = launch._hooks
-    hooks = SimpleNamespace(launch_enter_hook=SimpleNamespace(calls=[]), launch_exit_hook=SimpleNamespace(calls=[]))
-    monkeypatch.setattr(launch, "_knobs", SimpleNamespace(runtime=hooks))
-    assert chain() == (None, None)
+    runtime = _runtime(enter=SimpleNamespace(calls=[]), leave=SimpleNamespace(calls=[]))
+    hooks = runtime.knobs.runtime
+    assert runtime.hooks() == (None, None)
     hooks.launch_enter_hook.calls.append(print)
-    assert chain() == (hooks.launch_enter_hook, hooks.launch_exit_hook)
+    assert runtime.hooks() == (hooks.launch_enter_hook, hooks.launch_exit_hook)
 
 
 def test_a_known_launcher_is_called_through_its_c_launch_and_any_other_through_call(monkeypatch):
@@ -951,17 +956,16 @@ def test_a_known_launcher_is_called_through_its_c_launch_and_any_other_through_c
             calls.append(("call", (gridX, gridY, gridZ, stream, function, *args)))
 
     compiled = SimpleNamespace(run=CudaLauncher(), function="fn", packed_metadata="meta", metadata=None)
-    monkeypatch.setattr(launch, "_current_stream", lambda index: "stream")
-    monkeypatch.setattr(launch, "_hooks", lambda: (None, None))
+    runtime = _runtime(stream=lambda index: "stream")
     launch._forwarding_known.cache_clear()
-    fixed = launch.FixedLaunch(compiled, 0, (3,), ("tail",))
+    fixed = launch.FixedLaunch(compiled, 0, (3,), ("tail",), runtime)
     assert fixed.native is None  # an unknown __call__
     fixed(("lead",))
     assert calls.pop() == ("call", (3, 1, 1, "stream", "fn", "meta", None, None, None, "lead", "tail"))
     source = textwrap.dedent(inspect.getsource(CudaLauncher.__call__))
     monkeypatch.setattr(launch, "KNOWN_LAUNCHER_CALLS", {hashlib.sha256(source.encode()).hexdigest()})
     launch._forwarding_known.cache_clear()
-    fixed = launch.FixedLaunch(compiled, 0, (3,), ("tail",))
+    fixed = launch.FixedLaunch(compiled, 0, (3,), ("tail",), runtime)
     fixed(("lead",))
     assert calls.pop() == (
         "c",
@@ -972,7 +976,7 @@ def test_a_known_launcher_is_called_through_its_c_launch_and_any_other_through_c
     launch._forwarding_known.cache_clear()
 
 
-def test_native_launch_describes_the_parameters_triton_passes(monkeypatch):
+def test_native_launch_describes_the_parameters_triton_passes():
     """FixedLaunch.native_launch: the kernel's parameters as cuLaunchKernel takes them, the constexprs left out
     as Triton's launcher leaves them out, a float as its 32 bits; nothing where C++ could launch differently."""
     import struct
@@ -989,8 +993,8 @@ def test_native_launch_describes_the_parameters_triton_passes(monkeypatch):
         metadata=SimpleNamespace(num_warps=4, num_ctas=1, shared=1024),
         src=SimpleNamespace(signature=signature),
     )
-    monkeypatch.setattr(launch, "_hooks", lambda: (None, None))
-    fixed = launch.FixedLaunch(compiled, 0, (3, 2), (7, 1, 0.5, -(2**40), 64))
+    runtime = _runtime()
+    fixed = launch.FixedLaunch(compiled, 0, (3, 2), (7, 1, 0.5, -(2**40), 64), runtime)
     fixed.native = (None, False, False)  # a known launcher (what _native_launch finds for Triton 3.6's)
     got = fixed.native_launch((5, 2))
     half_bits = struct.unpack("<I", struct.pack("<f", 0.5))[0]
@@ -1002,14 +1006,15 @@ def test_native_launch_describes_the_parameters_triton_passes(monkeypatch):
         {"native": (None, False, True)},  # programmatic dependent launch
         {"needs_scratch": True},
     ):
-        other = launch.FixedLaunch(compiled, 0, (3, 2), (7, 1, 0.5, -(2**40), 64))
+        other = launch.FixedLaunch(compiled, 0, (3, 2), (7, 1, 0.5, -(2**40), 64), runtime)
         other.native = (None, False, False)
         for name, value in refusal.items():
             setattr(other, name, value)
         assert other.native_launch((5, 2)) is None, refusal
-    monkeypatch.setattr(launch, "_hooks", lambda: ("enter", "leave"))  # hooks installed: handed back anyway
+    hooks = runtime.knobs.runtime
+    hooks.launch_enter_hook, hooks.launch_exit_hook = "enter", "leave"  # hooks installed: handed back anyway
     assert fixed.native_launch((5, 2)) is None
-    monkeypatch.setattr(launch, "_hooks", lambda: (None, None))
+    hooks.launch_enter_hook = hooks.launch_exit_hook = None
     compiled.src.signature = {**signature, "n": "fp64"}  # a type the C++ launcher does not store
     assert fixed.native_launch((5, 2)) is None
     compiled.src.signature = {**signature, "n": "*i32"}  # a pointer among the fixed arguments
@@ -1078,10 +1083,6 @@ def test_cached_launch_supplies_the_scratch_allocator(monkeypatch):
 
             return launch_
 
-    monkeypatch.setattr(
-        launch, "_knobs", SimpleNamespace(runtime=SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
-    )
-    monkeypatch.setattr(launch, "_current_stream", lambda index: f"stream{index}")
     monkeypatch.setattr(launch, "current_cuda_device", lambda: 0)
     cuda0 = torch.device("cuda", 0)
 
@@ -1090,7 +1091,7 @@ def test_cached_launch_supplies_the_scratch_allocator(monkeypatch):
 
     def scenario():
         _allocation._allocator.set(callers_allocator)
-        launcher = launch.CachedLaunch(Jit())
+        launcher = launch.CachedLaunch(Jit(), _runtime())
         for variant, scratch_bytes in (("device-descriptors", 384), ("plain", 0)):
             for _ in range(2):  # the JIT launch compiles the variant, the second one is direct
                 launcher((variant,), cuda0, (3,), ("x",), {"BLOCK": 16}, scratch_bytes=scratch_bytes)

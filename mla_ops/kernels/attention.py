@@ -4,7 +4,8 @@
 launch configuration (:mod:`mla_ops.kernels.configs`), hands large batches on Hopper to the Gluon kernel
 (:mod:`mla_ops.kernels.attention_sm90`) where that kernel covers the inputs, and launches the ``tl.dot`` kernel
 (:mod:`mla_ops.kernels.attention_kernel`) for everything else; a known input layout repeats its launch with only
-the tensors' addresses replaced, and :func:`known_native_launch` describes it for the native library.
+the tensors' addresses replaced (:data:`LAUNCHES`), and :func:`known_native_launch` describes it for the
+native library.
 Design: docs/design/triton-kernels.md.
 """
 
@@ -31,14 +32,22 @@ from .configs import (
     large_batch_attention_config,
     shrink,
 )
-from .launch import CachedLaunch, FixedLaunch, KnownLayout, NativeLaunch, pointer_alignment, remember
+from .launch import CachedLaunch, FixedLaunch, KnownLayout, LaunchCache, NativeLaunch, pointer_alignment, remember
 from .programs import program_layout
 from .triton_compat import gluon_triton_reason
 
 if TYPE_CHECKING:
     from ..backends.base import VarlenCall
 
-__all__ = ["LaunchPlan", "attention_triton", "head_dim_split", "known_native_launch", "launch_plan"]
+__all__ = [
+    "LAUNCHES",
+    "AttentionLaunches",
+    "LaunchPlan",
+    "attention_triton",
+    "head_dim_split",
+    "known_native_launch",
+    "launch_plan",
+]
 
 _LOG2E = 1.4426950408889634
 
@@ -46,10 +55,6 @@ _LOG2E = 1.4426950408889634
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-
-#: The table's configuration per (device, Dqk, Dv, causal, dtype), after any step-down forced by the
-#: compiler running out of shared memory or registers: one dict lookup per call.
-_table_configs: dict[tuple, AttentionConfig] = {}
 
 #: From this many key rows times heads on, a call takes the large-batch table's configuration (on
 #: Hopper the Gluon kernel) where one is tabled. That kernel loads through TMA descriptors built on the
@@ -61,9 +66,6 @@ _table_configs: dict[tuple, AttentionConfig] = {}
 #: first met inside capture would compile there). An explicit configuration (argument or
 #: ``MLA_OPS_TRITON_CONFIG``) is launched as given.
 TMA_MIN_KEY_ROWS = 1 << 16
-
-#: The large-batch configuration per (device, Dqk, Dv, causal, dtype), or None where none is tabled.
-_large_configs: dict[tuple, AttentionConfig | None] = {}
 
 
 @functools.cache
@@ -168,7 +170,8 @@ def attention_triton(
     layout, (p_q, p_k, p_v, p_cu_q, p_cu_k) = _layout(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, config
     )
-    known = _known.get(layout)
+    launches = LAUNCHES
+    known = launches.known.get(layout)
     if known is not None and device.index == current_cuda_device():  # launches go to the current device
         out, lse = torch.empty_like(known.out_template), torch.empty_like(known.lse_template)
         known.launch((p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k))
@@ -186,13 +189,14 @@ def attention_triton(
         config = env_attention_config()
         if config is None:
             key = (device, dqk, dv, causal, dtype)
-            config = _table_configs.get(key)
+            config = launches.table_configs.get(key)
             if config is None:
-                config = _table_configs[key] = attention_config(device, dqk, dv, causal, dtype)
+                config = launches.table_configs[key] = attention_config(device, dqk, dv, causal, dtype)
             if k.shape[0] * num_heads >= TMA_MIN_KEY_ROWS:
-                if key not in _large_configs:
-                    _large_configs[key] = large_batch_attention_config(device, dqk, dv, causal, dtype)
-                large = _large_configs[key]
+                large_configs = launches.large_configs
+                if key not in large_configs:
+                    large_configs[key] = large_batch_attention_config(device, dqk, dv, causal, dtype)
+                large = large_configs[key]
                 if large is not None and gluon_unsupported_reason(q, k, v, softmax_scale, large) is None:
                     config = large
     if config.gluon:
@@ -213,7 +217,7 @@ def attention_triton(
         try:
             # Triton launches on the current device and its current stream, not on q's device.
             with on_device(device):
-                fixed = _launch(
+                fixed = launches.launch(
                     (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                      config),
                 )  # fmt: skip
@@ -221,7 +225,7 @@ def attention_triton(
                 out_template = template(out.shape, dtype, device)
                 lse_template = template(lse.shape, torch.float32, device)
                 if out_template is not None and lse_template is not None:
-                    remember(_known, layout, KnownLayout(fixed, out_template, lse_template, False))
+                    remember(launches.known, layout, KnownLayout(fixed, out_template, lse_template, False))
             return out, lse
         except OutOfResources as exc:
             # The table is tuned for one GPU; on a smaller one, step down instead of failing. An
@@ -233,7 +237,7 @@ def attention_triton(
                     f"GPU for Dqk={dqk}, Dv={dv}: {exc}. Use a smaller BLOCK_N or num_stages (e.g. via "
                     f"{CONFIG_ENV_VAR})"
                 ) from exc
-            config = _table_configs[key] = smaller
+            config = launches.table_configs[key] = smaller
 
 
 def _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, config):
@@ -276,17 +280,8 @@ def known_native_launch(call: VarlenCall) -> NativeLaunch | None:
     or the Gluon kernel's, whose host descriptors hold the tensors' addresses) or it cannot be made
     natively."""
     layout, _ = _layout(*call, None)
-    known = _known.get(layout)
+    known = LAUNCHES.known.get(layout)
     return None if known is None else known.launch.native_launch(NATIVE_TENSOR_CODES)
-
-
-def _launch(plan_args: tuple) -> FixedLaunch | None:
-    """Launch the kernel for :func:`launch_plan`'s arguments (q, k, v, out, lse, ..., config); returns the
-    :class:`FixedLaunch` to launch the same layout with new addresses, or ``None`` where the launch went
-    through the JIT function."""
-    plan = launch_plan(*plan_args)
-    device = plan_args[0].device
-    return _launcher(plan.key, device, plan.grid, plan.args, plan.constexprs, leading=_LEADING, **plan.options)
 
 
 #: How many leading kernel arguments change from call to call: the seven tensors.
@@ -366,6 +361,33 @@ def launch_plan(
     return LaunchPlan(key, grid, args, constexprs, options)
 
 
-_launcher = CachedLaunch(attn_fwd_kernel)
-#: Layouts launched before (see attention_triton); past MAX_LAYOUTS the table starts over.
-_known: dict[tuple, KnownLayout] = {}
+class AttentionLaunches(LaunchCache):
+    """What :func:`attention_triton` keeps between calls in this process: one instance, :data:`LAUNCHES`.
+
+    ``known``: the layouts launched before (see :func:`attention_triton`), their :class:`KnownLayout`; past
+    ``MAX_LAYOUTS`` the table starts over. ``table_configs``: the table's configuration per (device, Dqk, Dv,
+    causal, dtype), after any step-down forced by the compiler running out of shared memory or registers:
+    one dict lookup per call. ``large_configs``: the large-batch configuration per the same key, or ``None``
+    where none is tabled. ``launcher``: the ``tl.dot`` kernel's :class:`CachedLaunch`.
+    """
+
+    TABLES = ("known", "table_configs", "large_configs")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.known: dict[tuple, KnownLayout] = {}
+        self.table_configs: dict[tuple, AttentionConfig] = {}
+        self.large_configs: dict[tuple, AttentionConfig | None] = {}
+        self.launcher = CachedLaunch(attn_fwd_kernel)
+
+    def launch(self, plan_args: tuple) -> FixedLaunch | None:
+        """Launch the kernel for :func:`launch_plan`'s arguments (q, k, v, out, lse, ..., config); returns the
+        :class:`FixedLaunch` to launch the same layout with new addresses, or ``None`` where the launch went
+        through the JIT function."""
+        plan = launch_plan(*plan_args)
+        device = plan_args[0].device
+        return self.launcher(plan.key, device, plan.grid, plan.args, plan.constexprs, leading=_LEADING, **plan.options)
+
+
+#: This process's launch state of :func:`attention_triton`.
+LAUNCHES = AttentionLaunches()

@@ -1,8 +1,9 @@
 """Launching a compiled Triton kernel again without Triton's per-call dispatch.
 
 :class:`CachedLaunch` keeps each compiled variant after its first launch and, per layout, the finished
-argument list (:class:`FixedLaunch`, :class:`KnownLayout`), so a repeated call replaces only its tensors;
-:data:`KNOWN_LAUNCHER_CALLS` names the Triton launchers it may call directly, and :class:`TorchScratch`
+argument list (:class:`FixedLaunch`, :class:`KnownLayout`, kept in a kernel function's :class:`LaunchCache`), so
+a repeated call replaces only its tensors; :data:`KNOWN_LAUNCHER_CALLS` names the Triton launchers it may call
+directly, :class:`Runtime` is what a launch reads of the running Triton and PyTorch, and :class:`TorchScratch`
 supplies device-side descriptors' scratch from PyTorch's allocator.
 Design: docs/design/triton-kernels.md (The launcher).
 """
@@ -15,8 +16,8 @@ import hashlib
 import inspect
 import struct
 import textwrap
-from collections.abc import Hashable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Hashable
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -37,7 +38,16 @@ try:
 except ImportError:  # pragma: no cover - a CPU-only build of torch
     _current_stream = None
 
-__all__ = ["CachedLaunch", "FixedLaunch", "KnownLayout", "NativeLaunch", "remember"]
+__all__ = [
+    "RUNTIME",
+    "CachedLaunch",
+    "FixedLaunch",
+    "KnownLayout",
+    "LaunchCache",
+    "NativeLaunch",
+    "Runtime",
+    "remember",
+]
 
 
 #: Layouts remembered per kernel; past this many (a serving loop sees a new token count per batch) the
@@ -45,17 +55,41 @@ __all__ = ["CachedLaunch", "FixedLaunch", "KnownLayout", "NativeLaunch", "rememb
 MAX_LAYOUTS = 4096
 
 
-def _hooks() -> tuple[Any, Any]:
-    """Triton's launch enter/exit hooks, or ``(None, None)`` when none is installed.
+class Runtime:
+    """What a launch reads of the running Triton and PyTorch: Triton's ``knobs`` (where its launch hooks are
+    installed; ``None`` before Triton 3.4) and ``current_stream(device_index)``, the raw handle of a device's
+    current stream (``None`` in a CPU-only build of torch).
 
-    Triton 3.6 keeps them as ``HookChain`` objects that are present even when empty; passing an empty
-    chain would make the launcher build launch metadata and call into Python twice for nothing.
+    :data:`RUNTIME` is this process's; a :class:`CachedLaunch` or :class:`FixedLaunch` given another (tests
+    hand them stand-ins) launches through that one instead.
     """
-    runtime = _knobs.runtime
-    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-    if getattr(enter, "calls", True) or getattr(leave, "calls", True):
-        return enter, leave
-    return None, None
+
+    __slots__ = ("current_stream", "knobs")
+
+    def __init__(self, knobs: Any = _knobs, current_stream: Callable[[int], int] | None = _current_stream) -> None:
+        self.knobs = knobs
+        self.current_stream = current_stream
+
+    @property
+    def direct(self) -> bool:
+        """Whether a compiled variant can be launched without the JIT function: both are there."""
+        return self.knobs is not None and self.current_stream is not None
+
+    def hooks(self) -> tuple[Any, Any]:
+        """Triton's launch enter/exit hooks, or ``(None, None)`` when none is installed.
+
+        Triton 3.6 keeps them as ``HookChain`` objects that are present even when empty; passing an empty
+        chain would make the launcher build launch metadata and call into Python twice for nothing.
+        """
+        runtime = self.knobs.runtime
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        if getattr(enter, "calls", True) or getattr(leave, "calls", True):
+            return enter, leave
+        return None, None
+
+
+#: This process's runtime, read by every launcher unless it is given another.
+RUNTIME = Runtime()
 
 
 #: Alignment of the blocks of PyTorch's CUDA caching allocator.
@@ -162,13 +196,17 @@ class FixedLaunch:
     """A compiled variant with its device, its grid and every argument after the leading ones fixed.
 
     Calling it with the leading arguments launches the variant on the current stream of its device,
-    which must be the current device: whoever keeps a ``FixedLaunch`` checks that before each call.
+    which must be the current device: whoever keeps a ``FixedLaunch`` checks that before each call. The
+    stream and Triton's launch hooks are read from ``runtime`` at each call.
     """
 
-    __slots__ = ("compiled", "device_index", "grid", "middle", "native", "needs_scratch", "tail")
+    __slots__ = ("compiled", "device_index", "grid", "middle", "native", "needs_scratch", "runtime", "tail")
 
-    def __init__(self, compiled: Any, device_index: int, grid: tuple[int, ...], tail: tuple) -> None:
+    def __init__(
+        self, compiled: Any, device_index: int, grid: tuple[int, ...], tail: tuple, runtime: Runtime = RUNTIME
+    ) -> None:
         self.compiled = compiled
+        self.runtime = runtime
         self.device_index = device_index
         self.grid = (*grid, 1, 1)[:3]
         self.tail = tail
@@ -182,8 +220,9 @@ class FixedLaunch:
             self.middle = (compiled.function, coop, pdl, None, None, compiled.packed_metadata, None, None, None)
 
     def __call__(self, leading: tuple) -> None:
-        stream = _current_stream(self.device_index)
-        enter, leave = _hooks()
+        runtime = self.runtime
+        stream = runtime.current_stream(self.device_index)
+        enter, leave = runtime.hooks()
         grid_0, grid_1, grid_2 = self.grid
         if enter is None and self.native is not None:
             self.native[0](grid_0, grid_1, grid_2, stream, *self.middle, *leading, *self.tail)
@@ -208,7 +247,7 @@ class FixedLaunch:
         ``None`` too while Triton's launch hooks are installed: the native launcher, which reads them on every
         call as :meth:`__call__` does, would hand every call of the layout back anyway.
         """
-        if self.native is None or self.needs_scratch or _hooks() != (None, None):
+        if self.native is None or self.needs_scratch or self.runtime.hooks() != (None, None):
             return None
         _, cooperative, pdl = self.native
         compiled = self.compiled
@@ -264,20 +303,53 @@ def remember(table: dict, layout: Hashable, entry: FixedLaunch | KnownLayout) ->
     table[layout] = entry
 
 
+class LaunchCache:
+    """What a kernel function keeps between calls in this process: ``known``, the layouts it launched before
+    (see :func:`remember`), and a subclass's other tables (:attr:`TABLES`) and launchers.
+
+    Tests start from :meth:`reset` and put back :meth:`state`'s with :meth:`restore`, on the instance, rather
+    than patching module globals; whatever a test replaced on it in between (a table, a launcher, a method)
+    is put back too. :meth:`reset` keeps the launchers and their compiled variants, which depend on nothing a
+    test changes and would take seconds to compile again.
+    """
+
+    #: The tables :meth:`reset` empties.
+    TABLES: ClassVar[tuple[str, ...]] = ("known",)
+
+    def __init__(self) -> None:
+        self.known: dict[Hashable, Any] = {}
+
+    def reset(self) -> None:
+        """Forget every table's entries, as in a new process (new empty tables: a saved state keeps its own)."""
+        for name in self.TABLES:
+            setattr(self, name, {})
+
+    def state(self) -> dict[str, Any]:
+        """What :meth:`restore` puts back: the instance's attributes as they are now."""
+        return dict(vars(self))
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Put back what :meth:`state` returned, dropping any attribute set since (an instance's own ``launch``)."""
+        vars(self).clear()
+        vars(self).update(state)
+
+
 class CachedLaunch:
     """A ``@triton.jit`` kernel whose compiled variants are launched directly after their first launch.
 
     Args:
         kernel: the ``triton.jit`` function. Its constexpr parameters must all come after the others,
             which is how this package's kernels are written.
+        runtime: what its direct launches read the stream and Triton's hooks from.
     """
 
-    def __init__(self, kernel: Any) -> None:
+    def __init__(self, kernel: Any, runtime: Runtime = RUNTIME) -> None:
         self.kernel = kernel
+        self.runtime = runtime
         self.compiled: dict[tuple, Any] = {}
         params = getattr(kernel, "params", None)  # absent under TRITON_INTERPRET=1: JIT launches only
         self.constexpr_names = [p.name for p in params if p.is_constexpr] if params is not None else []
-        self.enabled = params is not None and _knobs is not None and _current_stream is not None
+        self.enabled = params is not None and runtime.direct
         if self.enabled:
             names = list(inspect.signature(kernel.fn).parameters)
             if names[len(names) - len(self.constexpr_names) :] != self.constexpr_names:
@@ -311,7 +383,7 @@ class CachedLaunch:
                 self.compiled[key] = launched
             return None
         tail = (*args[leading:], *(constexprs[name] for name in self.constexpr_names))
-        fixed = FixedLaunch(compiled, device.index, grid, tail)
+        fixed = FixedLaunch(compiled, device.index, grid, tail, self.runtime)
         fixed(args[:leading])
         return fixed
 

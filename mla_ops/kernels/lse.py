@@ -1,8 +1,8 @@
 """A base-2 ``[n, H]`` log-sum-exp into the package's natural-log ``[H, n]`` one, in Triton.
 
 FLASHINFER's conversion of its LSE: the multiply of ``torch.mul(lse.t(), ln2, out=out)`` bit for bit,
-launched through :class:`~mla_ops.kernels.launch.CachedLaunch` to spare the per-call TensorIterator.
-Design: docs/design/triton-kernels.md (The merge and LSE kernels).
+launched through :class:`~mla_ops.kernels.launch.CachedLaunch` to spare the per-call TensorIterator (its launch
+state is :data:`LAUNCHES`). Design: docs/design/triton-kernels.md (The merge and LSE kernels).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import triton
 import triton.language as tl
 
 from ..runtime.capture import current_cuda_device, on_device
-from .launch import CachedLaunch, FixedLaunch, pointer_alignment, remember
+from .launch import CachedLaunch, FixedLaunch, LaunchCache, pointer_alignment, remember
 
-__all__ = ["lse_base2_to_natural_triton"]
+__all__ = ["LAUNCHES", "LseLaunches", "lse_base2_to_natural_triton"]
 
 _BLOCK_T = 64
 _MAX_BLOCK_H = 64
@@ -67,7 +67,8 @@ def lse_base2_to_natural_triton(lse: torch.Tensor, out: torch.Tensor) -> torch.T
         num_rows, num_heads, lse.stride(), out.stride(), device, out.get_device(),
         (p_src | p_dst) % 16 == 0 or (p_src % 16 == 0, p_dst % 16 == 0),
     )  # fmt: skip
-    known = _known.get(layout)
+    launches = LAUNCHES
+    known = launches.known.get(layout)
     if known is not None and device.index == current_cuda_device():  # launches go to the current device
         known((p_src, p_dst))  # the addresses as integers (see mla_ops.kernels.launch)
         return out
@@ -75,25 +76,36 @@ def lse_base2_to_natural_triton(lse: torch.Tensor, out: torch.Tensor) -> torch.T
         if known is not None:
             known((p_src, p_dst))
         else:
-            fixed = _launch(lse, out)
+            fixed = launches.launch(lse, out)
             if fixed is not None:
-                remember(_known, layout, fixed)
+                remember(launches.known, layout, fixed)
     return out
 
 
-def _launch(lse: torch.Tensor, out: torch.Tensor) -> FixedLaunch | None:
-    num_rows, num_heads = lse.shape
-    block_h = min(triton.next_power_of_2(num_heads), _MAX_BLOCK_H)
-    grid = (triton.cdiv(num_rows, _BLOCK_T), triton.cdiv(num_heads, block_h))
-    strides = (*lse.stride(), *out.stride())
-    constexprs = dict(BLOCK_T=_BLOCK_T, BLOCK_H=block_h)
-    # Triton specialises num_heads and the strides not marked do_not_specialize by value, the pointers
-    # by alignment.
-    key = (lse.device.index, num_heads, strides[1], strides[3], pointer_alignment(lse, out), block_h)
-    args = (lse, out, num_rows, num_heads, *strides)
-    return _launcher(key, lse.device, grid, args, constexprs, num_warps=4, leading=2)
+class LseLaunches(LaunchCache):
+    """What :func:`lse_base2_to_natural_triton` keeps between calls in this process: one instance,
+    :data:`LAUNCHES`. ``known``: the layouts launched before, their :class:`FixedLaunch`; past ``MAX_LAYOUTS``
+    the table starts over. ``launcher``: the kernel's :class:`CachedLaunch`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.known: dict[tuple, FixedLaunch] = {}
+        self.launcher = CachedLaunch(_lse_to_natural_kernel)
+
+    def launch(self, lse: torch.Tensor, out: torch.Tensor) -> FixedLaunch | None:
+        """Launch the conversion through :class:`CachedLaunch`; returns its :class:`FixedLaunch`, or ``None``
+        where the launch went through the JIT function."""
+        num_rows, num_heads = lse.shape
+        block_h = min(triton.next_power_of_2(num_heads), _MAX_BLOCK_H)
+        grid = (triton.cdiv(num_rows, _BLOCK_T), triton.cdiv(num_heads, block_h))
+        strides = (*lse.stride(), *out.stride())
+        constexprs = dict(BLOCK_T=_BLOCK_T, BLOCK_H=block_h)
+        # Triton specialises num_heads and the strides not marked do_not_specialize by value, the pointers
+        # by alignment.
+        key = (lse.device.index, num_heads, strides[1], strides[3], pointer_alignment(lse, out), block_h)
+        args = (lse, out, num_rows, num_heads, *strides)
+        return self.launcher(key, lse.device, grid, args, constexprs, num_warps=4, leading=2)
 
 
-_launcher = CachedLaunch(_lse_to_natural_kernel)
-#: Layouts launched before (see lse_base2_to_natural_triton); past MAX_LAYOUTS the table starts over.
-_known: dict[tuple, FixedLaunch] = {}
+#: This process's launch state of :func:`lse_base2_to_natural_triton`.
+LAUNCHES = LseLaunches()

@@ -7,7 +7,8 @@ For each token ``t`` and head ``h``, with ``a = prefix_lse[h, t]`` and ``b = suf
     lse = m + log(exp(a - m) + exp(b - m))
 
 ``+inf`` and ``-inf`` mark a side without keys (weight 0, not read); a NaN LSE gives NaN. Two signatures over
-one body: with strides, and without for all-contiguous inputs. Design: docs/design/triton-kernels.md.
+one body: with strides, and without for all-contiguous inputs; their launch state is :data:`LAUNCHES`.
+Design: docs/design/triton-kernels.md.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import triton.language as tl
 from ..runtime.alloc import empty, template
 from ..runtime.capture import current_cuda_device, on_device
 from .configs import merge_config
-from .launch import CachedLaunch, FixedLaunch, KnownLayout, pointer_alignment, remember
+from .launch import CachedLaunch, FixedLaunch, KnownLayout, LaunchCache, pointer_alignment, remember
 
-__all__ = ["merge_attn_states_triton"]
+__all__ = ["LAUNCHES", "MergeLaunches", "merge_attn_states_triton"]
 
 
 @triton.jit(do_not_specialize=["num_tokens", "stride_pl_h", "stride_sl_h"])
@@ -127,10 +128,6 @@ def _merge_contiguous_kernel(
     )  # fmt: skip
 
 
-#: Known merge layouts (see merge_attn_states_triton); past MAX_LAYOUTS the table starts over.
-_known: dict[tuple, KnownLayout] = {}
-
-
 def merge_attn_states_triton(
     prefix_out: torch.Tensor,
     prefix_lse: torch.Tensor,
@@ -181,7 +178,8 @@ def merge_attn_states_triton(
         prefix_lse_base2, suffix_lse_base2, block_t, num_warps,
         check is not None and torch.is_grad_enabled() and (prefix_out.requires_grad or suffix_out.requires_grad),
     )  # fmt: skip
-    known = _known.get(layout)
+    launches = LAUNCHES
+    known = launches.known.get(layout)
     if known is not None:
         if check is not None and not known.checked:
             check(prefix_out, prefix_lse, suffix_out, suffix_lse)
@@ -204,55 +202,76 @@ def merge_attn_states_triton(
         if known is not None:
             known.launch((p_po, p_pl, p_so, p_sl, out.data_ptr(), lse.data_ptr()))
             return out, lse
-        fixed = _launch(
+        fixed = launches.launch(
             prefix_out, prefix_lse, suffix_out, suffix_lse, out, lse,
             (prefix_lse_base2, suffix_lse_base2), block_t, num_warps,
         )  # fmt: skip
     if fixed is not None:
         out_template, lse_template = template(out.shape, out.dtype, device), template(lse.shape, lse.dtype, device)
         if out_template is not None and lse_template is not None:
-            remember(_known, layout, KnownLayout(fixed, out_template, lse_template, check is not None))
+            remember(launches.known, layout, KnownLayout(fixed, out_template, lse_template, check is not None))
     return out, lse
 
 
-def _launch(
-    prefix_out: torch.Tensor,
-    prefix_lse: torch.Tensor,
-    suffix_out: torch.Tensor,
-    suffix_lse: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    lse_base2: tuple[bool, bool],
-    block_t: int | None,
-    num_warps: int | None,
-) -> FixedLaunch | None:
-    """Launch the merge through :class:`CachedLaunch`; returns its :class:`FixedLaunch`, or ``None`` where
-    the launch went through the JIT function. Contiguous inputs take the kernel without stride arguments."""
-    num_tokens, num_heads, dv = prefix_out.shape
-    config = merge_config(prefix_out.device)
-    block_t = block_t or config.block_t
-    num_warps = num_warps or config.num_warps
-    grid = (triton.cdiv(num_tokens, block_t), num_heads)
-    constexprs = dict(
-        DV=dv, BLOCK_D=triton.next_power_of_2(dv), BLOCK_T=block_t, PREFIX_LOG2=lse_base2[0], SUFFIX_LOG2=lse_base2[1]
-    )
-    inputs = (prefix_out, prefix_lse, suffix_out, suffix_lse)
-    alignment = pointer_alignment(*inputs, out, lse)
-    if all(t.is_contiguous() for t in inputs):
-        key = (prefix_out.device.index, prefix_out.dtype, alignment, tuple(constexprs.values()), num_warps)
-        args = (*inputs, out, lse, num_tokens)
-        return _contiguous_launcher(key, prefix_out.device, grid, args, constexprs, num_warps=num_warps, leading=6)
-    strides = (
-        prefix_out.stride(0), prefix_out.stride(1), suffix_out.stride(0), suffix_out.stride(1),
-        prefix_lse.stride(0), prefix_lse.stride(1), suffix_lse.stride(0), suffix_lse.stride(1),
-    )  # fmt: skip
-    # Every integer Triton specialises (the strides but the head strides of the LSEs, which grow with the
-    # token count and are marked do_not_specialize) by value, every pointer by alignment.
-    specialised = tuple(stride for i, stride in enumerate(strides) if i not in (4, 6))
-    key = (prefix_out.device.index, prefix_out.dtype, specialised, alignment, tuple(constexprs.values()), num_warps)
-    args = (*inputs, out, lse, num_tokens, *strides)
-    return _launcher(key, prefix_out.device, grid, args, constexprs, num_warps=num_warps, leading=6)
+class MergeLaunches(LaunchCache):
+    """What :func:`merge_attn_states_triton` keeps between calls in this process: one instance, :data:`LAUNCHES`.
+
+    ``known``: the layouts launched before (see :func:`merge_attn_states_triton`), their :class:`KnownLayout`;
+    past ``MAX_LAYOUTS`` the table starts over. ``launcher`` and ``contiguous_launcher``: the
+    :class:`CachedLaunch` of the kernel with strides and of the one without.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.known: dict[tuple, KnownLayout] = {}
+        self.launcher = CachedLaunch(_merge_kernel)
+        self.contiguous_launcher = CachedLaunch(_merge_contiguous_kernel)
+
+    def launch(
+        self,
+        prefix_out: torch.Tensor,
+        prefix_lse: torch.Tensor,
+        suffix_out: torch.Tensor,
+        suffix_lse: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        lse_base2: tuple[bool, bool],
+        block_t: int | None,
+        num_warps: int | None,
+    ) -> FixedLaunch | None:
+        """Launch the merge through :class:`CachedLaunch`; returns its :class:`FixedLaunch`, or ``None`` where
+        the launch went through the JIT function. Contiguous inputs take the kernel without stride arguments."""
+        num_tokens, num_heads, dv = prefix_out.shape
+        config = merge_config(prefix_out.device)
+        block_t = block_t or config.block_t
+        num_warps = num_warps or config.num_warps
+        grid = (triton.cdiv(num_tokens, block_t), num_heads)
+        constexprs = dict(
+            DV=dv,
+            BLOCK_D=triton.next_power_of_2(dv),
+            BLOCK_T=block_t,
+            PREFIX_LOG2=lse_base2[0],
+            SUFFIX_LOG2=lse_base2[1],
+        )
+        inputs = (prefix_out, prefix_lse, suffix_out, suffix_lse)
+        alignment = pointer_alignment(*inputs, out, lse)
+        if all(t.is_contiguous() for t in inputs):
+            key = (prefix_out.device.index, prefix_out.dtype, alignment, tuple(constexprs.values()), num_warps)
+            args = (*inputs, out, lse, num_tokens)
+            return self.contiguous_launcher(
+                key, prefix_out.device, grid, args, constexprs, num_warps=num_warps, leading=6
+            )
+        strides = (
+            prefix_out.stride(0), prefix_out.stride(1), suffix_out.stride(0), suffix_out.stride(1),
+            prefix_lse.stride(0), prefix_lse.stride(1), suffix_lse.stride(0), suffix_lse.stride(1),
+        )  # fmt: skip
+        # Every integer Triton specialises (the strides but the head strides of the LSEs, which grow with the
+        # token count and are marked do_not_specialize) by value, every pointer by alignment.
+        specialised = tuple(stride for i, stride in enumerate(strides) if i not in (4, 6))
+        key = (prefix_out.device.index, prefix_out.dtype, specialised, alignment, tuple(constexprs.values()), num_warps)
+        args = (*inputs, out, lse, num_tokens, *strides)
+        return self.launcher(key, prefix_out.device, grid, args, constexprs, num_warps=num_warps, leading=6)
 
 
-_launcher = CachedLaunch(_merge_kernel)
-_contiguous_launcher = CachedLaunch(_merge_contiguous_kernel)
+#: This process's launch state of :func:`merge_attn_states_triton`.
+LAUNCHES = MergeLaunches()
