@@ -190,25 +190,28 @@ def test_static_cache_mask_shorter_than_keys() -> None:
 # --- layout reuse ---------------------------------------------------------------------------------------
 
 
-def _count_layouts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    from mla_ops.integrations import transformers as integration
+@pytest.fixture
+def layout_builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``[n]``: how many layouts the integration's layout cache has built since the test began (it starts
+    empty)."""
+    from mla_ops.integrations.transformers import LAYOUTS
 
     built = [0]
-    build = integration._build_layout
+    build = LAYOUTS.build
 
     def counting(*args, **kwargs):
         built[0] += 1
         return build(*args, **kwargs)
 
-    integration._layouts.clear()
-    monkeypatch.setattr(integration, "_build_layout", counting)
+    LAYOUTS.clear()
+    monkeypatch.setattr(LAYOUTS, "build", counting)
     return built
 
 
 @needs_transformers
-def test_layout_is_built_once_per_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_layout_is_built_once_per_forward(layout_builds: list[int]) -> None:
     t = trio("deepseek", torch.bfloat16)
-    built = _count_layouts(monkeypatch)
+    built = layout_builds
     ids = cases.random_ids(2, 9, "cpu")
     mask = cases.padding_mask([9, 5], 9, "left", "cpu")
     with torch.no_grad():
@@ -223,9 +226,9 @@ def test_layout_is_built_once_per_forward(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 @needs_transformers
-def test_layout_is_not_cached_for_inference_mode_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_layout_is_not_cached_for_inference_mode_tensors(layout_builds: list[int]) -> None:
     t = trio("deepseek", torch.bfloat16)
-    built = _count_layouts(monkeypatch)
+    built = layout_builds
     with torch.inference_mode():
         ids = cases.random_ids(2, 9, "cpu")
         mask = cases.padding_mask([9, 5], 9, "left", "cpu")

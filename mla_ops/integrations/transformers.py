@@ -41,7 +41,7 @@ if int(transformers.__version__.split(".", 1)[0]) < 5:
         f"{INSTALL_HINT}"
     )
 
-__all__ = ["NAME", "mla_ops_attention_forward", "mla_ops_mask", "register"]
+__all__ = ["LAYOUTS", "NAME", "LayoutCache", "mla_ops_attention_forward", "mla_ops_mask", "register"]
 
 #: The ``attn_implementation`` name this module registers.
 NAME = "mla_ops"
@@ -176,8 +176,9 @@ def _build_layout(call: _Call, exact: bool) -> _Layout:
     return _Layout(None, None, None, _uniform_offsets(batch, q_len, device), q_len, None, cu_p)
 
 
-class _LayoutCache:
-    """The layouts of the last few calls, so that the layers of one forward pass share one.
+class LayoutCache:
+    """The layouts of the last few calls, so that the layers of one forward pass share one: one instance,
+    :data:`LAYOUTS`, which computes a layout with its ``build`` (:func:`_build_layout`; tests wrap it to count).
 
     Keyed on the call's shapes and on the identity and version counter of the tensors the layout is
     computed from (the mask, ``position_ids``, ``cu_seq_lens_q``); an entry holds those tensors, so
@@ -186,8 +187,9 @@ class _LayoutCache:
     in-place write to them could not be seen.
     """
 
-    def __init__(self, capacity: int = 8) -> None:
+    def __init__(self, capacity: int = 8, build: Callable[[_Call, bool], _Layout] = _build_layout) -> None:
         self.capacity = capacity
+        self.build = build
         self._entries: OrderedDict[tuple, tuple[tuple[torch.Tensor, ...], _Layout]] = OrderedDict()
 
     def get(self, tensors: tuple[torch.Tensor, ...], shape_key: tuple, build: Callable[[], _Layout]) -> _Layout:
@@ -206,18 +208,21 @@ class _LayoutCache:
         return layout
 
     def clear(self) -> None:
+        """Forget every layout."""
         self._entries.clear()
 
 
-_layouts = _LayoutCache()
+#: This process's layouts of recent calls.
+LAYOUTS = LayoutCache()
 
 
 def _layout_for(call: _Call) -> _Layout:
-    """:func:`_build_layout`, shared by the layers of a forward pass when running eagerly."""
+    """The call's layout (:data:`LAYOUTS`' ``build``), shared by the layers of a forward pass when running eagerly."""
+    layouts = LAYOUTS
     if torch.compiler.is_compiling() or (call.device.type == "cuda" and is_capturing()):
         # Traced or captured: no host read, and nothing kept across calls (a captured graph must not
         # read tensors that a cache may free).
-        return _build_layout(call, exact=False)
+        return layouts.build(call, False)
     tensors = (call.mask, call.position_ids, call.cu_seq_lens_q)
     # Which one is present is part of the key: a mask and a position_ids tensor are told apart.
     shape_key = (
@@ -228,7 +233,7 @@ def _layout_for(call: _Call) -> _Layout:
         call.max_length_q if isinstance(call.max_length_q, int) else None,
         *(t is not None for t in tensors),
     )
-    return _layouts.get(tuple(t for t in tensors if t is not None), shape_key, lambda: _build_layout(call, exact=True))
+    return layouts.get(tuple(t for t in tensors if t is not None), shape_key, lambda: layouts.build(call, True))
 
 
 # --- packing and unpacking ------------------------------------------------------------------------
