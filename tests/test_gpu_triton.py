@@ -140,10 +140,17 @@ def test_tl_dot_variants_isolate_sequences(text, causal):
     ``cu_seqlens_k[-1]``, never reach its output: sequences shorter than a tile at row 0, between two
     poisoned ones and at the end, a tile-aligned one, longer ones. A tile that started before a short
     sequence or ran past its end would weigh those rows 0 in the PV product: ``0 * NaN`` is NaN."""
-    from mla_ops.kernels.attention import attention_triton
     from mla_ops.kernels.configs import AttentionConfig
 
-    config = AttentionConfig.parse(text, "variant")
+    _check_sequence_isolation(AttentionConfig.parse(text, "variant"), causal)
+
+
+def _check_sequence_isolation(config, causal: bool) -> None:
+    """``config`` on a batch whose poisoned sequences (NaN and inf in their keys and values) sit among clean
+    ones of every kind, with poisoned rows past ``cu_seqlens_k[-1]`` and NaN padding rows past
+    ``cu_seqlens_q[-1]``: the clean sequences match the reference and the padding rows get ``lse = -inf``."""
+    from mla_ops.kernels.attention import attention_triton
+
     poisoned = {1, 3, 6}
     lengths_q = [5, 300, 3, 1000, 64, 0, 129, 11]
     lengths_k = lengths_q if causal else [9, 300, 3, 1200, 128, 0, 129, 70]
@@ -242,20 +249,7 @@ def test_gluon_kernel(text, dtype, causal):
 def test_gluon_kernel_isolates_sequences(text, causal):
     """NaN and inf in a sequence's neighbours' keys and values, and past ``cu_seqlens_k[-1]``, never reach
     its output (values come through a descriptor over the sequence's own rows; keys past it are masked)."""
-    from mla_ops.kernels.attention import attention_triton
-
-    config = _gluon_config(text)
-    poisoned = {1, 3, 6}
-    lengths_q = [5, 300, 3, 1000, 64, 0, 129, 11]
-    lengths_k = lengths_q if causal else [9, 300, 3, 1200, 128, 0, 129, 70]
-    q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, [*lengths_k, 40], 16, 192, 128, torch.bfloat16, strided_v=True)
-    cu_k = cu_q if causal else cu_k[:-1].contiguous()
-    poison_sequences(k, v, cu_k, [*poisoned, len(lengths_k)])
-    q = torch.cat([q, torch.full_like(q[:7], math.nan)])
-    out, lse = attention_triton(q, k, v, cu_q, cu_k, 1000, max(lengths_k), _scale(192), causal, config=config)
-    clean = sorted(set(range(len(lengths_q))) - poisoned)
-    assert_sequences_close(out, lse, q, k, v, cu_q, cu_k, _scale(192), causal, clean)
-    _check_padding(lse, sum(lengths_q))
+    _check_sequence_isolation(_gluon_config(text), causal)
 
 
 @pytest.mark.parametrize("text", GLUON_VARIANTS)
