@@ -631,8 +631,9 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         rows.extend(measure_merge(args, device))
     except Exception as exc:
         rows.append({"path": "merge_attn_states", "backend": "—", "note": f"failed: {R.short_error(exc)}"})
-    R.end_run(env, not_measured, started)
-    R.write_run(args.out or R.default_out_dir(device), "dispatch", FIELDS.keys, rows, env, render_markdown(rows, env))
+    R.finish_run(
+        args.out, device, "dispatch", FIELDS.keys, rows, env, not_measured, started, lambda: render_markdown(rows, env)
+    )
     return 0
 
 

@@ -244,13 +244,13 @@ def measure_backend(
 def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argparse.Namespace) -> str:
     """The rows as a Markdown page with the environment record."""
     intro = (
-        f"A stack of {args.layers} MLA layers (hidden {args.hidden}, H={args.heads}, (Dqk, Dv) = ({P.DQK}, {P.DV})). "
-        f"Per backend and mode: the median time of a forward over {args.steps} timed steps, each a new batch "
-        f"(the same batches for every backend and mode, after {args.warmup_steps} untimed steps), each from an "
-        "idle device. *reduce-overhead*: the backend forced, inside the graphs. *reduce-overhead, automatic*: "
-        "a backend that plans on the host, left to automatic selection; *in the graphs* names the backend its "
-        "calls were routed to there. *eager / mode*: the backend's eager step time over this mode's (above 1: "
-        "the graphs are faster). *rel diff vs eager*: ||compiled - eager|| / ||eager|| on the first timed batch."
+        f"{P.stack_description(args)}. Per backend and mode: the median time of a forward over {args.steps} "
+        f"timed steps, each a new batch (the same batches for every backend and mode, after {args.warmup_steps} "
+        "untimed steps), each from an idle device. *reduce-overhead*: the backend forced, inside the graphs. "
+        "*reduce-overhead, automatic*: a backend that plans on the host, left to automatic selection; *in the "
+        "graphs* names the backend its calls were routed to there. *eager / mode*: the backend's eager step time "
+        "over this mode's (above 1: the graphs are faster). *rel diff vs eager*: ||compiled - eager|| / ||eager|| "
+        "on the first timed batch."
     )
     return R.results_page("MLA layers under CUDA-graph trees", env, intro, FIELDS.table(rows))
 
@@ -273,16 +273,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         warmup_steps=args.warmup_steps,
         sizes=[s.label for s in sizes],
     )
-    timed, not_measured = M.backends_to_time(backends, device, args.backends)
+    timed, not_measured, stack = M.start_stack(args, backends, env, device, dtype, "")
     if not cuda and not args.no_compile:
         not_measured["CUDA-graph trees"] = "torch.compile's mode='reduce-overhead' needs a CUDA device"
-    print(
-        f"device: {env['gpu']} ({device}); {args.layers} layers, H={args.heads}, hidden {args.hidden}; "
-        f"backends: {', '.join(r['name'] for r in timed) or 'none'}",
-        flush=True,
-    )
-    M.warm_backends(timed, device, dtype, [args.heads], record=env)
-    stack = P.stack_of(args, device, dtype)
     modes = {row["name"]: {EAGER: ""} for row in timed}
     if cuda and not args.no_compile:
         import mla_ops
@@ -304,10 +297,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cuda:
             torch._dynamo.reset()
             torch.cuda.empty_cache()
-    R.end_run(env, not_measured, started)
-    R.write_run(
-        args.out or R.default_out_dir(device), "graph_trees", FIELDS.keys, rows, env, render_markdown(rows, env, args)
-    )
+    R.finish_run(
+        args.out, device, "graph_trees", FIELDS.keys, rows, env, not_measured, started,
+        lambda: render_markdown(rows, env, args),
+    )  # fmt: skip
     return 0
 
 

@@ -189,11 +189,11 @@ def measure_backend(
 def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argparse.Namespace) -> str:
     """The rows as a Markdown page with the environment record."""
     intro = (
-        f"A stack of {args.layers} MLA layers (hidden {args.hidden}, H={args.heads}, (Dqk, Dv) = ({P.DQK}, {P.DV})), "
-        f"eager, on one batch of {args.size.label}. Per layer: the forward's time through the ops and with the "
-        f"backend's raw library calls, medians over {args.rounds} rounds of samples taken in turns, each sample "
-        "one forward from an idle device; *op cost* is their difference. *rel diff*: ||op - raw|| / ||raw|| of the "
-        "outputs (with `--attribute`, the largest of that and of every form's difference from the ops' output)."
+        f"{P.stack_description(args)}, eager, on one batch of {args.size.label}. Per layer: the forward's time "
+        f"through the ops and with the backend's raw library calls, medians over {args.rounds} rounds of samples "
+        "taken in turns, each sample one forward from an idle device; *op cost* is their difference. *rel diff*: "
+        "||op - raw|| / ||raw|| of the outputs (with `--attribute`, the largest of that and of every form's "
+        "difference from the ops' output)."
     )
     table = FIELDS.table(rows)
     attributed = [row for row in rows if row.get(A.TOTAL_KEY) is not None]
@@ -226,14 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warmup_ms=args.warmup_ms,
         rep_ms=args.rep_ms,
     )
-    timed, not_measured = M.backends_to_time(backends, device, args.backends)
-    print(
-        f"device: {env['gpu']} ({device}); {args.layers} layers, H={args.heads}, hidden {args.hidden}, "
-        f"batch {args.size.label}; backends: {', '.join(r['name'] for r in timed) or 'none'}",
-        flush=True,
-    )
-    M.warm_backends(timed, device, dtype, [args.heads], record=env)
-    stack = P.stack_of(args, device, dtype)
+    timed, not_measured, stack = M.start_stack(args, backends, env, device, dtype, f", batch {args.size.label}")
     (batch,) = P.serving_batches(stack.layers[0], args.size, 1, args.seed, exact_bounds=True)
     print(f"new lengths {batch.new_lengths}, context lengths {batch.context_lengths}")
     rows = []
@@ -261,10 +254,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"  attention host µs/layer: {forms}\n  parts: {parts}  (api - raw {result[A.TOTAL_KEY]:.1f}; "
                 f"outside the attention calls {result[A.REST_KEY]:.1f})"
             )
-    R.end_run(env, not_measured, started)
-    R.write_run(
-        args.out or R.default_out_dir(device), "layers", FIELDS.keys, rows, env, render_markdown(rows, env, args)
-    )
+    R.finish_run(
+        args.out, device, "layers", FIELDS.keys, rows, env, not_measured, started,
+        lambda: render_markdown(rows, env, args),
+    )  # fmt: skip
     return 0
 
 

@@ -919,6 +919,24 @@ def _print_now(line: str) -> None:
     print(line, flush=True)
 
 
+def start_stack(
+    args: Any, backends: list[dict[str, Any]], env: dict[str, Any], device: torch.device, dtype: torch.dtype, what: str
+) -> tuple[list[dict[str, Any]], dict[str, str], Any]:
+    """``(timed, not_measured, stack)`` of a run over :func:`benchlib.problems.stack_of`'s stack: the rows of
+    ``--backends`` to time (:func:`backends_to_time`), warmed up for the stack's heads, and the stack; prints
+    the device, the stack (``what`` adds to its description) and the backends."""
+    from .problems import stack_of
+
+    timed, not_measured = backends_to_time(backends, device, args.backends)
+    print(
+        f"device: {env['gpu']} ({device}); {args.layers} layers, H={args.heads}, hidden {args.hidden}{what}; "
+        f"backends: {', '.join(r['name'] for r in timed) or 'none'}",
+        flush=True,
+    )
+    warm_backends(timed, device, dtype, [args.heads], record=env)
+    return timed, not_measured, stack_of(args, device, dtype)
+
+
 def warm_backends(
     rows: Sequence[dict[str, Any]],
     device: torch.device,

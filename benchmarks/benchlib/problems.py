@@ -375,6 +375,11 @@ def stack_of(args: Any, device: torch.device, dtype: torch.dtype) -> Any:
     return mla_stack(mla_config(args.hidden, args.heads), args.layers, device, dtype, args.seed)
 
 
+def stack_description(args: Any) -> str:
+    """:func:`stack_of`'s stack in words, for a results page: its layers, hidden size, heads and head dims."""
+    return f"A stack of {args.layers} MLA layers (hidden {args.hidden}, H={args.heads}, (Dqk, Dv) = ({DQK}, {DV}))"
+
+
 def stack_settings(args: Any) -> dict[str, int]:
     """``layers``, ``heads`` and ``hidden`` of :func:`stack_of`'s stack, for a run's environment record."""
     return {"layers": args.layers, "heads": args.heads, "hidden": args.hidden}

@@ -532,6 +532,23 @@ def write_run(
     print(f"wrote {stem}.csv, {stem}.md, {stem}.env.json to {out_dir} in {env['elapsed_s']:.0f} s")
 
 
+def finish_run(
+    out_dir: Path | None,
+    device: torch.device,
+    stem: str,
+    fieldnames: Sequence[str],
+    rows: list[dict[str, Any]],
+    env: dict[str, Any],
+    not_measured: dict[str, str],
+    started: float,
+    render: Callable[[], str],
+) -> None:
+    """:func:`end_run`, then :func:`write_run` into ``out_dir`` (``--out``; by default :func:`default_out_dir`)
+    with the Markdown page ``render()`` makes of the finished record."""
+    end_run(env, not_measured, started)
+    write_run(out_dir or default_out_dir(device), stem, fieldnames, rows, env, render())
+
+
 def results_markdown(title: str, env: dict[str, Any], intro: str, table: str, notes: Sequence[str] = ()) -> str:
     """A results page: title, command, an introduction, the table, notes, then the environment record."""
     parts = [f"# {title}", "", f"Command: `{env.get('command', '')}`", "", intro, "", table, ""]
