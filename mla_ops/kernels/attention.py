@@ -38,7 +38,14 @@ from .triton_compat import gluon_triton_reason
 if TYPE_CHECKING:
     from ..backends.base import VarlenCall
 
-__all__ = ["LaunchPlan", "attention_triton", "head_dim_split", "known_native_launch", "launch_plan"]
+__all__ = [
+    "LaunchPlan",
+    "attention_triton",
+    "batch_invariant_config",
+    "head_dim_split",
+    "known_native_launch",
+    "launch_plan",
+]
 
 _LOG2E = 1.4426950408889634
 
@@ -234,6 +241,22 @@ def attention_triton(
                     f"{CONFIG_ENV_VAR})"
                 ) from exc
             config = _table_configs[key] = smaller
+
+
+def batch_invariant_config(
+    device: torch.device, dqk: int, dv: int, causal: bool, dtype: torch.dtype
+) -> AttentionConfig:
+    """The one configuration that the batch-invariant mode launches for every batch on ``device``:
+    ``MLA_OPS_TRITON_CONFIG``'s, else the table's (after any step-down), which calls below
+    :data:`TMA_MIN_KEY_ROWS` key rows times heads run anyway, so small batches launch alike in both modes."""
+    config = env_attention_config()
+    if config is not None:
+        return config
+    key = (device, dqk, dv, causal, dtype)
+    config = _table_configs.get(key)
+    if config is None:
+        config = _table_configs[key] = attention_config(device, dqk, dv, causal, dtype)
+    return config
 
 
 def _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, config):
