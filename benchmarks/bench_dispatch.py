@@ -4,7 +4,7 @@
 On a tiny problem (default T=16 tokens in one sequence, H=16, (Dqk, Dv) = (192, 128)), where the
 kernels take a few microseconds, it measures per call:
 
-1. ``mla_ops.selector.backend_for(q, v)`` alone (the warm routing lookup);
+1. ``mla_ops.selector.route_call(call)`` alone (the warm routing lookup the ops make, size class included);
 2. ``torch.ops.mla.prefill`` end to end (and ``mla_ops.prefill``, the Python wrapper over it);
 3. the backend's ``attention`` method called directly (no dispatch, no input checks);
 4. the raw library call its backend makes (FlashInfer's planned wrapper, the FlashAttention
@@ -224,12 +224,15 @@ def measure_backend(
     import torch
 
     import mla_ops
-    from mla_ops.selector import backend_for
+    from mla_ops.backends.base import VarlenCall
+    from mla_ops.selector import route_call
 
     name, backend = row["name"], row["backend"]
     out = row_start(path, name, args, auto)
     notes = []
     q, k, v, cu_q, cu_k, max_q, max_k, scale = p.attention_args()
+    call = VarlenCall(q, k, v, cu_q, cu_q if path == "prefill" else cu_k, max_q, max_q if path == "prefill" else max_k,
+                      scale, path == "prefill")  # fmt: skip
     if path == "prefill":
         op_args = (q, k, v, cu_q, max_q, scale)
         op, api = torch.ops.mla.prefill, mla_ops.prefill
@@ -238,7 +241,7 @@ def measure_backend(
         op, api = torch.ops.mla.prefill_context_chunk, mla_ops.prefill_context_chunk
     with mla_ops.prefill_backend(name):
         fns = {
-            "routing_us": lambda: backend_for(q, v),
+            "routing_us": lambda: route_call(call),
             "api_us": lambda: api(*op_args),
             "op_us": lambda: op(*op_args),
             "direct_us": M.DirectMethod(name, backend).prepare(p).fn,

@@ -25,6 +25,10 @@ the dispatcher alone, the ops' kernels without the dispatcher, the backend, and 
 the differences give the API wrappers, what three op calls cost more than one, the dispatcher,
 validation and routing, and the backend's wrapping, per layer.
 
+The ``auto`` row runs the stack with no override, each call routed as a user's is (by size class where a cost
+table ranks the backends), timed as the op stacks are: *auto / best op* is the fastest forced backend's time
+per layer over auto's (1 where the automatic choice is the fastest).
+
 Writes ``layers.csv``, ``layers.md`` and ``layers.env.json`` into ``benchmarks/results/<gpu-slug>/``
 (or ``--out``).
 """
@@ -42,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The shared modules live next to this script, which is not part of a package.
 from benchlib import attribution as A
-from benchlib import cli
+from benchlib import cli, timing
 from benchlib import methods as M
 from benchlib import problems as P
 from benchlib import report as R
@@ -66,6 +70,8 @@ FIELDS = R.Fields(
     "raw_over_op_max",
     "rounds",
     ("rel_diff", "rel diff", ".1e"),
+    ("best_op", "best op"),
+    ("auto_over_best", "auto / best op", ".3f"),
     ("status", "status"),
     ("note", "raw call / note", R.text("raw_call", "note")),
     "attribution_samples",
@@ -186,6 +192,43 @@ def measure_backend(
     return out
 
 
+def measure_auto(
+    rows: list[dict[str, Any]], stack: Any, batch: Any, args: argparse.Namespace, device: torch.device
+) -> dict[str, Any] | None:
+    """The ``auto`` row: the stack with no override, timed as the backends' op stacks are (one forward per sample
+    from an idle device, the median over ``args.rounds`` rounds), against the fastest of those (``rows``: the
+    backends' rows); ``None`` where no backend was measured. (Two overrides cannot take turns sample by sample:
+    changing one clears the routes, which the samples would then time.)"""
+    import statistics
+
+    import torch
+
+    import mla_ops
+
+    measured = [r for r in rows if r.get("status") == "ok" and r.get("op_layer_ms") is not None]
+    if not measured:
+        return None
+    best = min(measured, key=lambda r: r["op_layer_ms"])
+    args_ = P.batch_args(batch)
+    out: dict[str, Any] = {"backend": "auto", "batch": args.size.label, "layers": args.layers, "heads": args.heads,
+                           "hidden": args.hidden, "rounds": args.rounds, "best_op": best["backend"]}  # fmt: skip
+    with torch.no_grad(), mla_ops.prefill_backend(None):
+        auto_out = stack(*args_)
+        medians = [
+            timing.measure(
+                lambda: stack(*args_), device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, flush_l2=False,
+                sync_each=True,
+            ).median_ms
+            for _ in range(args.rounds)
+        ]  # fmt: skip
+        with mla_ops.prefill_backend(best["backend"]):
+            out["rel_diff"] = M.relative_difference(auto_out, stack(*args_))
+    out["op_layer_ms"] = statistics.median(medians) / args.layers
+    out["auto_over_best"] = best["op_layer_ms"] / out["op_layer_ms"]
+    out["status"] = "ok" if out["rel_diff"] <= REL_DIFF_TOL else "WRONG"
+    return out
+
+
 def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any], args: argparse.Namespace) -> str:
     """The rows as a Markdown page with the environment record."""
     intro = (
@@ -254,6 +297,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"  attention host µs/layer: {forms}\n  parts: {parts}  (api - raw {result[A.TOTAL_KEY]:.1f}; "
                 f"outside the attention calls {result[A.REST_KEY]:.1f})"
             )
+    print(f"auto: the stack with no override, {args.rounds} rounds...", flush=True)
+    auto = measure_auto(rows, stack, batch, args, device)
+    if auto is not None:
+        rows.append(auto)
+        print(
+            f"  auto {auto['op_layer_ms'] * 1e3:8.1f} µs/layer  auto / best op ({auto['best_op']}) "
+            f"{auto['auto_over_best']:.3f}  rel diff {auto['rel_diff']:.1e} {auto['status']}",
+            flush=True,
+        )
     R.finish_run(
         args.out, device, "layers", FIELDS.keys, rows, env, not_measured, started,
         lambda: render_markdown(rows, env, args),

@@ -7,7 +7,9 @@ is valid on this machine and, in the same run, for raw baselines: FlashInfer cal
 FlashAttention-4 (``flash_attn.cute``) called directly, PyTorch's bundled FlashAttention-2 varlen
 kernel, PyTorch SDPA (memory-efficient kernel) and FlexAttention with a document mask. Each output is
 checked once against the fp32 reference before timing; each op is then measured against its own raw
-call, samples taken in turns in several rounds, which gives its overhead ratio.
+call, samples taken in turns in several rounds, which gives its overhead ratio. The ``auto`` row is the op with
+no override, routed per call as a user's call is (by size class where a cost table ranks the backends), with
+its throughput over the fastest forced backend's (*auto / best op*).
 
 Writes ``prefill.csv``, ``prefill.md``, ``prefill.png`` and ``prefill.env.json`` into
 ``benchmarks/results/<gpu-slug>/`` (or ``--out``). Without a GPU it times the REFERENCE backend on tiny
@@ -75,7 +77,8 @@ def build_methods(
         "flex": [M.FlexBaseline()],
         "torch": [M.TorchEagerMerge()],
     }
-    methods = [*ops, *own_raw, M.MergeOp(device), M.MergeDirect()]
+    # The op with no override, against the best forced backend ("auto / best op"): what size-aware routing gets.
+    methods = [*ops, M.AutoOpMethod(), *own_raw, M.MergeOp(device), M.MergeDirect()]
     methods += [m for key in keys for m in candidates[key]]
     if "flashinfer" in keys:
         # Last: a failed launch inside flashinfer.merge_state leaves a CUDA error that the next
@@ -171,6 +174,7 @@ def run_shape(
             f"(rounds {ratio.low:.3f}..{ratio.high:.3f})"
         )
     R.add_best_baseline(rows)
+    R.add_auto_ratio(rows)
     checked.clear()
     problem = reference = None
     if device.type == "cuda":  # hand the shape's gigabytes back before the next one allocates

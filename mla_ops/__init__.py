@@ -19,7 +19,14 @@ from .api import (
 from .backends.registry import PrefillBackendEnum
 from .runtime.cuda_graphs import plan_cuda_graph, release_cuda_graph_buffers
 from .runtime.graph_trees import compile_options
-from .selector import clear_cache, prefill_backend, select_backend, set_prefill_backend
+from .selector import (
+    batch_invariant,
+    clear_cache,
+    prefill_backend,
+    select_backend,
+    set_batch_invariant,
+    set_prefill_backend,
+)
 from .specs import DEEPSEEK_V3, DeviceCapability, MLADimensions, SelectorConfig
 from .version import __version__
 
@@ -31,6 +38,7 @@ __all__ = [
     "PrefillBackendEnum",
     "SelectorConfig",
     "__version__",
+    "batch_invariant",
     "clear_cache",
     "compile_options",
     "default_softmax_scale",
@@ -43,5 +51,6 @@ __all__ = [
     "prefill_with_context",
     "release_cuda_graph_buffers",
     "select_backend",
+    "set_batch_invariant",
     "set_prefill_backend",
 ]

@@ -1,4 +1,4 @@
-"""Command line: ``python -m mla_ops {info,demo,warmup}`` (installed as ``mla-ops`` too)."""
+"""Command line: ``python -m mla_ops {info,demo,warmup,tune}`` (installed as ``mla-ops`` too)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import sys
 from typing import NoReturn
 
-from .cli import demo, info, warmup
+from .cli import demo, info, tune, warmup
 
 
 def _program_name() -> str:
@@ -29,12 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     by the reader (``mla-ops info | head``) ends quietly.
     """
     prog = _program_name()
-    parser = _Parser(prog=prog, description="MLA prefill attention ops: inspect, demo and warm up.")
+    parser = _Parser(prog=prog, description="MLA prefill attention ops: inspect, demo, warm up and tune.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module, text in (
         ("info", info, "print versions, the device, every backend's validity and the dispatch table"),
         ("demo", demo, "run a DeepSeek-style MLA layer eagerly and compiled, checked against float64"),
         ("warmup", warmup, "compile the kernels of every valid backend ahead of time"),
+        ("tune", tune, "measure this GPU's backend cost table, which routes each call by its size"),
     ):
         sub = commands.add_parser(name, help=text, description=text)
         module.add_arguments(sub)

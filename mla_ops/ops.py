@@ -23,7 +23,7 @@ from .meta.checks import (
 from .runtime.capture import current_cuda_device, on_device
 from .runtime.graph_trees import IN_GRAPH_TWINS, check_graph_trees
 from .runtime.merge_dispatch import merge_kernel
-from .selector import route
+from .selector import route_call, route_fused
 
 NAMESPACE = "mla"
 
@@ -84,9 +84,8 @@ def _attention_kernels(in_graph: bool, remember: bool):
         # The inputs are checked once per op call, with the op's name in every message.
         if not attention_inputs_are_valid(*call):
             check_attention_inputs(name, call[:8], call.causal)
-        q = call.q
-        device = q.device
-        backend = route(device, q.dtype, q.shape[2], call.v.shape[2], in_graph)
+        device = call.q.device
+        backend = route_call(call, in_graph)
         if device.type != "cuda" or device.index == current_cuda_device():  # on_device's no-switch case, inline
             result = backend.attention(call)
             # Only where the device is current: the C++ kernel hands other calls back (see remember_attention).
@@ -120,13 +119,14 @@ def _prefill_with_chunk(q, k, v, cu_seqlens, max_seqlen, k_chunk, v_chunk, cu_se
     if v_chunk.shape[2] != dv:
         check_chunk_values(v, v_chunk)
     device = q.device
-    backend = route(device, q.dtype, q.shape[2], dv, False)
+    backend = route_fused(new, chunk)
     # Neither part's result leaves this op: each may keep its library's base-2 LSE for the merge to read.
     with on_device(device):
         out, lse, base2 = backend.attention_for_merge(new)
         out_c, lse_c, base2_c = backend.attention_for_merge(chunk)
     # Each part's launch is handed over as its op's kernel hands it (see _attention_kernels): the C++ kernel
-    # launches a call whose two parts are remembered, and merges them as below.
+    # launches a call whose two parts are remembered, and merges them as below. Only a part that its own op
+    # routes to this backend too, since the C++ kernel of that op launches every call of a remembered layout.
     # (Only natural-log LSEs: the C++ kernel's merge reads no base-2 one.)
     if (
         backend.launches_natively
@@ -134,8 +134,10 @@ def _prefill_with_chunk(q, k, v, cu_seqlens, max_seqlen, k_chunk, v_chunk, cu_se
         and device.type == "cuda"
         and device.index == current_cuda_device()
     ):
-        native.remember_attention(native.PREFILL, new)
-        native.remember_attention(native.PREFILL_CONTEXT_CHUNK, chunk)
+        if route_call(new) is backend:
+            native.remember_attention(native.PREFILL, new)
+        if route_call(chunk) is backend:
+            native.remember_attention(native.PREFILL_CONTEXT_CHUNK, chunk)
     return merge_kernel(device)(out_c, lse_c, out, lse, prefix_lse_base2=base2_c, suffix_lse_base2=base2)
 
 

@@ -1,10 +1,13 @@
 """Device-capability selector for MLA prefill backends.
 
 The priority lists per capability family, the override (``set_prefill_backend``, ``prefill_backend``,
-``MLA_OPS_PREFILL_BACKEND``), cached selection (:func:`select_backend`) and per-call routing
-(:func:`route`, :func:`backend_for`), with ``in_graph`` for CUDA-graph trees; :func:`backend_installed` swaps
-in another backend instance for tests. The capability is an argument everywhere, so any GPU's rules can be
-computed on a machine without one. Design: docs/design/backends.md (Selection).
+``MLA_OPS_PREFILL_BACKEND``), the batch-invariant mode (``set_batch_invariant``, ``batch_invariant``,
+``MLA_OPS_BATCH_INVARIANT``), cached selection (:func:`select_backend`) and per-call routing (:func:`route_call`,
+:func:`route_fused`, :func:`route`, :func:`backend_for`), with ``in_graph`` for CUDA-graph trees. Where a cost
+table ranks the backends of a configuration (:mod:`mla_ops.cost_table`), a call's route depends on its size
+class too (:class:`SizedRoute`). :func:`backend_installed` swaps in another backend instance for tests. The
+capability is an argument everywhere, so any GPU's rules can be computed on a machine without one.
+Design: docs/design/backends.md (Selection, Size classes).
 """
 
 from __future__ import annotations
@@ -13,12 +16,12 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
-from . import native
-from .backends.base import PrefillBackend
+from . import cost_table, invariance, native
+from .backends.base import PrefillBackend, VarlenCall
 from .backends.flashinfer_trtllm import trtllm_serves
 from .backends.registry import PrefillBackendEnum, replace_backend
 from .specs import DeviceCapability, MLADimensions, SelectorConfig
@@ -238,6 +241,33 @@ def backend_installed(backend: PrefillBackend) -> Iterator[PrefillBackend]:
         clear_cache()
 
 
+# --- the batch-invariant mode --------------------------------------------------------------------------
+
+
+def set_batch_invariant(on: bool | None) -> None:
+    """Turn the batch-invariant mode on or off for every later call (``None``: ``MLA_OPS_BATCH_INVARIANT`` decides).
+
+    In the mode each sequence's ``out`` and ``lse`` are bitwise the same whatever else is in its batch: routing
+    ignores call sizes (one backend per device, dtype and head dims), only backends that guarantee it
+    (``PrefillBackend.batch_invariant``) are chosen, and forcing another raises ``ValueError``.
+    """
+    if on is not None and not isinstance(on, bool):
+        raise TypeError(f"set_batch_invariant: on must be True, False or None, got {type(on).__name__} {on!r:.40}")
+    invariance.STATE.forced = on
+    clear_cache()
+
+
+@contextlib.contextmanager
+def batch_invariant(on: bool = True) -> Iterator[None]:
+    """Context manager form of :func:`set_batch_invariant`; restores the previous setting on exit."""
+    previous = invariance.STATE.forced
+    set_batch_invariant(on)
+    try:
+        yield
+    finally:
+        set_batch_invariant(previous)
+
+
 # --- selection ----------------------------------------------------------------------------------
 
 
@@ -246,6 +276,9 @@ _IN_GRAPH_REASON = (
     "plans each batch on the host, which CUDA-graph trees (torch.compile mode='reduce-overhead') cannot do "
     "before their replays"
 )
+
+#: Why the batch-invariant mode passes over a backend.
+_VARIANT_REASON = "does not guarantee batch-invariant results"
 
 
 def _in_graph_override_error(name: str) -> ValueError:
@@ -259,18 +292,94 @@ def _in_graph_override_error(name: str) -> ValueError:
     )
 
 
+#: How many size classes (or pairs of them, for the fused op) a route remembers before it starts over.
+_MAX_CLASSES = 4096
+
+
+class SizedRoute:
+    """The route of one configuration that a cost table ranks: a backend per size class, chosen once per class.
+
+    ``fixed`` is the fixed order's choice (what :func:`route` and ``select_backend`` without ``size`` return);
+    ``candidates`` the valid backends in that order; :meth:`for_sizes` the choice for given classes, the fused op's
+    two parts summed, which :func:`route_call` looks up per call in ``chosen``.
+    """
+
+    def __init__(
+        self, fixed: PrefillBackend, candidates: list[PrefillBackend], table: cost_table.CostTable, key: tuple
+    ) -> None:
+        self.fixed = fixed
+        self.candidates = candidates
+        self.table = table
+        self.key = key
+        self._names = [b.name for b in candidates]
+        self._by_name = {b.name: b for b in candidates}
+        #: The backend per size class met, by the class's fields (a plain tuple, as :func:`route_call` builds it);
+        #: the fused op's pairs of classes too.
+        self.chosen: dict[tuple, PrefillBackend] = {}
+
+    def for_sizes(self, sizes: tuple[cost_table.SizeClass, ...]) -> PrefillBackend:
+        """The backend with the least predicted time summed over ``sizes`` (the fixed choice where the table
+        predicts no candidate); cached per ``sizes``."""
+        backend = self.chosen.get(sizes)
+        if backend is None:
+            name = self.table.choose(self._names, self.key, sizes)
+            backend = self.fixed if name is None else self._by_name[name]
+            if len(self.chosen) >= _MAX_CLASSES:
+                self.chosen.clear()
+            self.chosen[sizes] = backend
+        return backend
+
+    def for_key(self, key: tuple) -> PrefillBackend:
+        """The backend for one call whose :class:`~mla_ops.cost_table.SizeClass` has the fields ``key`` (what
+        :func:`route_call` looks up in ``chosen``); cached under ``key`` too."""
+        backend = self.for_sizes((cost_table.SizeClass(*key),))
+        self.chosen[key] = backend
+        return backend
+
+    def may_run(self) -> list[PrefillBackend]:
+        """Every backend this route can choose: the fixed one and the candidates the table measured."""
+        measured = self.table.measured(self.key)
+        return [self.fixed, *(b for b in self.candidates if b.name in measured and b is not self.fixed)]
+
+
 def select_backend(
-    capability: DeviceCapability | None, config: SelectorConfig, *, in_graph: bool = False
+    capability: DeviceCapability | None,
+    config: SelectorConfig,
+    *,
+    in_graph: bool = False,
+    size: cost_table.SizeClass | Iterable[cost_table.SizeClass] | None = None,
 ) -> PrefillBackend:
     """The backend to run ``config`` on a device of ``capability`` (``None`` for CPU).
 
     With ``in_graph=True``, the backend for a call inside torch.compile's CUDA-graph trees: automatic
     selection skips backends that plan on the host (``plans_on_host``). CPU always gets REFERENCE.
+    ``size``: a call's :class:`~mla_ops.cost_table.SizeClass` (or the fused op's two), where the device's cost
+    table ranks the backends; ``None``, or no table: the fixed order's choice.
 
     Raises ``ValueError`` if an explicit override is invalid or misspelt, or (``in_graph``) plans on the
-    host, or if no backend is valid.
+    host, or (batch-invariant mode) does not guarantee invariance; if ``MLA_OPS_BATCH_INVARIANT`` is invalid;
+    or if no backend is valid.
     """
+    entry = _entry(capability, config, in_graph)
+    if type(entry) is SizedRoute:
+        if size is None:
+            return entry.fixed
+        sizes = (size,) if isinstance(size, cost_table.SizeClass) else tuple(size)
+        return entry.for_sizes(sizes)
+    return entry
+
+
+def routing_entry(
+    capability: DeviceCapability | None, config: SelectorConfig, in_graph: bool = False
+) -> PrefillBackend | SizedRoute:
+    """What the ops cache for ``config`` on ``capability``: a backend, or a :class:`SizedRoute` where a cost table
+    ranks the candidates (not under an override, in the batch-invariant mode, on CPU or without a table)."""
+    return _entry(capability, config, in_graph)
+
+
+def _entry(capability: DeviceCapability | None, config: SelectorConfig, in_graph: bool) -> PrefillBackend | SizedRoute:
     override = current_override()
+    invariant = invariance.resolve()
     if capability is not None and override is not None:
         backend, reasons = validate_backend(override, capability, config)
         if reasons:
@@ -280,18 +389,40 @@ def select_backend(
         assert backend is not None
         if in_graph and backend.plans_on_host:
             raise _in_graph_override_error(override.name)
+        if invariant and not backend.batch_invariant:
+            raise ValueError(
+                f"Selected MLA prefill backend {override.name} {_VARIANT_REASON}, which the batch-invariant mode "
+                f"({invariance.ENV_VAR}=1 or mla_ops.batch_invariant()) asks for: select one that does "
+                f"({', '.join(_invariant_names())}) or leave the mode"
+            )
         logger.info("Using %s MLA prefill backend (explicit override).", override.name)
         return backend
     # CUDA-graph trees exist only on CUDA devices: CPU ignores in_graph, and caches one entry for both.
     return _auto_select(
-        capability, config.dtype, config.head_dim_qk, config.head_dim_v, in_graph and capability is not None
+        capability, config.dtype, config.head_dim_qk, config.head_dim_v, in_graph and capability is not None, invariant
     )
+
+
+def _invariant_names() -> list[str]:
+    names = []
+    for member in PrefillBackendEnum:
+        try:
+            if member.backend_class().batch_invariant:
+                names.append(member.name)
+        except ImportError:
+            continue
+    return names
 
 
 @functools.cache
 def _auto_select(
-    capability: DeviceCapability | None, dtype: torch.dtype, head_dim_qk: int, head_dim_v: int, in_graph: bool
-) -> PrefillBackend:
+    capability: DeviceCapability | None,
+    dtype: torch.dtype,
+    head_dim_qk: int,
+    head_dim_v: int,
+    in_graph: bool,
+    invariant: bool,
+) -> PrefillBackend | SizedRoute:
     config = SelectorConfig(dtype, MLADimensions.from_head_dims(head_dim_qk, head_dim_v))
     priorities = _ranked_here(backend_priorities(capability, config), capability, config)
     if not priorities:
@@ -299,54 +430,142 @@ def _auto_select(
         raise ValueError(
             f"No valid MLA prefill backend found with {config!r}: {unsupported_platform_reason(capability)}."
         )
+    # A table ranks the candidates only outside the batch-invariant mode (where a call's size must not change
+    # its backend), and only where it measured this configuration; otherwise the first valid backend wins.
+    table = None
+    key = (str(dtype).removeprefix("torch."), head_dim_qk, head_dim_v)
+    if capability is not None and not invariant:
+        table = cost_table.table_for(capability)
+        if table is not None and not table.covers(key):
+            table = None
+    candidates: list[PrefillBackend] = []
     all_reasons: dict[str, list[str]] = {}
     for member in priorities:
         backend, reasons = validate_backend(member, capability, config)
         if not reasons and in_graph and backend is not None and backend.plans_on_host:
             reasons = [f"{member.name} {_IN_GRAPH_REASON}"]
-        if not reasons:
-            assert backend is not None
-            logger.info("Using %s MLA prefill backend%s.", member.name, " inside CUDA-graph trees" if in_graph else "")
-            return backend
-        all_reasons[member.name] = reasons
-    reasons_str = "{" + ", ".join(f"{name}: [{', '.join(r)}]" for name, r in all_reasons.items()) + "}"
-    raise ValueError(f"No valid MLA prefill backend found with {config!r}. Reasons: {reasons_str}.")
+        if not reasons and invariant and backend is not None and not backend.batch_invariant:
+            reasons = [f"{member.name} {_VARIANT_REASON}"]
+        if reasons:
+            all_reasons[member.name] = reasons
+            continue
+        assert backend is not None
+        candidates.append(backend)
+        if table is None:
+            break  # the fixed order: the first valid backend wins, and the rest need no validation
+    if not candidates:
+        reasons_str = "{" + ", ".join(f"{name}: [{', '.join(r)}]" for name, r in all_reasons.items()) + "}"
+        raise ValueError(f"No valid MLA prefill backend found with {config!r}. Reasons: {reasons_str}.")
+    fixed = candidates[0]
+    where = " inside CUDA-graph trees" if in_graph else ""
+    if table is not None and len(table.measured(key) & {b.name for b in candidates}) > 0 and len(candidates) > 1:
+        logger.info(
+            "MLA prefill backend by size class among %s (cost table %s)%s.",
+            ", ".join(b.name for b in candidates), table.source, where,
+        )  # fmt: skip
+        return SizedRoute(fixed, candidates, table, key)
+    logger.info("Using %s MLA prefill backend%s.", fixed.name, where)
+    return fixed
 
 
 # --- per-call routing ---------------------------------------------------------------------------
 
-_routes: dict[tuple[torch.device, torch.dtype, int, int, bool], PrefillBackend] = {}
+_routes: dict[tuple[torch.device, torch.dtype, int, int, bool], PrefillBackend | SizedRoute] = {}
 
 
 def backend_for(q: torch.Tensor, v: torch.Tensor, *, in_graph: bool = False) -> PrefillBackend:
-    """The backend that runs an op whose inputs are ``q`` ``[T, H, Dqk]`` and ``v`` ``[T, H, Dv]``;
-    ``in_graph``: for a call inside CUDA-graph trees (see :func:`select_backend`).
+    """The backend that runs an op whose inputs are ``q`` ``[T, H, Dqk]`` and ``v`` ``[T, H, Dv]`` where the
+    call's size does not matter (the fixed order's choice where a cost table ranks the backends: see
+    :func:`route_call`); ``in_graph``: for a call inside CUDA-graph trees (see :func:`select_backend`).
 
-    A warm call is one dict lookup. The override and the environment variable are read when a
+    A warm call is one dict lookup. The override and the environment variables are read when a
     configuration is first seen; :func:`clear_cache` makes the next call read them again.
     """
     backend = _routes.get((q.device, q.dtype, q.shape[-1], v.shape[-1], in_graph))
-    return route(q.device, q.dtype, q.shape[-1], v.shape[-1], in_graph=in_graph) if backend is None else backend
+    if backend is None or type(backend) is SizedRoute:
+        return route(q.device, q.dtype, q.shape[-1], v.shape[-1], in_graph=in_graph)
+    return backend
 
 
 def route(
     device: torch.device, dtype: torch.dtype, head_dim_qk: int, head_dim_v: int, in_graph: bool = False
 ) -> PrefillBackend:
-    """The backend the ops run for tensors on ``device`` of ``dtype`` with these head dims; cached.
+    """The backend for tensors on ``device`` of ``dtype`` with these head dims, whatever a call's size (the
+    fixed order's choice where a cost table ranks the backends); cached.
 
     ``in_graph``: for a call inside CUDA-graph trees (see :func:`select_backend`).
     """
+    entry = _route_entry(device, dtype, head_dim_qk, head_dim_v, in_graph)
+    return entry.fixed if type(entry) is SizedRoute else entry
+
+
+def _route_entry(
+    device: torch.device, dtype: torch.dtype, head_dim_qk: int, head_dim_v: int, in_graph: bool
+) -> PrefillBackend | SizedRoute:
     key = (device, dtype, head_dim_qk, head_dim_v, in_graph)
-    backend = _routes.get(key)
-    if backend is None:
+    entry = _routes.get(key)
+    if entry is None:
         config = SelectorConfig(dtype, MLADimensions.from_head_dims(head_dim_qk, head_dim_v))
-        backend = _routes[key] = select_backend(DeviceCapability.of(device), config, in_graph=in_graph)
-    return backend
+        entry = _routes[key] = routing_entry(DeviceCapability.of(device), config, in_graph)
+    return entry
+
+
+def route_call(call: VarlenCall, in_graph: bool = False) -> PrefillBackend:
+    """The backend the ops run for ``call`` (:class:`~mla_ops.backends.base.VarlenCall`, validated): the
+    configuration's route, and where a cost table ranks the backends, the best for the call's size class.
+
+    Reads only shapes and ints (no device sync). A warm call costs a dict lookup per configuration, and where
+    sizes matter one more per size class (benchmarks/bench_dispatch.py measures it).
+    """
+    q = call.q
+    rows, heads, dqk = q.shape
+    entry = _routes.get((q.device, q.dtype, dqk, call.v.shape[2], in_graph))
+    if entry is None:
+        entry = _route_entry(q.device, q.dtype, dqk, call.v.shape[2], in_graph)
+    if type(entry) is not SizedRoute:
+        return entry
+    # SizeClass.of(...)'s fields, inline: this runs on every call, where a NamedTuple's constructor and another
+    # function call would cost more than the lookup. New tokens: k has q's rows and max_seqlen_k is max_seqlen_q.
+    seqs = (call.cu_seqlens_q.shape[0] - 1).bit_length()
+    if call.causal:
+        r, m = rows.bit_length(), call.max_seqlen_q.bit_length()
+        key = (True, r, r, heads.bit_length(), seqs, m, m)
+    else:
+        key = (
+            False, rows.bit_length(), call.k.shape[0].bit_length(), heads.bit_length(), seqs,
+            call.max_seqlen_q.bit_length(), call.max_seqlen_k.bit_length(),
+        )  # fmt: skip
+    backend = entry.chosen.get(key)
+    return entry.for_key(key) if backend is None else backend
+
+
+def route_fused(new: VarlenCall, chunk: VarlenCall) -> PrefillBackend:
+    """The one backend that runs both parts of the fused op (new tokens ``new``, context chunk ``chunk``): the
+    least predicted time summed over the two parts' size classes. Where both parts alone route to one backend,
+    this is that backend, so a part that the fused op hands to the native library routes there alone too."""
+    q = new.q
+    entry = _route_entry(q.device, q.dtype, q.shape[2], new.v.shape[2], False)
+    if type(entry) is not SizedRoute:
+        return entry
+    return entry.for_sizes((cost_table.size_class(new), cost_table.size_class(chunk)))
+
+
+def host_planner_for(q: torch.Tensor, v: torch.Tensor) -> PrefillBackend | None:
+    """A backend that plans on the host which calls with ``q`` and ``v`` (``[T, H, Dqk]``, ``[T, H, Dv]``) may
+    route to, at any size, outside CUDA-graph trees; ``None`` where none may (the graph trees' compile check)."""
+    entry = _route_entry(q.device, q.dtype, q.shape[-1], v.shape[-1], False)
+    backends = entry.may_run() if type(entry) is SizedRoute else [entry]
+    return next((b for b in backends if b.plans_on_host), None)
 
 
 def clear_cache() -> None:
-    """Forget every cached selection, e.g. after changing ``MLA_OPS_PREFILL_BACKEND``, and every TRITON
-    launch the native library repeats (they were remembered for the routing of their time)."""
+    """Forget every cached selection, e.g. after changing ``MLA_OPS_PREFILL_BACKEND`` or a cost table, and
+    every TRITON launch the native library repeats (they were remembered for the routing of their time)."""
     _routes.clear()
     _auto_select.cache_clear()
+    cost_table.forget()
+    try:
+        invariance.resolve()
+    except ValueError:  # an invalid MLA_OPS_BATCH_INVARIANT: the next routing raises it, with the ops' message
+        invariance.STATE.active = False
     native.forget_attention()

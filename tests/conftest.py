@@ -44,11 +44,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def _isolated_selection(monkeypatch: pytest.MonkeyPatch):
-    """Every test starts with automatic selection and empty caches, and leaves them that way."""
+def _isolated_selection(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory):
+    """Every test starts with automatic selection and empty caches, and leaves them that way: no override, the
+    batch-invariant mode off, and no cost table (neither this machine's nor the package's), so that the fixed
+    order decides unless a test installs a table (tests/test_cost_table.py)."""
+    from mla_ops import cost_table
+
     monkeypatch.delenv(mla_ops.selector.ENV_VAR, raising=False)
+    monkeypatch.delenv(mla_ops.invariance.ENV_VAR, raising=False)
+    locations = cost_table.LOCATIONS
+    saved = (locations.user_dir, locations.committed_dir, set(locations.warned))
+    locations.user_dir = locations.committed_dir = tmp_path_factory.getbasetemp() / "no-cost-tables"
+    mla_ops.set_batch_invariant(None)
     mla_ops.set_prefill_backend(None)
     yield
+    locations.user_dir, locations.committed_dir, locations.warned = saved
+    mla_ops.set_batch_invariant(None)
     mla_ops.set_prefill_backend(None)
 
 

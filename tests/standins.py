@@ -743,3 +743,54 @@ def modelled() -> list[Modelled]:
                  "flash_attn_varlen_func"),
         Modelled("FlashAttention-2", fa2_module().flash_attn_varlen_func, "flash_attn", "flash_attn_varlen_func"),
     ]  # fmt: skip
+
+
+# --- a measured cost table ---------------------------------------------------------------------------------
+
+#: A stand-in GPU's host cost per call (µs) of each backend: TRITON cheapest to call, FLASHINFER dearest.
+STANDIN_HOST_US = {"FLASHINFER": 30.0, "FLASH_ATTN": 15.0, "TRITON": 5.0}
+#: Its device time per unit of :meth:`mla_ops.cost_table.SizeClass.work` (µs): FLASHINFER the fastest kernels.
+STANDIN_DEVICE_US_PER_WORK = {"FLASHINFER": 1e-6, "FLASH_ATTN": 1.5e-6, "TRITON": 2e-6}
+#: Its device time of the smallest call (µs), the launch latency.
+STANDIN_LAUNCH_US = 3.0
+
+
+def standin_device_us(backend: str, size: Any) -> float:
+    """The stand-in GPU's device time of one call of ``size`` (a SizeClass) on ``backend``."""
+    return STANDIN_LAUNCH_US + STANDIN_DEVICE_US_PER_WORK[backend] * size.work()
+
+
+def cost_table(
+    sizes: list[Any],
+    capability: str = "9.0",
+    dims: tuple[int, int] = (192, 128),
+    dtype: str = "bfloat16",
+    backends: tuple[str, ...] = ("FLASHINFER", "FLASH_ATTN", "TRITON"),
+    **fields: Any,
+) -> dict[str, Any]:
+    """The JSON of a table measured on the stand-in GPU (:data:`STANDIN_HOST_US`, :func:`standin_device_us`) for
+    ``sizes`` (SizeClasses), as ``python -m mla_ops tune`` writes it with this machine's versions; ``fields``
+    replace top-level fields. Small calls are TRITON's (host-bound), large ones FLASHINFER's."""
+    from mla_ops import cost_table as ct
+
+    data = {
+        "schema": ct.SCHEMA,
+        "gpu": "Stand-in GPU",
+        "capability": capability,
+        "versions": ct.library_versions(),
+        "command": "python -m mla_ops tune (stand-in)",
+        "created": "2026-12-05T00:00:00Z",
+        "host_us": {b: STANDIN_HOST_US[b] for b in backends},
+        "entries": [
+            {
+                "dtype": dtype,
+                "dims": list(dims),
+                "path": size.path,
+                "class": list(size[1:]),
+                "device_us": {b: standin_device_us(b, size) for b in backends},
+            }
+            for size in sizes
+        ],
+    }
+    data.update(fields)
+    return data

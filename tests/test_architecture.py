@@ -7,12 +7,15 @@
 2. Three views of backend selection agree, for a grid of head dims and simulated devices: the rules that
    ``python -m mla_ops info`` prints (its "automatic choice when every library is installed"),
    ``select_backend`` with every library present, and the ops' routing from what a tensor shows,
-   ``(dtype, Dqk, Dv)``.
+   ``(dtype, Dqk, Dv)``; and where a cost table ranks the backends by size class, info's size-class table,
+   ``select_backend(size=...)`` and the ops' per-call route (``route_call``) from a call's shapes, which are all
+   the native library's launch layouts record (tests/test_cost_table.py), in and out of the batch-invariant mode.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -20,11 +23,13 @@ import pytest
 import standins
 import torch
 
-from mla_ops import DeviceCapability, MLADimensions, SelectorConfig
+from mla_ops import DeviceCapability, MLADimensions, SelectorConfig, cost_table, set_batch_invariant
+from mla_ops.backends.base import VarlenCall
 from mla_ops.backends.flash_attn import FlashAttnBackend
 from mla_ops.backends.flashinfer import FlashInferBackend
-from mla_ops.cli.info import selection_rules
-from mla_ops.selector import backend_installed, route, select_backend
+from mla_ops.cli.info import selection_rules, size_class_table
+from mla_ops.cost_table import SizeClass, size_class
+from mla_ops.selector import _routes, backend_installed, route, route_call, routing_entry, select_backend
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Import name -> source folder, as pyproject.toml's package-dir maps them.
@@ -197,3 +202,71 @@ def test_rules_selection_and_routing_agree(capability):
                     f"{tuple(dims)} {dtype}: rules {views[0]}, select_backend {views[1]}, route {views[2]}"
                 )
     assert not disagreements, "\n".join(disagreements)
+
+
+# --- size-aware routing: info's size-class table, select_backend and the ops' per-call route agree ----------------
+
+#: Measured classes of the stand-in table (new tokens and chunks, host-bound to device-bound) and unmeasured ones.
+MEASURED_SIZES = [
+    SizeClass.of(True, 16, 16, 16, 1, 16, 16),
+    SizeClass.of(True, 1024, 1024, 16, 1, 1024, 1024),
+    SizeClass.of(True, 16384, 16384, 128, 2, 8192, 8192),
+    SizeClass.of(False, 64, 1024, 16, 1, 64, 1024),
+    SizeClass.of(False, 1024, 32768, 128, 4, 256, 8192),
+]
+UNMEASURED_SIZES = [
+    SizeClass.of(True, 3, 3, 16, 2, 2, 2),
+    SizeClass.of(True, 200000, 200000, 128, 1, 200000, 200000),
+    SizeClass.of(False, 4096, 512, 16, 64, 64, 8),
+]
+
+
+def _info_choices(capability: DeviceCapability, config: SelectorConfig) -> dict[SizeClass, str]:
+    """The choice ``info`` prints per measured size class (its lines start with the class's bounds)."""
+    lines = size_class_table(capability, config).splitlines()
+    by_bounds = {line[2:60].rstrip(): line.rsplit(None, 1)[1] for line in lines if line[2:6] in ("new ", "chun")}
+    return {size: by_bounds[size.bounds()] for size in MEASURED_SIZES if size.bounds() in by_bounds}
+
+
+def _call_of(size: SizeClass) -> VarlenCall:
+    """A call (CPU tensors without data) whose size class is ``size``: each size at its class's lower bound."""
+    rows_q, rows_k, heads, seqs, max_q, max_k = (0 if bits == 0 else 1 << (bits - 1) for bits in size[1:])
+    q = torch.empty(rows_q, heads, 192, dtype=torch.bfloat16)
+    k = q if size.causal else torch.empty(rows_k, heads, 192, dtype=torch.bfloat16)
+    v = torch.empty(k.shape[0], heads, 128, dtype=torch.bfloat16)
+    cu_q = torch.empty(seqs + 1, dtype=torch.int32)
+    cu_k = cu_q if size.causal else torch.empty(seqs + 1, dtype=torch.int32)
+    return VarlenCall(q, k, v, cu_q, cu_k, max_q, max_q if size.causal else max_k, 0.1, size.causal)
+
+
+@pytest.mark.usefixtures("every_library_installed")
+@pytest.mark.parametrize("invariant", [False, True], ids=["sized", "batch-invariant"])
+@pytest.mark.parametrize("capability", CAPABILITIES[1:], ids=lambda c: f"sm{c.major}{c.minor}")
+def test_size_classes_info_selection_and_routing_agree(tmp_path, capability, invariant):
+    # SM90 has a (stand-in) table; the other families have none and keep the fixed order at every size.
+    cost_table.LOCATIONS.user_dir = tmp_path
+    (tmp_path / "sm90.json").write_text(json.dumps(standins.cost_table(MEASURED_SIZES)))
+    set_batch_invariant(invariant)
+    config = SelectorConfig(torch.bfloat16, MLADimensions(128, 64, 128))
+    info = _info_choices(capability, config)
+    assert bool(info) == (capability == DeviceCapability(9, 0) and not invariant)
+    # What the ops run for a call of the class: the route the ops cache for this configuration, as a GPU would.
+    _routes[(torch.device("cpu"), torch.bfloat16, 192, 128, False)] = routing_entry(capability, config)
+    ranked = capability == DeviceCapability(9, 0) and not invariant
+    disagreements, chosen = [], set()
+    for size in MEASURED_SIZES + UNMEASURED_SIZES:
+        assert size_class(_call_of(size)) == size
+        views = [select_backend(capability, config, size=size).name, route_call(_call_of(size)).name]
+        if size in info:
+            views.append(info[size])
+        if not ranked:  # one backend for every size: the rules' choice
+            views.append(_rules_choice(capability, config))
+        chosen.update(views)
+        if len(set(views)) != 1:
+            disagreements.append(f"{size.bounds()}: {views}")
+    assert not disagreements, "\n".join(disagreements)
+    if ranked:  # the stand-in table makes small calls TRITON's and large ones FLASHINFER's
+        assert {"TRITON", "FLASHINFER"} <= chosen
+    else:
+        assert len(chosen) == 1
+        assert not (invariant and capability == DeviceCapability(9, 0)) or chosen == {"FLASH_ATTN"}

@@ -157,6 +157,10 @@ def test_cpu_run_writes_csv(prefill_run):
     # The reference checked against itself: its LSE must agree exactly with the ground truth.
     assert all(float(r["lse_err"]) == 0.0 for r in ops)
     assert all(r["best_baseline"] == "sdpa_cpu" and float(r["ratio_best"]) > 0 for r in ops)
+    # The op with no override, against the fastest forced backend (on CPU both are REFERENCE).
+    auto = [r for r in rows if r["method"] == "auto"]
+    assert len(auto) == len(ops) and all(r["kind"] == "op" and r["status"] == "ok" for r in auto)
+    assert all(r["best_op"] == "REFERENCE" and float(r["ratio_auto_best"]) > 0 for r in auto)
     # Each op is measured against its own raw call in alternating rounds; the spread brackets the median.
     for r in ops:
         assert r["raw_method"] == "reference_raw"
@@ -234,8 +238,8 @@ def test_runs_without_tqdm_and_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     printed = _main(BP, ["--device", "cpu", "--quick", "--out", str(tmp_path), *FAST, "--ratio-rounds", "1"])
-    # 4 attention shapes x (REFERENCE, reference_raw, sdpa_cpu, the ratio rounds) + 2 merges x (op, eager merge).
-    total = 4 * 4 + 2 * 2
+    # 4 attention shapes x (REFERENCE, auto, reference_raw, sdpa_cpu, the ratio rounds) + 2 merges x (op, eager merge).
+    total = 4 * 5 + 2 * 2
     assert f"[1/{total}]" in printed and f"[{total}/{total}]" in printed
     assert "matplotlib is not installed" in printed
     assert not (tmp_path / "prefill.png").exists()
@@ -250,6 +254,7 @@ def test_append_merges_runs_of_different_shapes(tmp_path):
     # The merge shape was measured twice: its rows were replaced, not duplicated; the order is the shape list's.
     assert [(r["shape"], r["method"]) for r in rows] == [
         ("causal-h2-4x32", "REFERENCE"),
+        ("causal-h2-4x32", "auto"),
         ("causal-h2-4x32", "reference_raw"),
         ("causal-h2-4x32", "sdpa_cpu"),
         ("merge-h2-t256", "mla.merge_attn_states"),
@@ -335,8 +340,11 @@ def test_layers_cpu_run(default_out, written):
     _main(BL, ["--device", "cpu", "--rounds", "2", *FAST])
     _assert_fields_written(written, BL, default_out / "layers.csv")
     _assert_canonical_files(default_out, "layers")
-    (row,) = _read_rows(default_out / "layers.csv")
+    row, auto = _read_rows(default_out / "layers.csv")
     assert row["backend"] == "REFERENCE" and row["status"] == "ok"
+    # The stack with no override (REFERENCE on CPU too), against the fastest forced backend.
+    assert auto["backend"] == "auto" and auto["status"] == "ok" and auto["best_op"] == "REFERENCE"
+    assert float(auto["rel_diff"]) == 0.0 and float(auto["auto_over_best"]) > 0 and float(auto["op_layer_ms"]) > 0
     # The raw layers compute what the ops compute, with the same functions: the outputs agree exactly.
     assert float(row["rel_diff"]) == 0.0
     op_ms, raw_ms, cost_us = (float(row[key]) for key in ("op_layer_ms", "raw_layer_ms", "op_cost_us_per_layer"))
@@ -350,7 +358,7 @@ def test_layers_cpu_run(default_out, written):
 def test_layers_cpu_run_attributes_the_op_cost(tmp_path, written):
     printed = _main(BL, ["--device", "cpu", "--out", str(tmp_path), "--rounds", "2", "--attribute", "3", *FAST])
     _assert_fields_written(written, BL, tmp_path / "layers.csv")
-    (row,) = _read_rows(tmp_path / "layers.csv")
+    row, _ = _read_rows(tmp_path / "layers.csv")
     # Every form computes the layers the ops compute, with the same functions: exactly the same outputs.
     assert row["status"] == "ok" and float(row["rel_diff"]) == 0.0 and row["attribution_samples"] == "3"
     for form in A.FORMS:

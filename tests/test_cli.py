@@ -47,6 +47,7 @@ SETTINGS = {
     "MLA_OPS_NATIVE_MERGE": ("false", None),
     "MLA_OPS_NATIVE_LAUNCH": ("no", "MLA_OPS_NATIVE_LAUNCH must be 0 (off) or 1 (on, the default), got 'no'"),
     "MLA_OPS_CACHE_DIR": ("/dev/null", "MLA_OPS_CACHE_DIR='/dev/null' is not a directory"),
+    "MLA_OPS_BATCH_INVARIANT": ("yes", "MLA_OPS_BATCH_INVARIANT must be 0 (off, the default) or 1 (on), got 'yes'"),
 }
 
 

@@ -1,15 +1,21 @@
 """torch.compile(fullgraph=True) over the ops and over the MLA layer, with graph breaks and
-recompiles counted. On CPU the ops run REFERENCE; tests/test_gpu_e2e.py repeats this on CUDA."""
+recompiles counted, and across size classes of a size-aware route. On CPU the ops run REFERENCE;
+tests/test_gpu_e2e.py repeats this on CUDA."""
 
 from __future__ import annotations
 
 import pytest
+import standins
 import torch
 import torch._dynamo
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-from utils import cu_seqlens_of, make_batch, make_qkv, reset_compile
+from utils import assert_attention_close, cu_seqlens_of, make_batch, make_qkv, reset_compile
 
 import mla_ops
+from mla_ops import DeviceCapability, cost_table, selector
+from mla_ops.backends.flash_attn import FlashAttnBackend
+from mla_ops.backends.reference import ReferenceBackend
+from mla_ops.cost_table import SizeClass
 from mla_ops.model import MLAAttention, MLAConfig, pack_context, random_batch
 
 # Five ragged batches with different token counts and batch sizes, each with two context chunks.
@@ -209,3 +215,50 @@ def test_mla_layer_compiles_once_for_any_first_batch(one_graph_settings, first_n
     assert _graph_breaks() == 0
     graphs = _compiled_variants(layer.forward)
     assert graphs == 1, f"{graphs} graphs over {len(plan)} batches"
+
+
+# --- size-aware routing under torch.compile: the choice is made inside the op, at run time -------------------------
+
+
+class _CountingReference(ReferenceBackend):
+    """REFERENCE, counting its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def attention(self, call):
+        self.calls += 1
+        return super().attention(call)
+
+
+def test_a_change_of_size_class_neither_recompiles_nor_breaks_the_graph() -> None:
+    # A route that a cost table ranks, as a GPU caches it, made the route of CPU tensors: FLASH_ATTN (around the
+    # FlashAttention-4 stand-in) for calls of 64 tokens and more, REFERENCE below.
+    library = standins.flash_attn_libraries("flash_attn.cute")
+    flash_attn, reference = FlashAttnBackend(libraries=library), _CountingReference()
+    small, large = SizeClass.of(True, 16, 16, 2, 2, 8, 8), SizeClass.of(True, 128, 128, 2, 2, 64, 64)
+    device_us = {small: {"FLASH_ATTN": 1.0, "REFERENCE": 2.0}, large: {"FLASH_ATTN": 9.0, "REFERENCE": 900.0}}
+    table = cost_table.CostTable(
+        DeviceCapability(9, 0), "Stand-in GPU", {}, "", {"FLASH_ATTN": 50.0, "REFERENCE": 1.0},
+        {("bfloat16", 192, 128): device_us},
+    )  # fmt: skip
+    reset_compile()
+    selector._routes[(torch.device("cpu"), torch.bfloat16, 192, 128, False)] = selector.SizedRoute(
+        reference, [flash_attn, reference], table, ("bfloat16", 192, 128)
+    )
+
+    def attend(q, k, v, cu, max_seqlen):
+        return mla_ops.prefill(q, k, v, cu, max_seqlen)
+
+    compiled = torch.compile(attend, fullgraph=True, dynamic=True)
+    routed = []
+    for lengths in ([5, 9], [40, 60], [3, 8], [64, 50], [7, 6]):
+        b = make_batch(lengths, 2, 192, 128, torch.bfloat16, strided_v=True, seed=len(routed))
+        before = (len(library["flash_attn.cute"].calls), reference.calls)
+        out, lse = compiled(b.q, b.k, b.v, b.cu_seqlens, b.max_seqlen)
+        after = (len(library["flash_attn.cute"].calls), reference.calls)
+        routed.append("FLASH_ATTN" if after[0] > before[0] else "REFERENCE" if after[1] > before[1] else "none")
+        assert_attention_close(out, lse, b.q, b.k, b.v, b.cu_seqlens, b.cu_seqlens, 192**-0.5, True)
+    assert routed == ["REFERENCE", "FLASH_ATTN", "REFERENCE", "FLASH_ATTN", "REFERENCE"]
+    assert _graph_breaks() == 0
+    assert _compiled_variants(attend) == 1, f"{_compiled_variants(attend) - 1} recompiles across size classes"

@@ -411,8 +411,8 @@ def test_auto_selection_runs_once_per_configuration(monkeypatch: pytest.MonkeyPa
 
 def test_routing_looks_up_a_cache_after_the_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    real = sel.select_backend
-    monkeypatch.setattr(sel, "select_backend", lambda cap, cfg, **kw: calls.append(cfg) or real(cap, cfg, **kw))
+    real = sel.routing_entry
+    monkeypatch.setattr(sel, "routing_entry", lambda cap, cfg, *a: calls.append(cfg) or real(cap, cfg, *a))
     q = torch.empty(4, 2, 192, dtype=torch.bfloat16)
     v = torch.empty(4, 2, 128, dtype=torch.bfloat16)
     for _ in range(100):

@@ -121,6 +121,26 @@ class OpMethod(Method):
         return Prepared(fn, _pair, lambda: mla_ops.prefill_backend(self.name))
 
 
+class AutoOpMethod(Method):
+    """The op with no override: what a user's call runs, the backend chosen per call (by size class where a cost
+    table ranks the backends; ``python -m mla_ops info`` shows the table)."""
+
+    kind = "op"
+    name = "auto"
+    implementation = "mla_ops.prefill / prefill_context_chunk with automatic selection (no override)"
+    raw = None
+
+    def prepare(self, p: Problem) -> Prepared:
+        import mla_ops
+
+        q, k, v, cu_q, cu_k, max_q, max_k, scale = p.attention_args()
+        if p.causal:
+            fn = lambda: mla_ops.prefill(q, k, v, cu_q, max_q, scale)
+        else:
+            fn = lambda: mla_ops.prefill_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+        return Prepared(fn, _pair, lambda: mla_ops.prefill_backend(None))
+
+
 class DirectMethod(Method):
     """A backend's ``attention`` method called directly: no dispatcher, input checks or routing."""
 

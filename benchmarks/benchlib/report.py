@@ -616,9 +616,11 @@ PREFILL_FIELDS = [
     "ratio_raw_max",
     "best_baseline",
     "ratio_best",
+    "best_op",
+    "ratio_auto_best",
     "note",
 ]
-_PREFILL_TEXT = ("method", "series", "shape", "label", "raw_method", "best_baseline", "note")
+_PREFILL_TEXT = ("method", "series", "shape", "label", "raw_method", "best_baseline", "best_op", "note")
 
 SUITE_TITLES = {
     "causal": "Causal new-tokens path (`mla_ops.prefill`), TFLOP/s",
@@ -650,6 +652,21 @@ def add_best_baseline(rows: list[dict[str, Any]]) -> None:
         r["best_baseline"] = best
         if best is not None and r["method"] in times:
             r["ratio_best"] = baselines[best] / times[r["method"]]
+
+
+def add_auto_ratio(rows: list[dict[str, Any]], auto: str = "auto") -> None:
+    """Fill ``best_op`` (the fastest correct op with a backend forced) and ``ratio_auto_best`` (the automatic
+    choice's throughput / that op's; 1 where the automatic choice is the fastest) in the ``auto`` row of one
+    shape's rows, in place."""
+    times = {r["method"]: r["time_ms"] for r in rows if r["status"] == "ok" and r.get("time_ms")}
+    forced = {r["method"]: times[r["method"]] for r in rows if r["kind"] == "op" and r["method"] in times}
+    auto_time = forced.pop(auto, None)
+    if not forced or auto_time is None:
+        return
+    best = min(forced, key=forced.get)
+    for r in rows:
+        if r["method"] == auto:
+            r["best_op"], r["ratio_auto_best"] = best, forced[best] / auto_time
 
 
 def load_prefill_rows(csv_path: Path) -> list[dict[str, Any]]:
@@ -721,6 +738,8 @@ def render_prefill_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> 
             if m in raw_of:
                 columns.append((f"{m} / {raw_of[m]}", m, "ratio_raw"))
             columns.append((f"{m} / best raw", m, "ratio_best"))
+            if any(cell.get((s, m), {}).get("ratio_auto_best") is not None for s in shapes):
+                columns.append((f"{m} / best op", m, "ratio_auto_best"))
         if columns:
             table = []
             for s in shapes:

@@ -76,6 +76,9 @@ class PrefillBackend(abc.ABC):
     #: Whether the native library (:mod:`mla_ops.native`) can repeat the backend's CUDA launches by itself:
     #: the ops then hand it each call's launch (:func:`mla_ops.native.remember_attention`).
     launches_natively: ClassVar[bool] = False
+    #: Whether each sequence's ``out`` and ``lse`` are bitwise the same whatever else is in its batch, in the
+    #: batch-invariant mode (:mod:`mla_ops.invariance`): only such backends are chosen or forced there.
+    batch_invariant: ClassVar[bool] = False
 
     # --- reason hooks: override what differs -----------------------------------------------------
 

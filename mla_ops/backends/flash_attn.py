@@ -602,6 +602,9 @@ class FlashAttnBackend(PrefillBackend):
     """
 
     name = "FLASH_ATTN"
+    # Every implementation in the chain computes a sequence's query tiles over its own keys, without splitting
+    # them across programs (num_splits=1, the default of FA3 and FA4): nothing in a tile reads another sequence.
+    batch_invariant = True
 
     def __init__(self, libraries: Mapping[str, Any] | None = None) -> None:
         self._libraries = libraries

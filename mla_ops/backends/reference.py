@@ -147,6 +147,8 @@ class ReferenceBackend(PrefillBackend):
 
     name = "REFERENCE"
     runs_on_cpu = True
+    # Each sequence is computed alone, in blocks of rows sized by its own length and the heads only.
+    batch_invariant = True
 
     def capability_reasons(self, capability: DeviceCapability) -> list[str]:
         return []

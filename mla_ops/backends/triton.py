@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..invariance import STATE
 from ..kernels.configs import table_large_batch_config
 from ..kernels.triton_compat import gluon_triton_reason
 from ..specs import DeviceCapability, SelectorConfig
@@ -43,6 +44,9 @@ class TritonBackend(PrefillBackend):
 
     name = "TRITON"
     launches_natively = True  # every launch of a known layout is a FixedLaunch (mla_ops.kernels.launch)
+    # Programs start at each sequence's first row and loop over its keys alone; in the batch-invariant mode every
+    # batch runs one configuration (attention below), where otherwise large batches switch kernel on SM90.
+    batch_invariant = True
     _kernel = None  # mla_ops.kernels.attention.attention_triton, once imported
 
     def __init__(self, triton_version: Callable[[], str | None] = installed_triton_version) -> None:
@@ -91,6 +95,14 @@ class TritonBackend(PrefillBackend):
             from ..kernels.attention import attention_triton
 
             kernel = self._kernel = attention_triton
+        if STATE.active and call.q.is_cuda:
+            # One configuration for every batch: the switch to the large-batch kernel depends on the batch's total
+            # key rows, and a sequence's bits on the kernel that computed it.
+            from ..kernels.attention import batch_invariant_config
+
+            q = call.q
+            config = batch_invariant_config(q.device, q.shape[2], call.v.shape[2], call.causal, q.dtype)
+            return kernel(*call, config=config)
         return kernel(*call)  # attention_triton takes VarlenCall's fields in its order
 
     def warmup(self, device: torch.device, config: SelectorConfig, num_heads: int) -> None:

@@ -1,8 +1,9 @@
 """``python -m mla_ops info``: what would run where, and why.
 
-The output has three parts: the versions and the device; the selection rules for the device (a pure
-function of capability, dtype and dims, so ``--capability`` reproduces any GPU's rules anywhere);
-and what this machine's installed libraries make of them, with the dispatch table of the ops.
+The output has four parts: the versions and the device; the selection rules for the device (a pure
+function of capability, dtype and dims, so ``--capability`` reproduces any GPU's rules anywhere); the size
+classes of the device's cost table, with the backend each runs; and what this machine's installed libraries
+make of them, with the dispatch table of the ops.
 """
 
 from __future__ import annotations
@@ -13,16 +14,18 @@ import os
 
 import torch
 
-from .. import native
+from .. import cost_table, invariance, native
 from ..backends.base import PrefillBackend
 from ..backends.registry import PrefillBackendEnum
 from ..runtime.merge_dispatch import merge_description
 from ..selector import (
     ENV_VAR,
+    SizedRoute,
     backend_priorities,
     current_override,
     env_override,
     order_evidence,
+    routing_entry,
     select_backend,
     unsupported_platform_reason,
     validate_backend,
@@ -76,7 +79,11 @@ def _setting_value(variable: str) -> str:
     if variable == native.LAUNCH_VARIABLE:
         return "TRITON launches handed to it" if native.switch(variable) else "TRITON launched through Python"
     if variable == native.CACHE_VARIABLE:
-        return f"builds kept in {native.cache_root()}"
+        return f"builds and tuned cost tables kept in {native.cache_root()}"
+    if variable == invariance.ENV_VAR:
+        if invariance.env_setting():
+            return "batch-invariant: one backend for every size, only batch-invariant backends"
+        return "calls routed by size class where a cost table exists"
     raise KeyError(variable)
 
 
@@ -89,6 +96,7 @@ SETTINGS = (
     native.DEPRECATED_DISABLE_VARIABLE,
     native.LAUNCH_VARIABLE,
     native.CACHE_VARIABLE,
+    invariance.ENV_VAR,
 )
 
 
@@ -137,6 +145,7 @@ def selection_rules(capability: DeviceCapability | None, config: SelectorConfig)
     """
     lines = [f"Selection rules for {_device_name(capability)} and {config!r}"]
     priorities = backend_priorities(capability, config)
+    invariant = _invariant_mode()
     if not priorities:
         assert capability is not None
         lines.append(f"  {unsupported_platform_reason(capability)}")
@@ -147,6 +156,8 @@ def selection_rules(capability: DeviceCapability | None, config: SelectorConfig)
     for rank, backend in [(str(i + 1), b) for i, b in enumerate(priorities)] + [("-", b) for b in rest]:
         try:
             reasons = backend.backend().rule_reasons(capability, config)
+            if invariant and not reasons and capability is not None and not backend.backend().batch_invariant:
+                reasons = ["does not guarantee batch-invariant results (batch-invariant mode)"]
         except ImportError as exc:
             reasons = [f"ImportError: {exc}"]
         verdict = "yes" if not reasons else "no: " + "; ".join(reasons)
@@ -165,6 +176,69 @@ def selection_rules(capability: DeviceCapability | None, config: SelectorConfig)
     if evidence is not None:
         lines.append(f"  order from: {evidence}")
     lines.append(f"  automatic choice when every library is installed: {first or 'none'}")
+    return "\n".join(lines)
+
+
+def _invariant_mode() -> bool:
+    """Whether the batch-invariant mode is on (an invalid setting counts as off here; Settings reports it)."""
+    try:
+        return invariance.resolve()
+    except ValueError:
+        return False
+
+
+def rule_candidates(capability: DeviceCapability | None, config: SelectorConfig) -> list[str]:
+    """The backends that the rules let run ``config`` on ``capability`` when every library is installed, in the
+    priority order: what a cost table ranks there (the batch-invariant mode's exclusions applied)."""
+    invariant = _invariant_mode()
+    names = []
+    for member in backend_priorities(capability, config):
+        try:
+            backend = member.backend()
+            if backend.rule_reasons(capability, config) or (invariant and not backend.batch_invariant):
+                continue
+        except ImportError:
+            continue
+        names.append(member.name)
+    return names
+
+
+def size_class_table(capability: DeviceCapability | None, config: SelectorConfig) -> str:
+    """The cost table of ``capability`` in use (this machine's, the committed one, or none) and, for each size
+    class it measured for ``config``, every backend's predicted time and the one automatic routing runs when
+    every library is installed (the choice for other classes follows from the same predictions)."""
+    lines = [f"Size classes for {_device_name(capability)} and {config!r}"]
+    if capability is None:
+        lines.append("  CPU: REFERENCE for every size")
+        return "\n".join(lines)
+    table, source = cost_table.table_source(capability)
+    lines.append(f"  table: {source}")
+    if table is None:
+        lines.append(
+            f"  every size runs the fixed order above; `{cost_table.TUNE_COMMAND}` on this GPU measures a table"
+        )
+        return "\n".join(lines)
+    versions = ", ".join(f"{d} {v}" for d, v in table.versions.items() if v != "not installed")
+    lines.append(f"  measured on {table.gpu} ({table.created or 'undated'}) with {versions}")
+    lines.append(f"  by: {table.command or 'unknown command'}")
+    lines.append("  host µs per call: " + ", ".join(f"{b} {t:.1f}" for b, t in sorted(table.host_us.items())))
+    if _invariant_mode():
+        lines.append("  not used: the batch-invariant mode runs one backend for every size")
+        return "\n".join(lines)
+    key = (str(config.dtype).removeprefix("torch."), config.head_dim_qk, config.head_dim_v)
+    if not table.covers(key):
+        lines.append("  not measured for this dtype and these dims: every size runs the fixed order above")
+        return "\n".join(lines)
+    candidates = rule_candidates(capability, config)
+    measured = sorted(table.measured(key), key=[b.name for b in PrefillBackendEnum].index)
+    lines.append(
+        f"  predicted µs per call (host + device){'':<22} " + " ".join(f"{b:>11}" for b in measured) + "  choice"
+    )
+    for size in sorted(table.device_us[key], key=lambda c: (not c.causal, tuple(c))):
+        predicted = [table.predict(b, key, size) for b in measured]
+        cells = " ".join(f"{t:>11.1f}" if t is not None else f"{'-':>11}" for t in predicted)
+        choice = table.choose(candidates, key, (size,)) or (candidates[0] if candidates else "none")
+        lines.append(f"  {size.bounds():<58} {cells}  {choice}")
     return "\n".join(lines)
 
 
@@ -194,7 +268,12 @@ def machine_table(capability: DeviceCapability | None, config: SelectorConfig, s
     except ValueError as exc:
         lines.append(f"  selected: none ({exc})")
         return "\n".join(lines)
-    lines.append(f"  selected: {selected.name}")
+    entry = routing_entry(capability, config)
+    if type(entry) is SizedRoute:
+        names = ", ".join(b.name for b in entry.may_run())
+        lines.append(f"  selected: by size class among {names} (see Size classes); {selected.name} by the fixed order")
+    else:
+        lines.append(f"  selected: {selected.name}")
     if capability is not None:
         lines.append(f"  CUDA-graph trees: {_in_graph_choice(selected, capability, config)}")
     return "\n".join(lines)
@@ -313,6 +392,7 @@ def main(args: argparse.Namespace) -> int:
     print(table)
     for section in (
         lambda: selection_rules(capability, config),
+        lambda: size_class_table(capability, config),
         lambda: machine_table(capability, config, simulated=args.capability is not None),
         lambda: dispatch_table(capability, config),
     ):

@@ -44,6 +44,7 @@ __all__ = [
     "AttentionLaunches",
     "LaunchPlan",
     "attention_triton",
+    "batch_invariant_config",
     "head_dim_split",
     "known_native_launch",
     "launch_plan",
@@ -238,6 +239,22 @@ def attention_triton(
                     f"{CONFIG_ENV_VAR})"
                 ) from exc
             config = launches.table_configs[key] = smaller
+
+
+def batch_invariant_config(
+    device: torch.device, dqk: int, dv: int, causal: bool, dtype: torch.dtype
+) -> AttentionConfig:
+    """The one configuration that the batch-invariant mode launches for every batch on ``device``:
+    ``MLA_OPS_TRITON_CONFIG``'s, else the table's (after any step-down), which calls below
+    :data:`TMA_MIN_KEY_ROWS` key rows times heads run anyway, so small batches launch alike in both modes."""
+    config = env_attention_config()
+    if config is not None:
+        return config
+    key = (device, dqk, dv, causal, dtype)
+    config = LAUNCHES.table_configs.get(key)
+    if config is None:
+        config = LAUNCHES.table_configs[key] = attention_config(device, dqk, dv, causal, dtype)
+    return config
 
 
 def _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, config):

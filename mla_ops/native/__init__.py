@@ -108,10 +108,13 @@ def _on(name: str, value: str) -> bool:
 
 
 def cache_root() -> Path:
-    """Where builds are kept: ``$MLA_OPS_CACHE_DIR``, else ``~/.cache/mla_ops``; raises ``ValueError`` where
-    the variable names something that exists but is not a directory."""
+    """Where builds (and tuned cost tables) are kept: ``$MLA_OPS_CACHE_DIR``, else ``$XDG_CACHE_HOME/mla_ops``,
+    else ``~/.cache/mla_ops``; raises ``ValueError`` where the variable names something that exists but is not
+    a directory."""
     text = os.environ.get(CACHE_VARIABLE)
-    root = Path(text) if text else Path(os.path.expanduser("~")) / ".cache" / "mla_ops"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    user_cache = Path(xdg) if xdg and os.path.isabs(xdg) else Path(os.path.expanduser("~")) / ".cache"
+    root = Path(text) if text else user_cache / "mla_ops"
     if text and root.exists() and not root.is_dir():
         raise ValueError(f"{CACHE_VARIABLE}={text!r} is not a directory; name a directory (it is created if missing)")
     return root

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..selector import backend_for
+from ..selector import host_planner_for
 
 #: Twins of the two attention ops that the Python API calls while ``torch.compile`` traces for CUDA-graph
 #: trees (:func:`routes_in_graph`). :mod:`mla_ops.ops` defines them with the same schemas, validation and
@@ -116,8 +116,9 @@ def check_graph_trees(op: str, q: torch.Tensor, v: torch.Tensor) -> None:
     """
     if q.device.type not in CHECKED_DEVICE_TYPES or not routes_in_graph():
         return
-    backend = backend_for(q, v)
-    if not backend.plans_on_host:
+    # Whichever backend a call of any size may route to: a cost table may rank a host planner first for some.
+    backend = host_planner_for(q, v)
+    if backend is None:
         return
     raise RuntimeError(
         f"{op}: the {backend.name} backend plans each batch on the host, which a CUDA-graph tree "
