@@ -98,10 +98,16 @@ _TORCH_BLOCK_ALIGNMENT = 512
 
 def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     """Triton's allocator protocol: ``size`` bytes aligned to ``alignment`` on the current device,
-    allocated on its current stream (the launch's: ``stream`` is that stream's handle)."""
+    allocated on its current stream (the launch's: ``stream`` is that stream's handle), zeroed.
+
+    Zeroed because a descriptor built on the device (``tma.make_tensor_descriptor``) is written field by
+    field over what the scratch held: every field is replaced, but the first reads see the allocator's
+    leftovers, which compute-sanitizer's initcheck reports (``benchmarks/sanitize.py``). Only the Gluon
+    kernel asks for scratch, a few hundred bytes per program, so the memset is one small kernel per launch.
+    """
     if alignment <= _TORCH_BLOCK_ALIGNMENT:
-        return torch.empty(size, dtype=torch.uint8, device="cuda")
-    buffer = torch.empty(size + alignment, dtype=torch.uint8, device="cuda")
+        return torch.zeros(size, dtype=torch.uint8, device="cuda")
+    buffer = torch.zeros(size + alignment, dtype=torch.uint8, device="cuda")
     offset = -buffer.data_ptr() % alignment
     return buffer[offset : offset + size]
 

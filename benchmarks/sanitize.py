@@ -1,0 +1,230 @@
+"""Run the package's own CUDA kernels under NVIDIA compute-sanitizer, on awkward shapes.
+
+The kernels: the Hopper Gluon attention kernel (calls of at least 65536 key rows x heads on SM90), the
+``tl.dot`` attention kernel (smaller calls, and every call elsewhere), the Triton merge and LSE kernels, and
+the native library's C++ launches of them (a layout's second call). The workload runs each path of the
+TRITON backend eagerly (first call through Python, second through the native library) and inside a CUDA
+graph replayed with new lengths, on ragged batches with an empty sequence, one-token sequences, lengths
+that are not multiples of any block, padding rows and ``v`` as a strided view at the end of each row of
+a wider tensor; it checks every result against the CPU reference.
+
+    python benchmarks/sanitize.py                       # memcheck, racecheck, initcheck, synccheck
+    python benchmarks/sanitize.py --tools racecheck --log-dir /tmp/sanitize
+    python benchmarks/sanitize.py --workload            # the workload alone, without the sanitizer
+
+Prints one summary line per tool and exits 1 if any tool reports an error or a hazard, or the workload
+fails. Needs a CUDA GPU, Triton and compute-sanitizer (from the CUDA toolkit; ``--sanitizer`` or
+``$COMPUTE_SANITIZER`` if it is not on PATH). The sanitizer runs with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``,
+so that memcheck sees each tensor's own bounds rather than the caching allocator's blocks, and again with
+the caching allocator for the CUDA-graph part (capture cannot allocate without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
+#: Extra options per tool: racecheck reports every hazard (warnings too).
+_TOOL_OPTIONS = {
+    "memcheck": ["--leak-check", "no"],
+    "racecheck": ["--racecheck-report", "all"],
+    "initcheck": [],
+    "synccheck": [],
+}
+_SUMMARY = re.compile(r"(ERROR SUMMARY: \d+ errors?|RACECHECK SUMMARY: .*)")
+_COUNT = re.compile(r"(\d+) (?:errors?|hazards?)")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Run the package's CUDA kernels (Gluon and tl.dot attention, merge, LSE, the native "
+        "launches) under compute-sanitizer on awkward shapes, eagerly and in CUDA graphs.",
+    )
+    parser.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS), help="sanitizer tools to run")
+    parser.add_argument("--sanitizer", default=None, help="path of compute-sanitizer (default: PATH, CUDA home)")
+    parser.add_argument("--log-dir", type=Path, default=None, help="write each tool's full report here")
+    parser.add_argument("--workload", action="store_true", help="run the workload once, without the sanitizer")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per tool (default 900)")
+    return parser.parse_args(argv)
+
+
+# --- the workload ---------------------------------------------------------------------------------
+
+
+def _offsets(lengths: Sequence[int], device: str) -> torch.Tensor:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+def _inputs(rows: int, heads: int, padding: int, seed: int):
+    """``q``, ``k`` ``[rows + padding, H, 192]`` and ``v`` ``[rows + padding, H, 128]``, the last 128 channels of
+    a ``[.., H, 64 + 128]`` tensor (a strided view, as MLA's ``kv_nope`` gives), bf16 on the GPU."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    total = rows + padding
+    q = torch.randn(total, heads, 192, generator=g).bfloat16().cuda()
+    k = torch.randn(total, heads, 192, generator=g).bfloat16().cuda()
+    kv = torch.randn(total, heads, 64 + 128, generator=g).bfloat16().cuda()
+    return q, k, kv[..., 64:]
+
+
+def _check(name: str, got, want, rows: int, tol: float = 2e-2) -> None:
+    """Raise if ``got`` (GPU ``(out, lse)``) is not the CPU reference ``want`` within ``tol`` in the first
+    ``rows`` rows (the ops leave ``out``'s padding rows unwritten; reading them would be initcheck's finding)."""
+    out, lse = got[0][:rows].float().cpu(), got[1][:, :rows].cpu()
+    ref_out, ref_lse = want[0][:rows].float(), want[1][:, :rows]
+    finite = torch.isfinite(ref_lse)
+    if not torch.equal(finite, torch.isfinite(lse)):
+        raise AssertionError(f"{name}: rows without keys differ from the reference (lse = -inf)")
+    err_out = (out - ref_out).abs().max().item()
+    err_lse = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
+    if not (err_out <= tol and err_lse <= tol):
+        raise AssertionError(f"{name}: max |out - ref| {err_out:.3g}, max |lse - ref| {err_lse:.3g} > {tol}")
+    print(f"  {name}: ok (max |out - ref| {err_out:.2e}, max |lse - ref| {err_lse:.2e})", flush=True)
+
+
+def _cpu(t):
+    return t.cpu() if hasattr(t, "cpu") else t
+
+
+def run_workload(graphs: bool) -> int:
+    """Every kernel, eagerly (twice: Python, then the native launch) and, with ``graphs``, in a replayed CUDA
+    graph."""
+    import mla_ops
+    from mla_ops.kernels.lse import lse_base2_to_natural_triton
+
+    if not torch.cuda.is_available():
+        print("sanitize.py: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    new_lengths = [1, 3000, 17, 1100]  # one token, lengths no block divides
+    chunk_q, chunk_k = [100, 5, 300], [4097, 0, 129]  # a sequence without context
+    with mla_ops.prefill_backend("TRITON"):
+        # H=16: >= 65536 key rows x heads, the Gluon kernel on SM90; H=4: the tl.dot kernel.
+        for heads in (16, 4):
+            q, k, v = _inputs(sum(new_lengths), heads, 64, seed=heads)
+            cu = _offsets(new_lengths, "cuda")
+            want = mla_ops.prefill(_cpu(q), _cpu(k), _cpu(v), cu.cpu(), max(new_lengths))
+            for attempt in ("python", "native"):
+                got = mla_ops.prefill(q, k, v, cu, max(new_lengths))
+                _check(f"new tokens H={heads} ({attempt})", got, want, sum(new_lengths))
+
+            qc, _, _ = _inputs(sum(chunk_q), heads, 16, seed=heads + 1)
+            _, kc, vc = _inputs(sum(chunk_k), heads, 8, seed=heads + 2)
+            cq, ck = _offsets(chunk_q, "cuda"), _offsets(chunk_k, "cuda")
+            args = (cq, ck, max(chunk_q), max(chunk_k))
+            want_c = mla_ops.prefill_context_chunk(_cpu(qc), _cpu(kc), _cpu(vc), *(_cpu(a) for a in args))
+            for attempt in ("python", "native"):
+                got_c = mla_ops.prefill_context_chunk(qc, kc, vc, *args)
+                _check(f"context chunk H={heads} ({attempt})", got_c, want_c, sum(chunk_q))
+
+            # The merge of the chunk with the new tokens' own attention over the same rows.
+            got_n = mla_ops.prefill(qc, qc.clone(), vc.new_empty(qc.shape[0], heads, 128).normal_(), cq, max(chunk_q))
+            want_m = mla_ops.merge_attn_states(*(_cpu(t) for t in (*got_c, *got_n)))
+            for attempt in ("python", "native"):
+                merged = mla_ops.merge_attn_states(*got_c, *got_n)
+                _check(f"merge H={heads} ({attempt})", merged, want_m, sum(chunk_q))
+
+            if not graphs:
+                continue
+            # A CUDA graph captured on one batch and replayed with other lengths (same shapes).
+            static_cu = cu.clone()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                mla_ops.prefill(q, k, v, static_cu, sum(new_lengths))
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                graphed = mla_ops.prefill(q, k, v, static_cu, sum(new_lengths))
+            for lengths in ([2048, 0, 1, 2069], [4118, 0, 0, 0]):
+                static_cu.copy_(_offsets(lengths, "cuda"))
+                graph.replay()
+                want_g = mla_ops.prefill(_cpu(q), _cpu(k), _cpu(v), static_cu.cpu(), max(lengths))
+                _check(f"graph replay H={heads} {lengths}", graphed, want_g, sum(lengths))
+
+    # The LSE kernel (FLASHINFER's base-2 [n, H] LSE into natural-log [H, n]), with -inf rows.
+    lse2 = torch.randn(777, 16, device="cuda")
+    lse2[::7] = float("-inf")
+    out = torch.empty(16, 777, device="cuda")
+    lse_base2_to_natural_triton(lse2, out)
+    torch.testing.assert_close(out.cpu(), (lse2.t() * 0.6931471805599453).cpu(), rtol=1e-6, atol=0)
+    print("  LSE conversion: ok", flush=True)
+    torch.cuda.synchronize()
+    print("workload passed", flush=True)
+    return 0
+
+
+# --- the driver -----------------------------------------------------------------------------------
+
+
+def find_sanitizer(explicit: str | None) -> str | None:
+    """compute-sanitizer's path: ``explicit``, ``$COMPUTE_SANITIZER``, PATH, then the CUDA toolkit's bin."""
+    for candidate in (explicit, os.environ.get("COMPUTE_SANITIZER"), shutil.which("compute-sanitizer")):
+        if candidate:
+            return candidate
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home and (Path(home) / "bin" / "compute-sanitizer").exists():
+            return str(Path(home) / "bin" / "compute-sanitizer")
+    return None
+
+
+def run_tool(sanitizer: str, tool: str, log_dir: Path | None, timeout: float, caching: bool) -> tuple[bool, str]:
+    """``(clean, summary)`` of the workload under ``tool``: eagerly without PyTorch's caching allocator (so
+    that each tensor has bounds of its own), or with it (``caching``), which CUDA-graph capture needs."""
+    command = [sanitizer, "--tool", tool, *_TOOL_OPTIONS[tool], "--error-exitcode", "3", "--print-limit", "50",
+               sys.executable, __file__, "--workload"]  # fmt: skip
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="0" if caching else "1")
+    tool_name = f"{tool} ({'with CUDA graphs, caching allocator' if caching else 'eager, no caching allocator'})"
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"{tool_name}: timed out after {timeout:.0f} s"
+    report = done.stdout + done.stderr
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        (log_dir / f"{tool}{'-graphs' if caching else ''}.log").write_text(report)
+    summaries = _SUMMARY.findall(report)
+    counts = [int(n) for line in summaries for n in _COUNT.findall(line)]
+    passed = "workload passed" in report
+    clean = done.returncode == 0 and passed and bool(summaries) and not any(counts)
+    what = "; ".join(summaries) if summaries else "no summary line"
+    if not passed:
+        what += "; the workload did not pass (see the log)"
+    return clean, f"{tool_name}: {what} (exit {done.returncode}, {time.perf_counter() - started:.0f} s)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.workload:
+        # Capture needs PyTorch's caching allocator (a cudaMalloc is not permitted while capturing).
+        return run_workload(graphs=os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") != "1")
+    sanitizer = find_sanitizer(args.sanitizer)
+    if sanitizer is None:
+        print("sanitize.py: compute-sanitizer not found; pass --sanitizer PATH or set COMPUTE_SANITIZER "
+              "(it ships with the CUDA toolkit)", file=sys.stderr)  # fmt: skip
+        return 2
+    all_clean = True
+    for tool in args.tools:
+        for caching in (False, True):
+            print(f"{tool}: running the workload under compute-sanitizer (minutes)...", flush=True)
+            clean, summary = run_tool(sanitizer, tool, args.log_dir, args.timeout, caching)
+            all_clean &= clean
+            print(("ok    " if clean else "FAIL  ") + summary, flush=True)
+    return 0 if all_clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
