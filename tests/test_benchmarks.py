@@ -37,7 +37,7 @@ BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 #: Every script in benchmarks/: each answers ``--help``.
 SCRIPTS = sorted(path.name for path in BENCH_DIR.glob("*.py"))
 #: The scripts that print their findings without writing a file, so have no ``--out``.
-PRINT_ONLY = {"compile_sm90.py"}
+PRINT_ONLY = {"compile_sm90.py", "sanitize.py"}
 #: The scripts whose result rows one ``FIELDS`` list (``benchlib.report.Fields``) describes.
 FIELD_SCRIPTS = [
     "bench_dispatch",
@@ -84,6 +84,13 @@ def test_gpu_only_scripts_exit_cleanly_without_cuda(script, args, tmp_path):
     assert "needs a CUDA device" in proc.stderr and "nothing was measured" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (BENCH_DIR.parent / "unused.csv").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given on machines without CUDA")
+def test_sanitize_workload_exits_cleanly_without_cuda():
+    proc = _run([str(BENCH_DIR / "sanitize.py"), "--workload"])
+    assert proc.returncode == 2
+    assert "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.fixture
