@@ -23,7 +23,12 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import standins  # noqa: E402
+
 import mla_ops  # noqa: E402
+from mla_ops import selector  # noqa: E402
+from mla_ops.backends.flash_attn import FlashAttnBackend  # noqa: E402
+from mla_ops.backends.flashinfer import FlashInferBackend  # noqa: E402
 
 _NO_CUDA = "needs a CUDA device: torch.cuda.is_available() is False on this machine"
 _GPU_COUNT = torch.cuda.device_count() if HAS_CUDA else 0
@@ -86,3 +91,13 @@ def merge_launches() -> Iterator[Any]:
     may replace its ``known``, launchers or ``launch``."""
     merge = pytest.importorskip("mla_ops.kernels.merge", reason="the Triton kernels need triton installed")
     yield from _emptied(merge.LAUNCHES)
+
+
+@pytest.fixture
+def all_installed() -> Iterator[None]:
+    """Every library present (Triton for real, the others as stand-ins), so choices depend only on the rules."""
+    pytest.importorskip("triton", reason="TRITON's library is part of 'every library installed'")
+    flashinfer = FlashInferBackend(library=standins.flashinfer_module(), workspace_bytes=1 << 20)
+    flash_attn = FlashAttnBackend(libraries=standins.flash_attn_libraries(*standins.FLASH_ATTN_NAMES))
+    with selector.backend_installed(flashinfer), selector.backend_installed(flash_attn):
+        yield

@@ -14,22 +14,11 @@ from utils import cu_seqlens_of, make_qkv
 import mla_ops
 from mla_ops import DeviceCapability, MLADimensions, SelectorConfig, cost_table
 from mla_ops import selector as sel
-from mla_ops.backends.flash_attn import FlashAttnBackend
-from mla_ops.backends.flashinfer import FlashInferBackend
 from mla_ops.cost_table import SizeClass
 
 SM90, SM80 = DeviceCapability(9, 0), DeviceCapability(8, 0)
 CONFIG = SelectorConfig(torch.bfloat16, MLADimensions(128, 64, 128))
 H, DQK, DV = 2, 192, 128
-
-
-@pytest.fixture
-def all_installed():
-    pytest.importorskip("triton", reason="TRITON's library is part of 'every library installed'")
-    flashinfer = FlashInferBackend(library=standins.flashinfer_module(), workspace_bytes=1 << 20)
-    flash_attn = FlashAttnBackend(libraries=standins.flash_attn_libraries(*standins.FLASH_ATTN_NAMES))
-    with sel.backend_installed(flashinfer), sel.backend_installed(flash_attn):
-        yield
 
 
 # --- the setting ------------------------------------------------------------------------------------------

@@ -15,8 +15,6 @@ import mla_ops
 from mla_ops import DeviceCapability, MLADimensions, SelectorConfig, cost_table
 from mla_ops import selector as sel
 from mla_ops.backends.base import VarlenCall
-from mla_ops.backends.flash_attn import FlashAttnBackend
-from mla_ops.backends.flashinfer import FlashInferBackend
 from mla_ops.cost_table import SizeClass
 
 SM90, SM80 = DeviceCapability(9, 0), DeviceCapability(8, 0)
@@ -35,16 +33,6 @@ MEASURED = [TINY, MIDDLE, LARGE, CHUNK_TINY, CHUNK_LARGE]
 def _fastest(size: SizeClass, candidates=("FLASHINFER", "FLASH_ATTN", "TRITON")) -> str:
     """The stand-in GPU's fastest backend on a measured class: least host cost plus device time."""
     return min(candidates, key=lambda b: standins.STANDIN_HOST_US[b] + standins.standin_device_us(b, size))
-
-
-@pytest.fixture
-def all_installed():
-    """Every library present (Triton for real, the others as stand-ins)."""
-    pytest.importorskip("triton", reason="TRITON's library is part of 'every library installed'")
-    flashinfer = FlashInferBackend(library=standins.flashinfer_module(), workspace_bytes=1 << 20)
-    flash_attn = FlashAttnBackend(libraries=standins.flash_attn_libraries(*standins.FLASH_ATTN_NAMES))
-    with sel.backend_installed(flashinfer), sel.backend_installed(flash_attn):
-        yield
 
 
 @pytest.fixture

@@ -31,16 +31,6 @@ NON_MLA = MLADimensions(128, 0, 128)  # plain multi-head attention with 128-chan
 ODD = MLADimensions(256, 64, 128)  # Dqk 320: wider than any kernel library serves
 
 
-@pytest.fixture
-def all_installed():
-    """Every library present (Triton for real, the others as stand-ins), so choices depend only on the rules."""
-    pytest.importorskip("triton", reason="TRITON's library is part of 'every library installed'")
-    flashinfer = FlashInferBackend(library=standins.flashinfer_module(), workspace_bytes=1 << 20)
-    flash_attn = FlashAttnBackend(libraries=standins.flash_attn_libraries(*standins.FLASH_ATTN_NAMES))
-    with sel.backend_installed(flashinfer), sel.backend_installed(flash_attn):
-        yield
-
-
 def _summary(capability, dtype, dims) -> str:
     order = [b.name for b in sel.backend_priorities(capability, SelectorConfig(dtype, dims))]
     if not order:

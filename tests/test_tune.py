@@ -14,21 +14,10 @@ import torch
 from mla_ops import DeviceCapability, MLADimensions, SelectorConfig, cost_table
 from mla_ops import selector as sel
 from mla_ops.__main__ import main as cli_main
-from mla_ops.backends.flash_attn import FlashAttnBackend
-from mla_ops.backends.flashinfer import FlashInferBackend
 from mla_ops.cli import tune
 
 SM90 = DeviceCapability(9, 0)
 CONFIG = SelectorConfig(torch.bfloat16, MLADimensions(128, 64, 128))
-
-
-@pytest.fixture
-def all_installed():
-    pytest.importorskip("triton", reason="TRITON's library is part of 'every library installed'")
-    flashinfer = FlashInferBackend(library=standins.flashinfer_module(), workspace_bytes=1 << 20)
-    flash_attn = FlashAttnBackend(libraries=standins.flash_attn_libraries(*standins.FLASH_ATTN_NAMES))
-    with sel.backend_installed(flashinfer), sel.backend_installed(flash_attn):
-        yield
 
 
 class StandinTimer:

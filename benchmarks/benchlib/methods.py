@@ -110,6 +110,11 @@ class OpMethod(Method):
     def __init__(self, name: str, implementation: str, raw: str | None = None) -> None:
         self.name, self.implementation, self.raw = name, implementation, raw
 
+    #: The backend forced around each call (``prefill_backend``'s argument; ``None``: no override).
+    @property
+    def forced(self) -> str | None:
+        return self.name
+
     def prepare(self, p: Problem) -> Prepared:
         import mla_ops
 
@@ -118,27 +123,19 @@ class OpMethod(Method):
             fn = lambda: mla_ops.prefill(q, k, v, cu_q, max_q, scale)
         else:
             fn = lambda: mla_ops.prefill_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale)
-        return Prepared(fn, _pair, lambda: mla_ops.prefill_backend(self.name))
+        return Prepared(fn, _pair, lambda: mla_ops.prefill_backend(self.forced))
 
 
-class AutoOpMethod(Method):
+class AutoOpMethod(OpMethod):
     """The op with no override: what a user's call runs, the backend chosen per call (by size class where a cost
     table ranks the backends; ``python -m mla_ops info`` shows the table)."""
 
-    kind = "op"
-    name = "auto"
-    implementation = "mla_ops.prefill / prefill_context_chunk with automatic selection (no override)"
-    raw = None
+    def __init__(self) -> None:
+        super().__init__("auto", "mla_ops.prefill / prefill_context_chunk with automatic selection (no override)")
 
-    def prepare(self, p: Problem) -> Prepared:
-        import mla_ops
-
-        q, k, v, cu_q, cu_k, max_q, max_k, scale = p.attention_args()
-        if p.causal:
-            fn = lambda: mla_ops.prefill(q, k, v, cu_q, max_q, scale)
-        else:
-            fn = lambda: mla_ops.prefill_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale)
-        return Prepared(fn, _pair, lambda: mla_ops.prefill_backend(None))
+    @property
+    def forced(self) -> str | None:
+        return None
 
 
 class DirectMethod(Method):
