@@ -17,6 +17,7 @@ from .checks import (
     check_attention_inputs,
     check_chunk_values,
     check_cu_seqlens_values,
+    check_fp8_scales,
     check_merge_inputs,
 )
 
@@ -26,17 +27,22 @@ __all__ = [
     "check_attention_inputs",
     "check_chunk_values",
     "check_cu_seqlens_values",
+    "check_fp8_scales",
     "check_merge_inputs",
     "merge_attn_states_fake",
     "prefill_context_chunk_fake",
+    "prefill_context_chunk_fp8_fake",
     "prefill_fake",
+    "prefill_fp8_fake",
     "prefill_with_chunk_fake",
 ]
 
 
-def _attention_outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_outputs(
+    q: torch.Tensor, v: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, num_heads, _ = q.shape
-    out = q.new_empty((num_tokens, num_heads, v.shape[-1]))
+    out = q.new_empty((num_tokens, num_heads, v.shape[-1]), dtype=out_dtype or q.dtype)
     lse = q.new_empty((num_heads, num_tokens), dtype=torch.float32)
     return out, lse
 
@@ -93,3 +99,47 @@ def prefill_with_chunk_fake(
     prefill_context_chunk_fake(q, k_chunk, v_chunk, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, softmax_scale)
     check_chunk_values(v, v_chunk)
     return out, lse
+
+
+def prefill_fp8_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    q_descale: torch.Tensor,
+    k_descale: torch.Tensor,
+    v_descale: torch.Tensor,
+    softmax_scale: float,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fake ``mla::prefill_fp8``: ``out`` ``[T, H, Dv]`` in ``out_dtype``, ``lse`` float32 ``[H, T]``."""
+    op = "mla.prefill_fp8"
+    check_attention_inputs(
+        op, (q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale), self_attention=True, fp8=True
+    )
+    check_fp8_scales(op, q, {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}, out_dtype)
+    return _attention_outputs(q, v, out_dtype)
+
+
+def prefill_context_chunk_fp8_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    q_descale: torch.Tensor,
+    k_descale: torch.Tensor,
+    v_descale: torch.Tensor,
+    softmax_scale: float,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fake ``mla::prefill_context_chunk_fp8``: ``out`` ``[Tq, H, Dv]`` in ``out_dtype``, ``lse`` float32
+    ``[H, Tq]``."""
+    op = "mla.prefill_context_chunk_fp8"
+    inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
+    check_attention_inputs(op, inputs, self_attention=False, fp8=True)
+    check_fp8_scales(op, q, {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}, out_dtype)
+    return _attention_outputs(q, v, out_dtype)

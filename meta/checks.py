@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..specs import FP8_DTYPE
 from ..specs import SUPPORTED_DTYPES as _DTYPES
 
 #: The largest ``max_seqlen`` the kernels can index (they count tokens in int32).
@@ -85,14 +86,17 @@ def _check_scale(op: str, softmax_scale: object) -> None:
         raise ValueError(f"{op}: softmax_scale must be finite, got {softmax_scale}")
 
 
-_BF16, _FP16, _FP32, _INT32 = torch.bfloat16, torch.float16, torch.float32, torch.int32
+_BF16, _FP16, _FP32, _INT32, _FP8 = torch.bfloat16, torch.float16, torch.float32, torch.int32, FP8_DTYPE
 
 
-def attention_inputs_are_valid(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, self_attention) -> bool:
+def attention_inputs_are_valid(
+    q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, self_attention, fp8: bool = False
+) -> bool:
     """Whether :func:`check_attention_inputs` would accept these inputs, in one expression: this runs on
     every eager call, so it avoids helper calls and message formatting (the ops' kernels call it first and
     :func:`check_attention_inputs` only when it says no, for the error that explains the problem). An
-    argument that is not a tensor (``None`` for a raw op's ``Tensor``) makes it say no as well."""
+    argument that is not a tensor (``None`` for a raw op's ``Tensor``) makes it say no as well. ``fp8``: the
+    rules of the fp8 ops, whose ``q``/``k``/``v`` are :data:`~mla_ops.specs.FP8_DTYPE`."""
     # The try is free until it catches (Python 3.11+): only a call with a non-tensor pays for it.
     try:
         qs, ks, vs, dt, dev = q.shape, k.shape, v.shape, q.dtype, q.device
@@ -100,7 +104,7 @@ def attention_inputs_are_valid(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale,
             len(qs) == 3
             and len(ks) == 3
             and len(vs) == 3
-            and (dt is _BF16 or dt is _FP16)
+            and (dt is _FP8 if fp8 else (dt is _BF16 or dt is _FP16))
             and qs[1] > 0
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
             and k.dtype is dt
@@ -148,26 +152,37 @@ def attention_inputs_are_valid(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale,
 AttentionInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, float]
 
 
-def check_attention_inputs(op: str, inputs: AttentionInputs, self_attention: bool) -> None:
+def check_attention_inputs(op: str, inputs: AttentionInputs, self_attention: bool, fp8: bool = False) -> None:
     """Validate the inputs of ``mla.prefill`` or ``mla.prefill_context_chunk`` without reading data.
 
     ``inputs`` is :data:`AttentionInputs`. ``self_attention`` selects the ``mla.prefill`` rules: ``k``
     and ``v`` are the new tokens themselves, described by ``cu_seqlens_q`` (pass it as ``cu_seqlens_k``
-    too, and ``max_seqlen`` as both bounds).
+    too, and ``max_seqlen`` as both bounds). ``fp8``: the rules of ``mla.prefill_fp8`` and
+    ``mla.prefill_context_chunk_fp8`` for the same inputs, whose dtype is :data:`~mla_ops.specs.FP8_DTYPE`
+    (their scales: :func:`check_fp8_scales`).
 
     Raises ``TypeError`` for a wrong type or dtype and ``ValueError`` for a wrong shape, device,
     stride or value; each message names the argument and says what to pass instead.
     """
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale = inputs
     if attention_inputs_are_valid(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, self_attention
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, self_attention, fp8
     ):
         return
     _check_rank3(op, "q", q, "[T, H, Dqk]")
     _check_rank3(op, "k", k, "[T, H, Dqk]")
     _check_rank3(op, "v", v, "[T, H, Dv]")
-    if q.dtype not in _DTYPES:
-        raise TypeError(f"{op}: q has dtype {_dtype_name(q.dtype)}; only bfloat16 and float16 are supported")
+    if fp8 and q.dtype != FP8_DTYPE:
+        raise TypeError(
+            f"{op}: q has dtype {_dtype_name(q.dtype)}; this op takes {_dtype_name(FP8_DTYPE)} q, k and v with their "
+            f"descale factors (mla_ops.quantize_fp8 makes both); for {_dtype_name(q.dtype)} inputs call "
+            f"{op.removesuffix('_fp8')}"
+        )
+    if not fp8 and q.dtype not in _DTYPES:
+        hint = ""
+        if q.dtype == FP8_DTYPE:
+            hint = f"; for {_dtype_name(FP8_DTYPE)} inputs with descale factors call {op}_fp8"
+        raise TypeError(f"{op}: q has dtype {_dtype_name(q.dtype)}; only bfloat16 and float16 are supported{hint}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(
@@ -207,6 +222,48 @@ def check_attention_inputs(op: str, inputs: AttentionInputs, self_attention: boo
         check_max_seqlen(op, "max_seqlen_q", max_seqlen_q)
         check_max_seqlen(op, "max_seqlen_k", max_seqlen_k)
     _check_scale(op, softmax_scale)
+
+
+#: The shapes a descale factor may have, as the messages name them.
+_DESCALE_SHAPES = "[] or [1] (one factor for every head) or [H] (one per head)"
+
+
+def check_fp8_scales(
+    op: str, q: torch.Tensor, descales: dict[str, object], out_dtype: object
+) -> None:
+    """Validate an fp8 op's descale factors and output dtype without reading data: each of ``descales`` (by
+    argument name) a float32 tensor of shape ``[]``, ``[1]`` or ``[H]`` on ``q``'s device, and ``out_dtype``
+    bfloat16 or float16. Call it after :func:`check_attention_inputs` accepted ``q``. Their values are checked
+    where they are on the host (:func:`check_fp8_scale_values`)."""
+    num_heads = q.shape[1]
+    for name, d in descales.items():
+        if not isinstance(d, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a float32 torch.Tensor {_DESCALE_SHAPES}, got {type(d).__name__}")
+        if d.dtype != torch.float32:
+            raise TypeError(f"{op}: {name} must have dtype float32, got {_dtype_name(d.dtype)}; use {name}.float()")
+        if d.dim() > 1 or (d.dim() == 1 and d.shape[0] not in (1, num_heads)):
+            raise ValueError(
+                f"{op}: {name} must have shape {_DESCALE_SHAPES} with H = {num_heads} (q's heads), "
+                f"got {tuple(d.shape)}"
+            )
+        if d.device != q.device:
+            raise ValueError(f"{op}: {name} is on {d.device} but q is on {q.device}; move it to {q.device}")
+    if out_dtype not in _DTYPES:
+        raise TypeError(
+            f"{op}: out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype!r:.40}"
+        )
+
+
+def check_fp8_scale_values(op: str, descales: dict[str, torch.Tensor]) -> None:
+    """Each descale factor must be finite and positive: this reads them, so call it only where they are on the
+    host (a CUDA kernel given a non-finite factor returns NaN rows, as with any non-finite input)."""
+    for name, d in descales.items():
+        bad = d[~(torch.isfinite(d) & (d > 0))]
+        if bad.numel():
+            raise ValueError(
+                f"{op}: {name} must hold finite, positive factors (real value = fp8 value * factor), got "
+                f"{bad.flatten()[0].item()}; mla_ops.quantize_fp8 returns valid ones"
+            )
 
 
 def merge_tensors_are_valid(prefix_out, prefix_lse, suffix_out, suffix_lse) -> bool:

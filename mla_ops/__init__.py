@@ -14,9 +14,12 @@ from .api import (
     pack_chunks,
     prefill,
     prefill_context_chunk,
+    prefill_context_chunk_fp8,
+    prefill_fp8,
     prefill_with_context,
 )
 from .backends.registry import PrefillBackendEnum
+from .quantize import quantize_fp8
 from .runtime.cuda_graphs import plan_cuda_graph, release_cuda_graph_buffers
 from .runtime.graph_trees import compile_options
 from .selector import (
@@ -48,7 +51,10 @@ __all__ = [
     "prefill",
     "prefill_backend",
     "prefill_context_chunk",
+    "prefill_context_chunk_fp8",
+    "prefill_fp8",
     "prefill_with_context",
+    "quantize_fp8",
     "release_cuda_graph_buffers",
     "select_backend",
     "set_batch_invariant",

@@ -583,3 +583,82 @@ def pack_rows(
             rows = torch.cat([rows, rows.new_zeros((MIN_PACKED_ROWS - rows.shape[0], *rows.shape[1:]))])
         packed.append(rows)
     return packed[0], packed[1], packed_offsets
+
+
+def _fp8_arguments(op: str, q, tensors: dict[str, object], out_dtype: object, softmax_scale: object) -> float:
+    """The softmax scale of an fp8 call, after the checks that must come before the dispatcher (whose own errors
+    name no argument): the tensors' types and ``out_dtype``."""
+    check_argument_types(op, tensors, {})
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"{op}: out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype!r:.40}")
+    return _scale(op, q, softmax_scale)
+
+
+def prefill_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    q_descale: torch.Tensor,
+    k_descale: torch.Tensor,
+    v_descale: torch.Tensor,
+    softmax_scale: float | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`prefill` on fp8 inputs: causal attention of each sequence's new tokens over themselves.
+
+    Args:
+        q, k: ``[T, H, Dqk]``, ``float8_e4m3fn``; v: ``[T, H, Dv]``, ``float8_e4m3fn``, may be a strided view.
+            :func:`mla_ops.quantize_fp8` makes them from bf16 tensors, with their factors.
+        cu_seqlens, max_seqlen: as for :func:`prefill`.
+        q_descale, k_descale, v_descale: float32 factors that dequantise each input (real value = fp8 value *
+            factor), of shape ``[]`` or ``[1]`` (one for every head) or ``[H]`` (one per head), on q's device.
+            Finite and positive: checked on CPU, not read on a GPU.
+        softmax_scale: defaults to ``1 / sqrt(Dqk)``; it applies to the dequantised scores.
+        out_dtype: the dtype of ``out``, bfloat16 (default) or float16.
+
+    Returns:
+        ``(out, lse)``: ``out`` ``[T, H, Dv]`` in ``out_dtype``; ``lse`` float32 ``[H, T]``, natural log, which
+        :func:`merge_attn_states` merges with the bf16 ops' results.
+    """
+    op = "mla.prefill_fp8"
+    max_seqlen = _length(op, "max_seqlen", max_seqlen)
+    check_max_seqlen(op, "max_seqlen", max_seqlen)
+    tensors = {"q": q, "k": k, "v": v, "cu_seqlens": cu_seqlens}
+    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    scale = _fp8_arguments(op, q, {**tensors, **descales}, out_dtype, softmax_scale)
+    return torch.ops.mla.prefill_fp8(
+        q, k, v, cu_seqlens, max_seqlen, q_descale, k_descale, v_descale, scale, out_dtype
+    )
+
+
+def prefill_context_chunk_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    q_descale: torch.Tensor,
+    k_descale: torch.Tensor,
+    v_descale: torch.Tensor,
+    softmax_scale: float | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`prefill_context_chunk` on fp8 inputs: non-causal attention of each sequence's new tokens over its
+    chunk of cached context. ``q``, ``k``, ``v`` are ``float8_e4m3fn``; the other arguments and the result are
+    as for :func:`prefill_context_chunk` and :func:`prefill_fp8`."""
+    op = "mla.prefill_context_chunk_fp8"
+    max_seqlen_q = _length(op, "max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _length(op, "max_seqlen_k", max_seqlen_k)
+    check_max_seqlen(op, "max_seqlen_q", max_seqlen_q)
+    check_max_seqlen(op, "max_seqlen_k", max_seqlen_k)
+    tensors = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    scale = _fp8_arguments(op, q, {**tensors, **descales}, out_dtype, softmax_scale)
+    return torch.ops.mla.prefill_context_chunk_fp8(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_descale, k_descale, v_descale, scale,
+        out_dtype,
+    )  # fmt: skip

@@ -1,9 +1,9 @@
 """Registration of the ``mla`` custom ops.
 
-The schemas (:data:`SCHEMAS`, :data:`FUSED_SCHEMA`, :data:`CHECK_MERGE_SCHEMA`), the Python kernels of CPU and
-CUDA (check, route, run the backend on the inputs' device), the fakes' registration, and the internal twins:
-``*_in_graph`` for CUDA-graph trees, ``_*_python`` (:data:`PYTHON_TWINS`) for the native library's C++
-kernels. Declared with ``Library.define`` and ``impl``, forward-only. Design: docs/design/ops.md.
+The schemas (:data:`SCHEMAS`, :data:`FP8_SCHEMAS`, :data:`FUSED_SCHEMA`, :data:`CHECK_MERGE_SCHEMA`), the Python
+kernels of CPU and CUDA (check, route, run the backend on the inputs' device), the fakes' registration, and the
+internal twins: ``*_in_graph`` for CUDA-graph trees, ``_*_python`` (:data:`PYTHON_TWINS`) for the native library's
+C++ kernels. Declared with ``Library.define`` and ``impl``, forward-only. Design: docs/design/ops.md.
 """
 
 from __future__ import annotations
@@ -13,11 +13,13 @@ import re
 import torch
 
 from . import meta, native
-from .backends.base import VarlenCall
+from .backends.base import Fp8Scales, VarlenCall
 from .meta.checks import (
     attention_inputs_are_valid,
     check_attention_inputs,
     check_chunk_values,
+    check_fp8_scale_values,
+    check_fp8_scales,
     check_merge_inputs,
 )
 from .runtime.capture import current_cuda_device, on_device
@@ -39,6 +41,20 @@ SCHEMAS = {
     "merge_attn_states": (
         "merge_attn_states(Tensor prefix_out, Tensor prefix_lse, Tensor suffix_out, Tensor suffix_lse)"
         " -> (Tensor out, Tensor lse)"
+    ),
+}
+
+#: The fp8 ops: the attention ops with float8_e4m3fn ``q``/``k``/``v``, the descale factor of each (float32 ``[]``,
+#: ``[1]`` or ``[H]``) and the output's dtype (bfloat16 or float16).
+FP8_SCHEMAS = {
+    "prefill_fp8": (
+        "prefill_fp8(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, SymInt max_seqlen, Tensor q_descale,"
+        " Tensor k_descale, Tensor v_descale, float softmax_scale, ScalarType out_dtype) -> (Tensor out, Tensor lse)"
+    ),
+    "prefill_context_chunk_fp8": (
+        "prefill_context_chunk_fp8(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k,"
+        " SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor q_descale, Tensor k_descale, Tensor v_descale,"
+        " float softmax_scale, ScalarType out_dtype) -> (Tensor out, Tensor lse)"
     ),
 }
 
@@ -65,7 +81,7 @@ PYTHON_TWINS = {
 _TWINNED_SCHEMAS = {**SCHEMAS, "prefill_with_chunk": FUSED_SCHEMA}
 
 _lib = torch.library.Library(NAMESPACE, "DEF")
-for _schema in (*SCHEMAS.values(), FUSED_SCHEMA, CHECK_MERGE_SCHEMA):
+for _schema in (*SCHEMAS.values(), *FP8_SCHEMAS.values(), FUSED_SCHEMA, CHECK_MERGE_SCHEMA):
     _lib.define(_schema)
 for _twins in (IN_GRAPH_TWINS, PYTHON_TWINS):
     for _name, _twin in _twins.items():
@@ -104,6 +120,34 @@ def _attention_kernels(in_graph: bool, remember: bool):
         return run(native.PREFILL_CONTEXT_CHUNK, "mla.prefill_context_chunk", call)
 
     return prefill, prefill_context_chunk
+
+
+def _run_fp8(name: str, call: VarlenCall, q_descale, k_descale, v_descale, out_dtype):
+    """The kernel of the fp8 ops: check ``call`` and the scales, then run the backend the call routes to (only
+    backends whose ``dtypes`` list fp8 can be chosen for its dtype)."""
+    if not attention_inputs_are_valid(*call, fp8=True):
+        check_attention_inputs(name, call[:8], call.causal, fp8=True)
+    q = call.q
+    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    check_fp8_scales(name, q, descales, out_dtype)
+    if q.device.type == "cpu":
+        check_fp8_scale_values(name, descales)
+    # One factor per head for the kernels: a per-tensor factor becomes a stride-0 view, no copy.
+    heads = q.shape[1]
+    scales = Fp8Scales(*(d.reshape(-1).expand(heads) for d in descales.values()), out_dtype)
+    backend = route_call(call)
+    with on_device(q.device):
+        return backend.attention_fp8(call, scales)
+
+
+def _prefill_fp8(q, k, v, cu_seqlens, max_seqlen, q_descale, k_descale, v_descale, softmax_scale, out_dtype):
+    call = VarlenCall(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
+    return _run_fp8("mla.prefill_fp8", call, q_descale, k_descale, v_descale, out_dtype)
+
+
+def _prefill_context_chunk_fp8(q, k, v, cu_q, cu_k, max_q, max_k, q_descale, k_descale, v_descale, scale, out_dtype):
+    call = VarlenCall(q, k, v, cu_q, cu_k, max_q, max_k, scale, False)
+    return _run_fp8("mla.prefill_context_chunk_fp8", call, q_descale, k_descale, v_descale, out_dtype)
 
 
 def _prefill_with_chunk(q, k, v, cu_seqlens, max_seqlen, k_chunk, v_chunk, cu_seqlens_k, max_seqlen_k, softmax_scale):
@@ -196,6 +240,9 @@ for _name, _kernel, _fake in (
 ):
     _register(_name, _kernel, _fake, cuda_key="CompositeExplicitAutograd")
     _register(PYTHON_TWINS[_name], _kernel, _fake)
+# The fp8 ops have no C++ kernel and no CUDA-graph-tree twin: no backend that plans on the host takes fp8.
+_register("prefill_fp8", _prefill_fp8, meta.prefill_fp8_fake)
+_register("prefill_context_chunk_fp8", _prefill_context_chunk_fp8, meta.prefill_context_chunk_fp8_fake)
 _register("merge_attn_states", _merge, meta.merge_attn_states_fake, cuda_key="CompositeExplicitAutograd")
 _register("_check_merge_inputs", check_merge_inputs, check_merge_inputs, cuda_key="CompositeExplicitAutograd")
 # The twins' fakes need no graph-tree check: their kernels never select a backend that plans on the host.
@@ -244,5 +291,5 @@ class _OpPacket(torch._ops.OpOverloadPacket):
 
 
 # The ops have no TorchBind arguments, which is all OpOverloadPacket.__call__ looks for besides calling _op.
-for _name in (*SCHEMAS, "prefill_with_chunk"):
+for _name in (*SCHEMAS, *FP8_SCHEMAS, "prefill_with_chunk"):
     getattr(torch.ops.mla, _name).__class__ = _OpPacket

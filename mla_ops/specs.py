@@ -13,6 +13,11 @@ import torch
 #: The dtypes that every op accepts. Anything else is rejected with a ``TypeError``.
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 
+#: The dtype of the fp8 ops' ``q``, ``k`` and ``v``: e4m3 without infinities (``torch.float8_e4m3fn``), whose
+#: largest finite value is :data:`FP8_MAX`. Their outputs are in one of :data:`SUPPORTED_DTYPES`.
+FP8_DTYPE: torch.dtype = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
 
 class DeviceCapability(NamedTuple):
     """A CUDA compute capability, e.g. ``DeviceCapability(9, 0)`` for Hopper."""

@@ -9,8 +9,10 @@ A backend writes:
 - the class attributes below;
 - :meth:`PrefillBackend.attention`, one method for both paths (``causal`` tells them apart), and, where
   the library's own LSE is base 2, :meth:`~PrefillBackend.attention_for_merge`, which may skip converting it;
+- where ``dtypes`` lists :data:`~mla_ops.specs.FP8_DTYPE`, :meth:`~PrefillBackend.attention_fp8`;
 - where the defaults do not fit, the reason hooks :meth:`~PrefillBackend.capability_reasons`,
-  :meth:`~PrefillBackend.head_dim_reasons` and :meth:`~PrefillBackend.library_reasons`, each returning
+  :meth:`~PrefillBackend.dtype_reasons`, :meth:`~PrefillBackend.head_dim_reasons` and
+  :meth:`~PrefillBackend.library_reasons`, each returning
   a list of reasons a user can act on (empty: fine). Only this base class composes them;
 - :meth:`~PrefillBackend.describe`, and :meth:`~PrefillBackend.warmup`,
   :meth:`~PrefillBackend.plan_cuda_graph`, :meth:`~PrefillBackend.release_cuda_graph_state` where it
@@ -60,12 +62,27 @@ class VarlenCall(NamedTuple):
     causal: bool
 
 
+class Fp8Scales(NamedTuple):
+    """How an fp8 call's inputs dequantise, and the dtype of its output: the real ``q`` is
+    ``q.float() * q_descale[h]`` on head ``h`` (``k`` and ``v`` alike).
+
+    Each descale is float32 ``[H]`` on ``q``'s device, a stride-0 view where the caller gave one factor for
+    every head; ``out_dtype`` is bfloat16 or float16.
+    """
+
+    q_descale: torch.Tensor
+    k_descale: torch.Tensor
+    v_descale: torch.Tensor
+    out_dtype: torch.dtype
+
+
 class PrefillBackend(abc.ABC):
     """Base class of the MLA prefill backends."""
 
     #: The name used in the registry, in ``MLA_OPS_PREFILL_BACKEND`` and in messages.
     name: ClassVar[str] = ""
-    #: The dtypes the backend computes in.
+    #: The dtypes of ``q``/``k``/``v`` the backend takes; :data:`~mla_ops.specs.FP8_DTYPE` among them means
+    #: it implements :meth:`attention_fp8`.
     dtypes: ClassVar[tuple[torch.dtype, ...]] = SUPPORTED_DTYPES
     #: Whether the backend runs on CPU tensors.
     runs_on_cpu: ClassVar[bool] = False
@@ -86,6 +103,13 @@ class PrefillBackend(abc.ABC):
         """Why the backend has no kernels for a CUDA device of ``capability`` (default: SM80 or newer)."""
         if capability < _SM80:
             return [f"compute capability {capability} is not supported (needs 8.0 or newer)"]
+        return []
+
+    def dtype_reasons(self, dtype: torch.dtype, capability: DeviceCapability | None) -> list[str]:
+        """Why the backend's kernels do not take ``dtype`` inputs on ``capability`` (default: ``dtypes`` says)."""
+        if dtype not in self.dtypes:
+            names = ", ".join(dtype_name(d) for d in self.dtypes)
+            return [f"dtype {dtype_name(dtype)} is not supported (use {names})"]
         return []
 
     def head_dim_reasons(self, head_dim_qk: int, head_dim_v: int, capability: DeviceCapability | None) -> list[str]:
@@ -112,9 +136,7 @@ class PrefillBackend(abc.ABC):
                 reasons.append("runs on CUDA devices only, not on CPU")
         else:
             reasons += self.capability_reasons(capability)
-        if config.dtype not in self.dtypes:
-            names = ", ".join(dtype_name(d) for d in self.dtypes)
-            reasons.append(f"dtype {dtype_name(config.dtype)} is not supported (use {names})")
+        reasons += self.dtype_reasons(config.dtype, capability)
         reasons += self.head_dim_reasons(config.head_dim_qk, config.head_dim_v, capability)
         return reasons
 
@@ -175,3 +197,11 @@ class PrefillBackend(abc.ABC):
         """
         out, lse = self.attention(call)
         return out, lse, False
+
+    def attention_fp8(self, call: VarlenCall, scales: Fp8Scales) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`attention` of fp8 inputs: ``call.q``/``k``/``v`` are :data:`~mla_ops.specs.FP8_DTYPE`, dequantised
+        by ``scales`` (:class:`Fp8Scales`); ``out`` is in ``scales.out_dtype``, ``lse`` as :meth:`attention`'s.
+
+        Only backends whose ``dtypes`` list FP8_DTYPE implement it; the selector routes fp8 calls to no other.
+        """
+        raise NotImplementedError(f"the {self.name} MLA prefill backend has no fp8 kernels")

@@ -14,8 +14,8 @@ import torch
 
 from ..meta.checks import check_cu_seqlens_values
 from ..runtime.capture import is_capturing
-from ..specs import DeviceCapability, SelectorConfig
-from .base import PrefillBackend, VarlenCall
+from ..specs import FP8_DTYPE, SUPPORTED_DTYPES, DeviceCapability, SelectorConfig
+from .base import Fp8Scales, PrefillBackend, VarlenCall
 
 _CHUNK = "mla.prefill_context_chunk"
 _LN2 = math.log(2.0)
@@ -146,6 +146,7 @@ class ReferenceBackend(PrefillBackend):
     """PyTorch math with fp32 accumulation; valid on every device, fast on none."""
 
     name = "REFERENCE"
+    dtypes = (*SUPPORTED_DTYPES, FP8_DTYPE)
     runs_on_cpu = True
     # Each sequence is computed alone, in blocks of rows sized by its own length and the heads only.
     batch_invariant = True
@@ -157,10 +158,23 @@ class ReferenceBackend(PrefillBackend):
         return "PyTorch matmul/logsumexp, fp32 accumulation (host-synchronising, not capturable)"
 
     def attention(self, call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = call
-        if causal:
-            check_cu_seqlens_values("mla.prefill", cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens")
-        else:
-            check_cu_seqlens_values(_CHUNK, cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
-            check_cu_seqlens_values(_CHUNK, cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
+        _check_offsets(call, "mla.prefill" if call.causal else _CHUNK)
+        q, k, v, cu_seqlens_q, cu_seqlens_k, _, _, softmax_scale, causal = call
         return attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+
+    def attention_fp8(self, call: VarlenCall, scales: Fp8Scales) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantise ``q``, ``k`` and ``v`` to float32 with their factors, then :func:`attention_reference`."""
+        _check_offsets(call, "mla.prefill_fp8" if call.causal else "mla.prefill_context_chunk_fp8")
+        q, k, v, cu_seqlens_q, cu_seqlens_k, _, _, softmax_scale, causal = call
+        q, k, v = (x.float() * d[:, None] for x, d in zip((q, k, v), scales[:3]))
+        out, lse = attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+        return out.to(scales.out_dtype), lse
+
+
+def _check_offsets(call: VarlenCall, op: str) -> None:
+    """Check the call's offsets' values (read on the host), naming ``op`` and the arguments as the op does."""
+    if call.causal:
+        check_cu_seqlens_values(op, call.cu_seqlens_q, call.q.shape[0], call.max_seqlen_q, "cu_seqlens")
+    else:
+        check_cu_seqlens_values(op, call.cu_seqlens_q, call.q.shape[0], call.max_seqlen_q, "cu_seqlens_q")
+        check_cu_seqlens_values(op, call.cu_seqlens_k, call.k.shape[0], call.max_seqlen_k, "cu_seqlens_k")

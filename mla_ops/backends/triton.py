@@ -17,12 +17,14 @@ import torch
 from ..invariance import STATE
 from ..kernels.configs import table_large_batch_config
 from ..kernels.triton_compat import gluon_triton_reason
-from ..specs import DeviceCapability, SelectorConfig
-from .base import PrefillBackend, VarlenCall
+from ..specs import FP8_DTYPE, SUPPORTED_DTYPES, DeviceCapability, SelectorConfig
+from .base import Fp8Scales, PrefillBackend, VarlenCall, dtype_name
 
 #: Head sizes the kernel is built for: the QK split and the Dv tile are powers of two up to 256.
 MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 16
+#: fp8 ``tl.dot`` needs the e4m3 tensor cores of Ada (SM89) and newer.
+_FP8_CAPABILITY = DeviceCapability(8, 9)
 
 
 def installed_triton_version() -> str | None:
@@ -36,13 +38,15 @@ def installed_triton_version() -> str | None:
 class TritonBackend(PrefillBackend):
     """Triton varlen attention: causal for new tokens, non-causal for context chunks, ``Dqk != Dv``.
 
-    Serves SM80 and newer (the base class's rule): ``tl.dot`` on 16-bit inputs needs their tensor cores.
+    Serves SM80 and newer (the base class's rule): ``tl.dot`` on 16-bit inputs needs their tensor cores; fp8
+    inputs need SM89 or newer.
 
     Args:
         triton_version: what :meth:`describe` asks for the installed Triton's version (tests pass others).
     """
 
     name = "TRITON"
+    dtypes = (*SUPPORTED_DTYPES, FP8_DTYPE)
     launches_natively = True  # every launch of a known layout is a FixedLaunch (mla_ops.kernels.launch)
     # Programs start at each sequence's first row and loop over its keys alone; in the batch-invariant mode every
     # batch runs one configuration (attention below), where otherwise large batches switch kernel on SM90.
@@ -58,6 +62,11 @@ class TritonBackend(PrefillBackend):
         except ImportError:
             return ["triton is not installed (pip install 'mla_ops[triton]')"]
         return []
+
+    def dtype_reasons(self, dtype: torch.dtype, capability: DeviceCapability | None) -> list[str]:
+        if dtype == FP8_DTYPE and capability is not None and capability < _FP8_CAPABILITY:
+            return [f"dtype {dtype_name(dtype)} needs compute capability {_FP8_CAPABILITY} or newer (fp8 tensor cores)"]
+        return super().dtype_reasons(dtype, capability)
 
     def head_dim_reasons(self, head_dim_qk: int, head_dim_v: int, capability: DeviceCapability | None) -> list[str]:
         reasons = []
@@ -105,6 +114,13 @@ class TritonBackend(PrefillBackend):
             return kernel(*call, config=config)
         return kernel(*call)  # attention_triton takes VarlenCall's fields in its order
 
+    def attention_fp8(self, call: VarlenCall, scales: Fp8Scales) -> tuple[torch.Tensor, torch.Tensor]:
+        # fp8 calls run the tl.dot kernel at every size (the Gluon kernel has no fp8 path), which the batch-invariant
+        # mode needs as well.
+        from ..kernels.attention import attention_triton
+
+        return attention_triton(*call, scales=scales)
+
     def warmup(self, device: torch.device, config: SelectorConfig, num_heads: int) -> None:
         """Compile every kernel variant a model with ``config`` and ``num_heads`` heads will launch.
 
@@ -125,6 +141,9 @@ class TritonBackend(PrefillBackend):
             raise ValueError(f"cannot warm up {self.name} for {config!r} on {device}: {reasons}")
         scale = dqk**-0.5
         gen = torch.Generator(device="cpu").manual_seed(0)
+        if config.dtype == FP8_DTYPE:
+            self._warmup_fp8(device, dqk, dv, num_heads, gen)
+            return
 
         def rand(*shape: int) -> torch.Tensor:
             return torch.randn(*shape, generator=gen).to(device=device, dtype=config.dtype)
@@ -161,5 +180,27 @@ class TritonBackend(PrefillBackend):
         empty_k, empty_v = k[:0], v[:0]
         zeros = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
         attention_triton(q, empty_k, empty_v, cu, zeros, max(lengths), 0, scale, causal=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def _warmup_fp8(self, device: torch.device, dqk: int, dv: int, num_heads: int, gen: torch.Generator) -> None:
+        """:meth:`warmup` for fp8 inputs: both paths, contiguous and strided ``v``, per-head and per-tensor factors
+        (a per-tensor factor is a stride-0 view, which Triton compiles apart), bfloat16 and float16 outputs."""
+        from ..kernels.attention import attention_triton
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen).to(device=device, dtype=FP8_DTYPE)
+
+        cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, 4, 4, 4], dtype=torch.int32, device=device)
+        q, k, kv = rand(20, num_heads, dqk), rand(20, num_heads, dqk), rand(20, num_heads, dqk + dv)
+        per_head = torch.ones(num_heads, dtype=torch.float32, device=device)
+        per_tensor = per_head[:1].expand(num_heads)
+        for v in (rand(20, num_heads, dv), kv[..., dqk:]):
+            for factor in (per_head, per_tensor):
+                for out_dtype in (torch.bfloat16, torch.float16):
+                    scales = Fp8Scales(factor, factor, factor, out_dtype)
+                    attention_triton(q, k, v, cu, cu, 5, 5, dqk**-0.5, True, scales=scales)
+                    attention_triton(q, k[:4], v[:4], cu, cu_k, 5, 4, dqk**-0.5, False, scales=scales)
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         action="append",
-        choices=["bfloat16", "float16"],
+        choices=["bfloat16", "float16", "float8_e4m3fn"],
         help="dtype to compile for (repeatable; default bfloat16)",
     )
     parser.add_argument(

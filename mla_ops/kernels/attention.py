@@ -37,7 +37,7 @@ from .programs import program_layout
 from .triton_compat import gluon_triton_reason
 
 if TYPE_CHECKING:
-    from ..backends.base import VarlenCall
+    from ..backends.base import Fp8Scales, VarlenCall
 
 __all__ = [
     "LAUNCHES",
@@ -85,6 +85,8 @@ def gluon_unsupported_reason(
     """Why the Gluon kernel (``config.gluon``) cannot run on these inputs here, or ``None``."""
     if not q.is_cuda:
         return "it runs on CUDA devices only (not in Triton's interpreter)"
+    if q.dtype == torch.float8_e4m3fn:
+        return "it has no fp8 path (fp8 calls run the tl.dot kernel)"
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return f"it runs on SM90 (Hopper) GPUs only, not on {torch.cuda.get_device_name(q.device)}"
     reason = gluon_triton_reason(triton.__version__)
@@ -109,6 +111,7 @@ def attention_triton(
     causal: bool,
     *,
     config: AttentionConfig | None = None,
+    scales: Fp8Scales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged (varlen) attention forward with the Triton kernel.
 
@@ -133,11 +136,14 @@ def attention_triton(
             SM90) where the inputs suit it. A configuration with ``gluon`` runs
             :func:`mla_ops.kernels.attention_sm90.attention_sm90`; given explicitly, it raises
             ``ValueError`` with the reason where that kernel cannot run.
+        scales: for ``float8_e4m3fn`` ``q``, ``k``, ``v`` (on SM89 and newer, or in the interpreter): their
+            descale factors and the output's dtype (:class:`~mla_ops.backends.base.Fp8Scales`). fp8 calls
+            always run the ``tl.dot`` kernel.
 
     Returns:
-        ``out`` ``[Tq, H, Dv]`` contiguous in q's dtype and ``lse`` float32 ``[H, Tq]`` contiguous,
-        natural log. Rows with no visible key get ``out = 0`` and ``lse = -inf``. Padding rows past
-        ``cu_seqlens_q[-1]`` get ``lse = -inf``; their ``out`` is not written (unspecified).
+        ``out`` ``[Tq, H, Dv]`` contiguous in q's dtype (``scales.out_dtype`` for fp8) and ``lse`` float32
+        ``[H, Tq]`` contiguous, natural log. Rows with no visible key get ``out = 0`` and ``lse = -inf``.
+        Padding rows past ``cu_seqlens_q[-1]`` get ``lse = -inf``; their ``out`` is not written (unspecified).
 
     Nothing is read back to the host, so the call can be captured in a CUDA graph (once compiled).
     The kernel runs on q's device and that device's current stream, whichever device is current;
@@ -147,10 +153,19 @@ def attention_triton(
     num_tokens, num_heads, dqk = q.shape
     dv = v.shape[-1]
     dtype = q.dtype
-    if dtype not in (torch.bfloat16, torch.float16) or k.dtype != dtype or v.dtype != dtype:
-        raise TypeError(
-            f"attention_triton: q, k, v must all be bfloat16 or float16, got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
+    if scales is None:
+        if dtype not in (torch.bfloat16, torch.float16) or k.dtype != dtype or v.dtype != dtype:
+            raise TypeError(
+                f"attention_triton: q, k, v must all be bfloat16 or float16, got {q.dtype}, {k.dtype}, {v.dtype}"
+            )
+        out_dtype = dtype
+    else:
+        if not dtype == k.dtype == v.dtype == torch.float8_e4m3fn:
+            raise TypeError(
+                "attention_triton: with scales, q, k, v must all be float8_e4m3fn, "
+                f"got {q.dtype}, {k.dtype}, {v.dtype}"
+            )
+        out_dtype = scales.out_dtype
     q_stride, k_stride, v_stride = q.stride(), k.stride(), v.stride()
     usual = (
         dqk % 16 == 0 and 16 <= dqk <= 256 and dv % 16 == 0 and 16 <= dv <= 256
@@ -166,20 +181,21 @@ def attention_triton(
 
     device = q.device
     if num_tokens == 0 or num_heads == 0:
-        return empty((num_tokens, num_heads, dv), dtype, device), empty((num_heads, num_tokens), torch.float32, device)
+        out_empty = empty((num_tokens, num_heads, dv), out_dtype, device)
+        return out_empty, empty((num_heads, num_tokens), torch.float32, device)
 
-    layout, (p_q, p_k, p_v, p_cu_q, p_cu_k) = _layout(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, config
+    layout, (p_q, p_k, p_v, p_cu_q, p_cu_k, *p_descales) = _layout(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, config, scales
     )
     launches = LAUNCHES
     known = launches.known.get(layout)
     if known is not None and device.index == current_cuda_device():  # launches go to the current device
         out, lse = torch.empty_like(known.out_template), torch.empty_like(known.lse_template)
-        known.launch((p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k))
+        known.launch((p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k, *p_descales))
         return out, lse
-    out = empty((num_tokens, num_heads, dv), dtype, device)
+    out = empty((num_tokens, num_heads, dv), out_dtype, device)
     lse = empty((num_heads, num_tokens), torch.float32, device)
-    addresses = (p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k)
+    addresses = (p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k, *p_descales)
     if known is not None:  # q's device is not the current one
         with on_device(device):
             known.launch(addresses)
@@ -220,10 +236,10 @@ def attention_triton(
             with on_device(device):
                 fixed = launches.launch(
                     (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                     config),
+                     config, scales),
                 )  # fmt: skip
             if fixed is not None:  # None for a launch through the JIT function (a variant's first)
-                out_template = template(out.shape, dtype, device)
+                out_template = template(out.shape, out_dtype, device)
                 lse_template = template(lse.shape, torch.float32, device)
                 if out_template is not None and lse_template is not None:
                     remember(launches.known, layout, KnownLayout(fixed, out_template, lse_template, False))
@@ -257,9 +273,11 @@ def batch_invariant_config(
     return config
 
 
-def _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, config):
+def _layout(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, config, scales=None
+):
     """``(layout, addresses)`` of a call of :func:`attention_triton` with these arguments: the key of its
-    known launch, and the five inputs' device addresses.
+    known launch, and the five inputs' device addresses (eight with an fp8 call's descale factors).
 
     The layout is everything the launch depends on but the addresses (see :func:`launch_plan`): shapes,
     strides, the inputs' alignment and devices (the outputs are fresh, contiguous and aligned, on q's
@@ -281,7 +299,12 @@ def _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
         q.shape, q.stride(), k.shape[0], k.stride(), v.shape[-1], v.stride(), cu_seqlens_q.shape[0],
         max_seqlen_q > 0, max_seqlen_k, softmax_scale, causal, q.dtype, q.device, chooser, inputs,
     )  # fmt: skip
-    return layout, (p_q, p_k, p_v, p_cu_q, p_cu_k)
+    if scales is None:
+        return layout, (p_q, p_k, p_v, p_cu_q, p_cu_k)
+    descales = scales[:3]
+    p_descales = tuple(d.data_ptr() for d in descales)
+    fp8 = (scales.out_dtype, *(d.stride(0) for d in descales), *(p % 16 == 0 for p in p_descales))
+    return (*layout, fp8, *(d.get_device() for d in descales)), (p_q, p_k, p_v, p_cu_q, p_cu_k, *p_descales)
 
 
 #: The tensor behind each leading argument of a plan (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), as the
@@ -301,19 +324,23 @@ def known_native_launch(call: VarlenCall) -> NativeLaunch | None:
     return None if known is None else known.launch.native_launch(NATIVE_TENSOR_CODES)
 
 
-#: How many leading kernel arguments change from call to call: the seven tensors.
+#: How many leading kernel arguments change from call to call: the seven tensors, and for an fp8 call the three
+#: descale factors after them.
 _LEADING = 7
+_LEADING_FP8 = 10
 
 
 class LaunchPlan(NamedTuple):
     """Everything one launch of the ``tl.dot`` kernel needs: ``kernel[grid](*args, **constexprs, **options)``;
-    ``key`` names the compiled variant for :class:`~mla_ops.kernels.launch.CachedLaunch`."""
+    ``key`` names the compiled variant for :class:`~mla_ops.kernels.launch.CachedLaunch`, whose relaunches replace
+    the first ``leading`` arguments (the tensors)."""
 
     key: tuple
     grid: tuple[int]
     args: tuple
     constexprs: dict
     options: dict
+    leading: int
 
 
 def launch_plan(
@@ -329,8 +356,10 @@ def launch_plan(
     softmax_scale: float,
     causal: bool,
     config: AttentionConfig,
+    scales: Fp8Scales | None = None,
 ) -> LaunchPlan:
-    """The ``tl.dot`` kernel's arguments, grid, constexprs and options for one call of :func:`attention_triton`.
+    """The ``tl.dot`` kernel's arguments, grid, constexprs and options for one call of :func:`attention_triton`
+    (``scales``: an fp8 call's).
 
     The tensors may be CPU stand-ins with the GPU tensors' shapes, strides and alignment, for compiling
     a variant ahead of time on a machine without a GPU (``benchmarks/compile_sm90.py``).
@@ -353,7 +382,8 @@ def launch_plan(
     constexprs = dict(
         DQK=dqk, DV=dv, D_A=d_a, D_B=d_b, D_V=d_v, BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=bool(causal), SCALE_NONNEG=softmax_scale >= 0, OVERLAP=config.overlap_softmax,
-        UPCAST=_interpreting() and q.dtype == torch.bfloat16, PAD_FILL=PAD_FILL_BLOCK, SEQ_CHUNK=SEQ_CHUNK,
+        UPCAST=_interpreting() and q.dtype == torch.bfloat16, FP8=scales is not None, PAD_FILL=PAD_FILL_BLOCK,
+        SEQ_CHUNK=SEQ_CHUNK,
     )  # fmt: skip
     strides = (
         q.stride(0),
@@ -365,17 +395,22 @@ def launch_plan(
         out.stride(0),
         out.stride(1),
     )
+    # bf16/fp16: no descale factors (None, which Triton compiles out) and their strides 0.
+    descales = (None, None, None) if scales is None else tuple(scales[:3])
+    descale_strides = tuple(0 if d is None else d.stride(0) for d in descales)
     args = (
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *strides, lse.stride(0),
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *descales, *strides, lse.stride(0),
         num_tokens, num_heads, num_seqs, num_slots, heads_per_group, num_pad_programs, float(softmax_scale) * _LOG2E,
+        *descale_strides,
     )  # fmt: skip
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     # Every integer Triton specialises (the strides and the head count) by value, every pointer by alignment.
+    alignment = pointer_alignment(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *descales)
     key = (
-        q.device.index, q.dtype, num_heads, strides, pointer_alignment(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k),
+        q.device.index, q.dtype, out.dtype, num_heads, strides, descale_strides, alignment,
         tuple(constexprs.values()), config.num_warps, config.num_stages,
     )  # fmt: skip
-    return LaunchPlan(key, grid, args, constexprs, options)
+    return LaunchPlan(key, grid, args, constexprs, options, _LEADING if scales is None else _LEADING_FP8)
 
 
 class AttentionLaunches(LaunchCache):
@@ -398,12 +433,14 @@ class AttentionLaunches(LaunchCache):
         self.launcher = CachedLaunch(attn_fwd_kernel)
 
     def launch(self, plan_args: tuple) -> FixedLaunch | None:
-        """Launch the kernel for :func:`launch_plan`'s arguments (q, k, v, out, lse, ..., config); returns the
+        """Launch the kernel for :func:`launch_plan`'s arguments (q, k, v, out, lse, ..., config, scales); returns the
         :class:`FixedLaunch` to launch the same layout with new addresses, or ``None`` where the launch went
         through the JIT function."""
         plan = launch_plan(*plan_args)
         device = plan_args[0].device
-        return self.launcher(plan.key, device, plan.grid, plan.args, plan.constexprs, leading=_LEADING, **plan.options)
+        return self.launcher(
+            plan.key, device, plan.grid, plan.args, plan.constexprs, leading=plan.leading, **plan.options
+        )
 
 
 #: This process's launch state of :func:`attention_triton`.

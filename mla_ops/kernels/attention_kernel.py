@@ -27,6 +27,10 @@ loop calls ``exp2``) and fp32 accumulators. Design points:
   work, so each sequence's blocks are launched last-first and the light ones fill the tail.
   Programs are grouped by sets of heads whose K/V fits in L2 (heads vary fastest), so the blocks
   reading one head's K/V run close together in time.
+- **fp8 (``FP8``).** ``q``, ``k`` and ``v`` are e4m3 with a descale factor per head (a stride-0 one for a
+  per-tensor factor): the factors of ``q`` and ``k`` fold into the scale of the scores, the probabilities are
+  rounded to e4m3 for ``P @ V`` (as FlashAttention-3 does), and ``v``'s factor scales the output once at the end.
+  bf16 and fp16 launches pass ``None`` for the factors, which Triton compiles out.
 - **Empty rows.** A row that sees no key (an empty context chunk, a zero-length sequence) gets
   ``out = 0`` and ``lse = -inf``, never NaN. Rows past ``cu_seqlens_q[-1]`` (the padding of a CUDA
   graph's token budget) get ``lse = -inf`` from a few extra programs, so a later merge weighs them 0
@@ -61,15 +65,15 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _masked_softmax_step(s, m_i):
+def _masked_softmax_step(s, m_i, P_SHIFT: tl.constexpr):
     """One online-softmax step over a tile of base-2 scores ``s`` (``-inf`` where masked): the tile's
-    probabilities ``p``, the factor ``alpha`` that rescales the running sum and accumulator, and the
-    new running max."""
+    probabilities ``p`` (times ``2**P_SHIFT``), the factor ``alpha`` that rescales the running sum and
+    accumulator, and the new running max."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no visible key yet keeps m = -inf; shifting it by 0 instead keeps
     # exp2(-inf - -inf) = NaN out of p and alpha.
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    return tl.math.exp2(s - m_use[:, None]), tl.math.exp2(m_i - m_use), m_new
+    return tl.math.exp2(s - (m_use - P_SHIFT)[:, None]), tl.math.exp2(m_i - m_use), m_new
 
 
 @triton.jit
@@ -102,9 +106,11 @@ def _attend_tiles(
     CAUSAL: tl.constexpr,
     SCALE_NONNEG: tl.constexpr,
     UPCAST: tl.constexpr,
+    P_SHIFT: tl.constexpr,
 ):
     """Fold the key tiles ``[lo, hi)`` of one sequence into the running (acc, l_i, m_i); ``MASKED`` tiles
-    hide keys past ``len_k`` and, causal, those after each row's diagonal."""
+    hide keys past ``len_k`` and, causal, those after each row's diagonal. The probabilities, ``l_i`` and ``acc``
+    are ``2**P_SHIFT`` times the true ones."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_da = tl.arange(0, D_A)
     offs_dv = tl.arange(0, D_V)
@@ -138,17 +144,17 @@ def _attend_tiles(
             if CAUSAL:
                 visible = visible & ((start_n + offs_n)[None, :] <= q_pos[:, None])
             s = tl.where(visible, qk * qk_scale, float("-inf"))
-            p, alpha, m_new = _masked_softmax_step(s, m_i)
+            p, alpha, m_new = _masked_softmax_step(s, m_i, P_SHIFT)
         else:
             if SCALE_NONNEG:
                 # max(qk) * scale == max(qk * scale) for scale >= 0, and the subtraction below fuses
                 # into one FMA per score.
                 m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-                p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+                p = tl.math.exp2(qk * qk_scale - (m_new - P_SHIFT)[:, None])
             else:
                 s = qk * qk_scale
                 m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.math.exp2(s - m_new[:, None])
+                p = tl.math.exp2(s - (m_new - P_SHIFT)[:, None])
             alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha
         acc = acc * alpha[:, None]
@@ -248,19 +254,22 @@ def _pv_tile(
 
 
 @triton.jit
-def _softmax_tile(qk, l_i, m_i, qk_scale, visible, MASKED: tl.constexpr, SCALE_NONNEG: tl.constexpr):
+def _softmax_tile(
+    qk, l_i, m_i, qk_scale, visible, MASKED: tl.constexpr, SCALE_NONNEG: tl.constexpr, P_SHIFT: tl.constexpr
+):
     """One online-softmax step over a tile of unscaled scores ``qk``: ``(p, alpha, l_i, m_new)``, where
-    ``alpha`` is the factor the accumulator still has to be rescaled by (``l_i`` already is).
-    ``MASKED``: only the scores where ``visible`` (``[BLOCK_M, BLOCK_N]``) count."""
+    ``alpha`` is the factor the accumulator still has to be rescaled by (``l_i`` already is) and ``p`` is
+    ``2**P_SHIFT`` times the probabilities. ``MASKED``: only the scores where ``visible`` (``[BLOCK_M, BLOCK_N]``)
+    count."""
     if MASKED:
-        p, alpha, m_new = _masked_softmax_step(tl.where(visible, qk * qk_scale, float("-inf")), m_i)
+        p, alpha, m_new = _masked_softmax_step(tl.where(visible, qk * qk_scale, float("-inf")), m_i, P_SHIFT)
     else:
         if SCALE_NONNEG:
             # max(qk) * scale == max(qk * scale) for scale >= 0; the subtraction fuses into an FMA.
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         else:
             m_new = tl.maximum(m_i, tl.max(qk * qk_scale, 1))
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        p = tl.math.exp2(qk * qk_scale - (m_new - P_SHIFT)[:, None])
         alpha = tl.math.exp2(m_i - m_new)
     return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
 
@@ -304,6 +313,7 @@ def _attend_tiles_overlapped(
     CAUSAL: tl.constexpr,
     SCALE_NONNEG: tl.constexpr,
     UPCAST: tl.constexpr,
+    P_SHIFT: tl.constexpr,
 ):
     """Fold every key tile ``[0, hi)`` of one sequence into the running (acc, l_i, m_i), each tile's
     softmax overlapping the previous tile's P @ V on the tensor cores (FlashAttention-3's
@@ -320,7 +330,7 @@ def _attend_tiles_overlapped(
     """
     visible = _visible(0, hi, q_pos, BLOCK_N, CAUSAL)
     qk = _qk_tile(q_a, q_b, K, k_tok0, h, stride_kt, stride_kh, hi, DQK, D_A, D_B, BLOCK_N, True, UPCAST)
-    p, alpha, l_i, m_i = _softmax_tile(qk, l_i, m_i, qk_scale, visible, True, SCALE_NONNEG)
+    p, alpha, l_i, m_i = _softmax_tile(qk, l_i, m_i, qk_scale, visible, True, SCALE_NONNEG, P_SHIFT)
     # The mask-free tiles after the first: the previous tile is mask-free too.
     for start_n in tl.range(BLOCK_N, full_hi, BLOCK_N):
         tok = k_tok0 + tl.multiple_of(start_n, BLOCK_N)
@@ -328,7 +338,7 @@ def _attend_tiles_overlapped(
         acc = _pv_tile(
             p, acc * alpha[:, None], V, tok - BLOCK_N, h, stride_vt, stride_vh, hi, DV, D_V, BLOCK_N, False, UPCAST,
         )  # fmt: skip
-        p, alpha, l_i, m_i = _softmax_tile(qk, l_i, m_i, qk_scale, visible, False, SCALE_NONNEG)
+        p, alpha, l_i, m_i = _softmax_tile(qk, l_i, m_i, qk_scale, visible, False, SCALE_NONNEG, P_SHIFT)
     # The masked tiles (at most BLOCK_M / BLOCK_N causal, at most one otherwise); the previous tile
     # may be the first, which may be partial.
     for start_n in tl.range(tl.maximum(full_hi, BLOCK_N), hi, BLOCK_N):
@@ -342,7 +352,7 @@ def _attend_tiles_overlapped(
             BLOCK_N, True, UPCAST,
         )  # fmt: skip
         visible = _visible(start_n, hi, q_pos, BLOCK_N, CAUSAL)
-        p, alpha, l_i, m_i = _softmax_tile(qk, l_i, m_i, qk_scale, visible, True, SCALE_NONNEG)
+        p, alpha, l_i, m_i = _softmax_tile(qk, l_i, m_i, qk_scale, visible, True, SCALE_NONNEG, P_SHIFT)
     last = tl.maximum(hi - 1, 0) // BLOCK_N * BLOCK_N
     acc = _pv_tile(
         p, acc * alpha[:, None], V, k_tok0 + last, h, stride_vt, stride_vh, hi - last, DV, D_V, BLOCK_N, True, UPCAST,
@@ -396,6 +406,9 @@ def attn_fwd_kernel(
     Lse,
     cu_seqlens_q,
     cu_seqlens_k,
+    QDescale,
+    KDescale,
+    VDescale,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -412,6 +425,9 @@ def attn_fwd_kernel(
     heads_per_group,
     num_pad_programs,
     qk_scale,
+    stride_qd,
+    stride_kd,
+    stride_vd,
     DQK: tl.constexpr,
     DV: tl.constexpr,
     D_A: tl.constexpr,
@@ -423,6 +439,7 @@ def attn_fwd_kernel(
     SCALE_NONNEG: tl.constexpr,
     OVERLAP: tl.constexpr,
     UPCAST: tl.constexpr,
+    FP8: tl.constexpr,
     PAD_FILL: tl.constexpr,
     SEQ_CHUNK: tl.constexpr,
 ):
@@ -495,6 +512,11 @@ def attn_fwd_kernel(
         hi = len_k
         full_hi = len_k // BLOCK_N * BLOCK_N
 
+    # fp8: the probabilities are 2**P_SHIFT times the true ones until the end, so that small ones, rounded to e4m3
+    # for P @ V, stay normal numbers (e4m3's smallest normal is 2**-6; the largest product is 2**8 < 448).
+    P_SHIFT: tl.constexpr = 8 if FP8 else 0
+    if FP8:  # dequantised scores: q's and k's factors of this head scale them with the softmax scale
+        qk_scale = qk_scale * tl.load(QDescale + h * stride_qd) * tl.load(KDescale + h * stride_kd)
     k_tok0 = k_start.to(tl.int64)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -503,23 +525,30 @@ def attn_fwd_kernel(
         acc, l_i, m_i = _attend_tiles_overlapped(
             acc, l_i, m_i, q_a, q_b, K, V, k_tok0, h, stride_kt, stride_kh, stride_vt, stride_vh,
             full_hi, hi, q_pos, qk_scale, DQK, DV, D_A, D_B, D_V, BLOCK_N, CAUSAL, SCALE_NONNEG, UPCAST,
+            P_SHIFT,
         )  # fmt: skip
     else:
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q_a, q_b, K, V, k_tok0, h, stride_kt, stride_kh, stride_vt, stride_vh,
             0, full_hi, len_k, q_pos, qk_scale, DQK, DV, D_A, D_B, D_V, BLOCK_N, False, CAUSAL, SCALE_NONNEG, UPCAST,
+            P_SHIFT,
         )  # fmt: skip
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q_a, q_b, K, V, k_tok0, h, stride_kt, stride_kh, stride_vt, stride_vh,
             full_hi, hi, len_k, q_pos, qk_scale, DQK, DV, D_A, D_B, D_V, BLOCK_N, True, CAUSAL, SCALE_NONNEG, UPCAST,
+            P_SHIFT,
         )  # fmt: skip
 
     # Rows that saw no key have l = 0: out = 0 and lse = -inf instead of 0/0.
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
+    if FP8:  # v's factor, once per row instead of once per value tile
+        inv_l = inv_l * tl.load(VDescale + h * stride_vd)
     out = acc * inv_l[:, None]
     # m and log2(l) are in base 2; ln(2) turns the sum into the natural-log LSE of the contract.
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    lse = tl.where(
+        empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i)) - P_SHIFT) * 0.6931471805599453
+    )
 
     offs_dv = tl.arange(0, D_V)
     o_ptr = Out + (q_start + m0).to(tl.int64) * stride_ot + h * stride_oh + rows[:, None] * stride_ot + offs_dv[None, :]

@@ -1,0 +1,62 @@
+"""Quantisation of attention inputs to fp8 for the fp8 ops (:func:`mla_ops.prefill_fp8`).
+
+:func:`quantize_fp8` scales each head (or the whole tensor) so that its largest magnitude maps to the largest
+finite e4m3 value, and returns the factor that undoes it. Engines whose cache is fp8 already pass their own
+tensors and factors to the ops instead. Design: docs/design/fp8.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .specs import FP8_DTYPE, FP8_MAX
+
+__all__ = ["quantize_fp8"]
+
+#: Elements converted per step in eager mode: the float32 intermediate of one step stays within 256 MiB.
+_STEP_ELEMENTS = 1 << 26
+
+
+def quantize_fp8(x: torch.Tensor, per_head: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``x`` to ``float8_e4m3fn`` with one factor per head (or one for the tensor).
+
+    Args:
+        x: ``[T, H, D]``, any floating dtype, any strides (e.g. ``v`` as a view of a wider ``kv``).
+        per_head: one factor per head (``[H]``), else one for the whole tensor (``[]``).
+
+    Returns:
+        ``(x_fp8, descale)``: ``x_fp8`` ``[T, H, D]`` contiguous ``float8_e4m3fn``, and ``descale`` float32
+        (``[H]`` or ``[]``) with ``x ≈ x_fp8.float() * descale`` on each head. A head (or tensor) of zeros or
+        with no rows gets the factor 1.
+
+    No value is read on the host, so the call can be captured in a CUDA graph and traced by torch.compile.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize_fp8: x must be a torch.Tensor [T, H, D], got {type(x).__name__}")
+    if x.dim() != 3:
+        raise ValueError(f"quantize_fp8: x must be a 3-D tensor [T, H, D], got shape {tuple(x.shape)}")
+    if not x.is_floating_point() or x.dtype == FP8_DTYPE:
+        raise TypeError(
+            f"quantize_fp8: x must be a floating tensor of a wider dtype than fp8 (e.g. bfloat16), got {x.dtype}"
+        )
+    if not isinstance(per_head, bool):
+        raise TypeError(f"quantize_fp8: per_head must be True or False, got {type(per_head).__name__}")
+    num_tokens, num_heads, head_dim = x.shape
+    if x.numel() == 0:
+        descale = torch.ones(num_heads if per_head else (), dtype=torch.float32, device=x.device)
+        return torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device), descale
+    # The largest magnitude per head, by a reduction that materialises nothing the size of x.
+    dims = (0, 2) if per_head else (0, 1, 2)
+    amax = torch.linalg.vector_norm(x, ord=math.inf, dim=dims).float()
+    descale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+    scale = (1.0 / descale).reshape(-1, 1) if per_head else 1.0 / descale
+    out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    # Under torch.compile the conversion is one fused kernel; eagerly each step materialises its float32 rows, so
+    # steps of bounded size keep that intermediate small (a 128k-token q would otherwise need 13 GB).
+    rows = num_tokens if torch.compiler.is_compiling() else max(1, _STEP_ELEMENTS // (num_heads * head_dim))
+    for start in range(0, num_tokens, rows):
+        part = x[start : start + rows].float() * scale
+        out[start : start + rows] = part.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return out, descale

@@ -1,0 +1,117 @@
+"""The fp8 ops on a CUDA GPU (``pytest -m gpu``), per backend with fp8 kernels here: the accuracy contract
+(tests/fp8_contract.py) on both paths at awkward lengths, per-head and per-tensor factors, DeepSeek-like outlier
+channels; the quantiser on the device; CUDA-graph replay with new lengths; torch.compile with one graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fp8_contract import contract_errors, fp8_batch, run_fp8
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from utils import cu_seqlens_of, reset_compile
+
+import mla_ops
+from mla_ops.specs import FP8_DTYPE, SelectorConfig
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+SCALE = 192**-0.5
+
+
+def _fp8_backends() -> list[str]:
+    """The backends valid for fp8 on this GPU (none without one)."""
+    if not torch.cuda.is_available():
+        return ["TRITON"]  # the tests are skipped anyway; a parameter keeps them collected
+    capability = mla_ops.DeviceCapability.of(torch.device(DEVICE))
+    names = []
+    for member in mla_ops.PrefillBackendEnum:
+        backend, reasons = mla_ops.selector.validate_backend(member, capability, SelectorConfig(FP8_DTYPE))
+        if backend is not None and not reasons and member.name != "REFERENCE":
+            names.append(member.name)
+    return names or ["TRITON"]
+
+
+@pytest.fixture(params=_fp8_backends())
+def backend(request):
+    with mla_ops.prefill_backend(request.param):
+        yield request.param
+
+
+@pytest.mark.parametrize(
+    ("lengths", "key_lengths"),
+    [([1, 3000, 17, 1100], None), ([4097, 0, 129], None), ([1, 3000, 17, 1100], [900, 0, 4500, 33])],
+)
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize(("per_head", "outliers"), [(True, True), (False, False)])
+def test_fp8_meets_the_contract(backend, lengths, key_lengths, heads, per_head, outliers) -> None:
+    if heads == 128 and sum(lengths) > 5000:
+        lengths = [n // 4 for n in lengths]  # the float64 reference's memory, not the kernel's limit
+        key_lengths = None if key_lengths is None else [n // 4 for n in key_lengths]
+    causal = key_lengths is None
+    batch = fp8_batch(lengths, key_lengths, heads, padding=7, per_head=per_head, outliers=outliers, device=DEVICE)
+    out, lse = run_fp8(batch, causal, SCALE)
+    assert out.dtype == torch.bfloat16 and out.is_cuda
+    error, bound = contract_errors(batch, out, causal, SCALE)
+    assert error <= bound, f"{backend}: error {error:.4f} exceeds the contract's {bound:.4f}"
+    rows = int(batch.cu_seqlens_q[-1].item())
+    assert torch.isneginf(lse[:, rows:]).all(), "padding rows get lse = -inf"
+    assert torch.isfinite(out[:rows]).all()
+
+
+def test_quantize_fp8_on_the_device_matches_the_cpu(backend) -> None:
+    x = torch.randn(333, 16, 192, generator=torch.Generator().manual_seed(0)).bfloat16()
+    for per_head in (True, False):
+        got8, got = mla_ops.quantize_fp8(x.to(DEVICE), per_head=per_head)
+        want8, want = mla_ops.quantize_fp8(x, per_head=per_head)
+        torch.testing.assert_close(got.cpu(), want)
+        assert (got8.cpu().float() - want8.float()).abs().max().item() <= 32.0  # one e4m3 step near 448 at most
+
+
+def test_fp8_replays_in_a_cuda_graph_with_new_lengths(backend) -> None:
+    """Quantisation and attention captured once, replayed with new data and offsets in the same buffers."""
+    heads, budget, max_batch = 16, 2048, 4
+    x = torch.zeros(3, budget, heads, 320, dtype=torch.bfloat16, device=DEVICE)  # q, k and kv
+    cu = torch.zeros(max_batch + 1, dtype=torch.int32, device=DEVICE)
+
+    def step():
+        q8, dq = mla_ops.quantize_fp8(x[0][..., :192])
+        k8, dk = mla_ops.quantize_fp8(x[1][..., :192])
+        v8, dv = mla_ops.quantize_fp8(x[2][..., 192:])
+        return mla_ops.prefill_fp8(q8, k8, v8, cu, budget, dq, dk, dv, SCALE)
+
+    def load(lengths, seed):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator(DEVICE).manual_seed(seed), device=DEVICE))
+        cu.copy_(cu_seqlens_of([*lengths, *[0] * (max_batch - len(lengths))], DEVICE))
+
+    load([100, 7], 0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    for seed, lengths in enumerate([[1, 2000, 3], [512, 0, 512, 1], [33]], start=1):
+        load(lengths, seed)
+        graph.replay()
+        want_out, want_lse = step()
+        rows = sum(lengths)
+        torch.testing.assert_close(out[:rows], want_out[:rows], atol=0, rtol=0)
+        torch.testing.assert_close(lse[:, :rows], want_lse[:, :rows], atol=0, rtol=0)
+
+
+def test_fp8_compiles_one_graph_on_the_device(backend) -> None:
+    reset_compile()
+
+    def attend(q, k, v, cu, max_seqlen, dq, dk, dv):
+        return mla_ops.prefill_fp8(q, k, v, cu, max_seqlen, dq, dk, dv)
+
+    compiled = torch.compile(attend, fullgraph=True, dynamic=True)
+    for seed, lengths in enumerate([[5, 900], [40, 3, 7], [2, 2], [1700]]):
+        b = fp8_batch(lengths, None, 16, device=DEVICE, seed=seed)
+        got = compiled(b.q, b.k, b.v, b.cu_seqlens_q, b.max_seqlen_q, *b.descales)
+        want = mla_ops.prefill_fp8(b.q, b.k, b.v, b.cu_seqlens_q, b.max_seqlen_q, *b.descales)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert len(_debug_get_cache_entry_list(attend.__code__)) == 1
