@@ -317,24 +317,27 @@ class SizedRoute:
         #: the fused op's pairs of classes too.
         self.chosen: dict[tuple, PrefillBackend] = {}
 
-    def for_sizes(self, sizes: tuple[cost_table.SizeClass, ...]) -> PrefillBackend:
+    def _choose(self, sizes: tuple[cost_table.SizeClass, ...]) -> PrefillBackend:
         """The backend with the least predicted time summed over ``sizes`` (the fixed choice where the table
-        predicts no candidate); cached per ``sizes``."""
-        backend = self.chosen.get(sizes)
-        if backend is None:
-            name = self.table.choose(self._names, self.key, sizes)
-            backend = self.fixed if name is None else self._by_name[name]
-            if len(self.chosen) >= _MAX_CLASSES:
-                self.chosen.clear()
-            self.chosen[sizes] = backend
-        return backend
+        predicts no candidate)."""
+        name = self.table.choose(self._names, self.key, sizes)
+        return self.fixed if name is None else self._by_name[name]
 
-    def for_key(self, key: tuple) -> PrefillBackend:
-        """The backend for one call whose :class:`~mla_ops.cost_table.SizeClass` has the fields ``key`` (what
-        :func:`route_call` looks up in ``chosen``); cached under ``key`` too."""
-        backend = self.for_sizes((cost_table.SizeClass(*key),))
+    def _remember(self, key: tuple, backend: PrefillBackend) -> PrefillBackend:
+        if len(self.chosen) >= _MAX_CLASSES:
+            self.chosen.clear()
         self.chosen[key] = backend
         return backend
+
+    def for_sizes(self, sizes: tuple[cost_table.SizeClass, ...]) -> PrefillBackend:
+        """:meth:`_choose` for ``sizes`` (the fused op's two classes, or one), cached under ``sizes``."""
+        backend = self.chosen.get(sizes)
+        return self._remember(sizes, self._choose(sizes)) if backend is None else backend
+
+    def for_key(self, key: tuple) -> PrefillBackend:
+        """The backend for one call whose :class:`~mla_ops.cost_table.SizeClass` has the fields ``key``, cached
+        under ``key`` alone: the plain tuple that :func:`route_call` builds and looks up in ``chosen``."""
+        return self._remember(key, self._choose((cost_table.SizeClass(*key),)))
 
     def may_run(self) -> list[PrefillBackend]:
         """Every backend this route can choose: the fixed one and the candidates the table measured."""
