@@ -2,14 +2,17 @@
 
 The setting (``MLA_OPS_BATCH_INVARIANT``, or :func:`mla_ops.selector.set_batch_invariant` and the
 ``mla_ops.batch_invariant()`` context manager, which win over it) lives here, in a module that imports
-nothing of the package, so that the selector and the backends both read it. :data:`STATE` holds it; the
-selector resolves it when it routes a configuration (:func:`resolve`) and clears it with its caches, so a
-backend reads a plain attribute on every call. Design: docs/design/backends.md (Batch invariance).
+nothing of the package but the leaf :mod:`mla_ops.switches`, so that the selector and the backends both read
+it. :data:`STATE` holds it; the selector resolves it when it routes a configuration (:func:`resolve`) and
+clears it with its caches, so a backend reads a plain attribute on every call. Design:
+docs/design/backends.md (Batch invariance).
 """
 
 from __future__ import annotations
 
 import os
+
+from .switches import parse_switch
 
 #: Environment variable: ``1`` turns the batch-invariant mode on, ``0`` (or unset) leaves it off.
 ENV_VAR = "MLA_OPS_BATCH_INVARIANT"
@@ -31,12 +34,7 @@ STATE = State()
 def env_setting() -> bool:
     """``MLA_OPS_BATCH_INVARIANT`` as a bool; raises ``ValueError`` naming the variable for a value other than
     ``0``, ``1`` or empty (``true`` or ``yes`` would otherwise leave it off without a word)."""
-    text = os.environ.get(ENV_VAR, "").strip()
-    if text in ("", "0"):
-        return False
-    if text == "1":
-        return True
-    raise ValueError(f"{ENV_VAR} must be 0 (off, the default) or 1 (on), got {text!r}")
+    return parse_switch(ENV_VAR, os.environ.get(ENV_VAR, ""), default=False)
 
 
 def resolve() -> bool:

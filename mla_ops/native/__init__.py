@@ -6,8 +6,8 @@ PyTorch's extension builder, into ``$MLA_OPS_CACHE_DIR/native/<key>``), reports 
 TRITON launches (:func:`remember_attention`); the attention ops' C++ kernels hold the CUDA key only while a
 TRITON layout is remembered. ``MLA_OPS_NATIVE=0`` keeps the whole library unloaded (``MLA_OPS_NATIVE_MERGE``,
 its deprecated name, still works for one release); ``MLA_OPS_NATIVE_LAUNCH=0`` loads it without handing it
-launches. It imports only torch (the extension builder when it builds, the Triton kernels when it remembers a
-launch). Design: docs/design/native.md.
+launches. It imports only torch and the package's leaf :mod:`mla_ops.switches` (the extension builder when it
+builds, the Triton kernels when it remembers a launch). Design: docs/design/native.md.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from ..switches import parse_switch
 
 try:
     import fcntl
@@ -94,17 +96,8 @@ def switch(variable: str) -> bool:
     :data:`LAUNCH_VARIABLE`): on where unset or ``1``, off for ``0``; raises ``ValueError`` naming the variable
     for any other value (``false``, ``no`` would otherwise leave it on without a word)."""
     if variable == DISABLE_VARIABLE:
-        return _on(*disable_setting())
-    return _on(variable, os.environ.get(variable, ""))
-
-
-def _on(name: str, value: str) -> bool:
-    text = value.strip()
-    if text in ("", "1"):
-        return True
-    if text == "0":
-        return False
-    raise ValueError(f"{name} must be 0 (off) or 1 (on, the default), got {text!r}")
+        return parse_switch(*disable_setting(), default=True)
+    return parse_switch(variable, os.environ.get(variable, ""), default=True)
 
 
 def cache_root() -> Path:
@@ -123,7 +116,7 @@ def cache_root() -> Path:
 def unavailable_reason() -> str | None:
     """Why the native library cannot be built here without trying (``None`` where it may be)."""
     name, value = disable_setting()
-    if not _on(name, value):
+    if not parse_switch(name, value, default=True):
         return f"disabled by {name}=0"
     if torch.version.cuda is None:
         return "this build of torch has no CUDA" + (" (ROCm is not supported)" if torch.version.hip else "")

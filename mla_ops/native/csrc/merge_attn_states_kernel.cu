@@ -33,28 +33,20 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr int64_t kMaxBlocks = (int64_t{1} << 30) / kThreads;
 
 // Conversions through the intrinsics, not the types' operators: PyTorch's extension builder compiles
-// with __CUDA_NO_HALF_CONVERSIONS__ and __CUDA_NO_BFLOAT16_CONVERSIONS__, which remove those.
+// with __CUDA_NO_HALF_CONVERSIONS__ and __CUDA_NO_BFLOAT16_CONVERSIONS__, which remove those. One
+// specialization per element type holds both directions.
 template <typename T>
-__device__ __forceinline__ float to_float(T x);
+struct Convert;
 template <>
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
+struct Convert<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
 template <>
-__device__ __forceinline__ float to_float(__half x) {
-  return __half2float(x);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ __forceinline__ __half from_float(float x) {
-  return __float2half_rn(x);
-}
+struct Convert<__half> {
+  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+};
 
 template <typename T, int VEC>
 struct alignas(sizeof(T) * VEC) Pack {
@@ -82,6 +74,7 @@ __device__ __forceinline__ void merge_weights(float a, float b, float& wa, float
 template <typename T, int VEC, typename Index>
 __global__ void __launch_bounds__(kThreads) merge_kernel(const MergeArgs args) {
   using P = Pack<T, VEC>;
+  using C = Convert<T>;
   const Index packs_per_row = static_cast<Index>(args.head_dim / VEC);
   const Index num_heads = static_cast<Index>(args.num_heads);
   const Index total = static_cast<Index>(args.num_tokens) * num_heads * packs_per_row;
@@ -117,7 +110,7 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const MergeArgs args) {
     P result;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      result.v[j] = from_float<T>(to_float(po.v[j]) * wa + to_float(so.v[j]) * wb);
+      result.v[j] = C::from_float(C::to_float(po.v[j]) * wa + C::to_float(so.v[j]) * wb);
     }
     *reinterpret_cast<P*>(out + (t * num_heads + h) * args.head_dim + channel) = result;
   }
