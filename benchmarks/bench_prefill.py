@@ -9,7 +9,10 @@ kernel, PyTorch SDPA (memory-efficient kernel) and FlexAttention with a document
 checked once against the fp32 reference before timing; each op is then measured against its own raw
 call, samples taken in turns in several rounds, which gives its overhead ratio. The ``auto`` row is the op with
 no override, routed per call as a user's call is (by size class where a cost table ranks the backends), with
-its throughput over the fastest forced backend's (*auto / best op*).
+its throughput over the fastest forced backend's (*auto / best op*). Each backend with fp8 kernels here adds two
+rows: its fp8 op on inputs quantised beforehand (``NAME fp8``) and with the quantisation of ``q``, ``k`` and ``v``
+inside the timed call (``NAME fp8+quant``), each with its throughput over the best bf16 op's
+(*/ best bf16 op*, FLOPs counted alike), and the report gives the causal length from which fp8 pays.
 
 Writes ``prefill.csv``, ``prefill.md``, ``prefill.png`` and ``prefill.env.json`` into
 ``benchmarks/results/<gpu-slug>/`` (or ``--out``). Without a GPU it times the REFERENCE backend on tiny
@@ -78,7 +81,9 @@ def build_methods(
         "torch": [M.TorchEagerMerge()],
     }
     # The op with no override, against the best forced backend ("auto / best op"): what size-aware routing gets.
-    methods = [*ops, M.AutoOpMethod(), *own_raw, M.MergeOp(device), M.MergeDirect()]
+    fp8 = [] if args.no_fp8 else M.fp8_backends([row["name"] for row in timed], device)
+    fp8_ops = [M.Fp8OpMethod(name, quantize) for name in fp8 for quantize in (False, True)]
+    methods = [*ops, M.AutoOpMethod(), *fp8_ops, *own_raw, M.MergeOp(device), M.MergeDirect()]
     methods += [m for key in keys for m in candidates[key]]
     if "flashinfer" in keys:
         # Last: a failed launch inside flashinfer.merge_state leaves a CUDA error that the next
@@ -175,6 +180,7 @@ def run_shape(
         )
     R.add_best_baseline(rows)
     R.add_auto_ratio(rows)
+    R.add_fp8_ratio(rows)
     checked.clear()
     problem = reference = None
     if device.type == "cuda":  # hand the shape's gigabytes back before the next one allocates
@@ -225,9 +231,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         nargs="+",
         metavar="PATTERN",
         default=[],
-        help="shape ids (shell wildcards), suites (causal, chunk, merge) or tags (ref, quick); see --list",
+        help="shape ids (shell wildcards), suites (causal, chunk, merge) or tags (ref, quick, long); see --list",
     )
     parser.add_argument("--list", action="store_true", help="print the shapes and methods that would run, then exit")
+    parser.add_argument("--no-fp8", action="store_true", help="leave out the fp8 rows (NAME fp8, NAME fp8+quant)")
     parser.add_argument(
         "--flashinfer-backend",
         default="auto",
@@ -371,6 +378,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "op overhead (raw call time / op time, median over rounds of neighbouring-sample ratios; target >= 0.97):\n"
             + summary.replace("**", "")
         )
+    crossover = R.fp8_crossover(rows)
+    if crossover:
+        print("fp8 against the best bf16 op (causal sweep):\n" + crossover.replace("**", ""))
     wrong = sorted({f"{r['method']} on {r['shape']}" for r in rows if r["status"] == "WRONG"})
     if wrong:
         print("WRONG results (exceed the tolerance): " + ", ".join(wrong))

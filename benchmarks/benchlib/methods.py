@@ -1,9 +1,11 @@
 """What the benchmarks time, and the check each result passes before it is timed.
 
-A :class:`Method` turns a :class:`~benchlib.problems.Problem` into a :class:`Prepared` call. Three kinds:
+A :class:`Method` turns a :class:`~benchlib.problems.Problem` into a :class:`Prepared` call. Four kinds:
 
 - ``op``: the public ops (``mla_ops.prefill``, ``mla_ops.prefill_context_chunk``,
   ``mla_ops.merge_attn_states``) under ``mla_ops.prefill_backend(NAME)``;
+- ``fp8``: the fp8 ops on the problem's inputs quantised by ``mla_ops.quantize_fp8``, untimed or (``+quant``)
+  inside the timed call (:class:`Fp8OpMethod`);
 - ``direct``: package code without the op layer: a backend's ``attention`` method, the Triton kernel
   function, the merge function the op dispatches to;
 - ``baseline``: a library's own call: FlashInfer's planned wrapper, FlashAttention-4/3/2 and PyTorch's
@@ -37,6 +39,13 @@ if TYPE_CHECKING:
 OUT_TOL_EPS = 4.0
 #: Largest LSE error accepted, in natural-log units; a wrong base or layout is off by far more.
 LSE_TOL = 1e-2
+#: The fp8 rows' tolerances against the fp32 reference on the *unquantised* inputs: a sanity bound that a broken
+#: kernel exceeds (a lost descale factor is off by far more), not the accuracy contract, which the tests check
+#: against the dequantised inputs (tests/fp8_contract.py). Quantising q, k and v to e4m3 alone cost up to 0.14
+#: row-relative and 0.09 in the LSE on the CPU shapes' N(0, 1) inputs; a lost factor or probability shift is off
+#: by 1 or more.
+FP8_OUT_TOL = 0.3
+FP8_LSE_TOL = 0.25
 #: FlashInfer's float workspace per device (its recommended size, and the backend's default).
 FLASHINFER_WORKSPACE_BYTES = 128 << 20
 
@@ -74,6 +83,8 @@ class Method:
     suites: tuple[str, ...] = ("causal", "chunk")
     implementation: str = ""
     raw: str | None = None  # for ops: the name of the method that is this op's own raw call
+    #: ``(output, LSE)`` tolerances of its check; ``None``: the bf16/fp16 ones (:data:`OUT_TOL_EPS`, :data:`LSE_TOL`).
+    tolerance: tuple[float, float] | None = None
 
     def unavailable(self, device: torch.device) -> str | None:
         """Why this method cannot run on ``device`` at all, or ``None``."""
@@ -136,6 +147,57 @@ class AutoOpMethod(OpMethod):
     @property
     def forced(self) -> str | None:
         return None
+
+
+class Fp8OpMethod(Method):
+    """A backend through ``mla_ops.prefill_fp8`` / ``mla_ops.prefill_context_chunk_fp8`` under ``prefill_backend``,
+    on the problem's ``q``, ``k``, ``v`` quantised per head by ``mla_ops.quantize_fp8``: before timing, or with
+    ``quantize`` inside every timed call (the ``+quant`` row: what an engine without an fp8 cache pays)."""
+
+    kind = "fp8"
+    tolerance = (FP8_OUT_TOL, FP8_LSE_TOL)
+
+    def __init__(self, backend: str, quantize: bool) -> None:
+        self.backend, self.quantize = backend, quantize
+        self.name = f"{backend} fp8" + ("+quant" if quantize else "")
+        fp8_op = "mla_ops.prefill_fp8 / prefill_context_chunk_fp8"
+        self.implementation = f"mla_ops.quantize_fp8 of q, k and v, then {fp8_op}" if quantize else fp8_op
+
+    def prepare(self, p: Problem) -> Prepared:
+        import mla_ops
+
+        q, k, v, cu_q, cu_k, max_q, max_k, scale = p.attention_args()
+
+        def attend(q8, k8, v8, dq, dk, dv):
+            if p.causal:
+                return mla_ops.prefill_fp8(q8, k8, v8, cu_q, max_q, dq, dk, dv, scale)
+            return mla_ops.prefill_context_chunk_fp8(q8, k8, v8, cu_q, cu_k, max_q, max_k, dq, dk, dv, scale)
+
+        def quantised():
+            (q8, dq), (k8, dk), (v8, dv) = (mla_ops.quantize_fp8(x) for x in (q, k, v))
+            return q8, k8, v8, dq, dk, dv
+
+        if self.quantize:
+            fn = lambda: attend(*quantised())
+        else:
+            inputs = quantised()
+            fn = lambda: attend(*inputs)
+        return Prepared(fn, _pair, lambda: mla_ops.prefill_backend(self.backend))
+
+
+def fp8_backends(names: Sequence[str], device: torch.device) -> list[str]:
+    """Those of the backends ``names`` that take fp8 inputs on ``device`` (REFERENCE only on CPU, as the ops run)."""
+    import mla_ops
+    from mla_ops.specs import FP8_DTYPE
+
+    capability = mla_ops.DeviceCapability.of(device)
+    valid = []
+    for name in names:
+        member = mla_ops.PrefillBackendEnum.from_name(name)
+        _, reasons = mla_ops.selector.validate_backend(member, capability, mla_ops.SelectorConfig(FP8_DTYPE))
+        if not reasons and (device.type == "cuda" or name == "REFERENCE"):
+            valid.append(name)
+    return valid
 
 
 class DirectMethod(Method):
@@ -778,7 +840,7 @@ def check_and_time(
     """
     import torch
 
-    out_tol = OUT_TOL_EPS * torch.finfo(p.dtype).eps
+    out_tol, lse_tol = method.tolerance or (OUT_TOL_EPS * torch.finfo(p.dtype).eps, LSE_TOL)
     result = Checked()
     try:
         prepared = method.prepare(p)
@@ -788,7 +850,7 @@ def check_and_time(
             rows = sum(p.q_lens) if p.shape.suite != "merge" else None
             result.rel_err, result.lse_err = compare(out, lse, *reference, rows=rows)
             del out, lse
-            if not result.rel_err <= out_tol or (result.lse_err is not None and not result.lse_err <= LSE_TOL):
+            if not result.rel_err <= out_tol or (result.lse_err is not None and not result.lse_err <= lse_tol):
                 result.status = "WRONG"
             if timed:
                 result.time_ms = timing.measure(prepared.fn, p.device, **timing_kwargs).median_ms

@@ -195,11 +195,13 @@ def _shape_set(
     contexts: tuple[int, ...],
     quick_chunk: tuple[int, int],
     merge_tokens: int,
+    long: tuple[Shape, ...] = (),
 ) -> list[Shape]:
     """bench_prefill's structure: causal length sweeps of ``sweep_tokens`` tokens per batch at both head
     counts, a mixed batch at the larger, chunks of ``chunk_new`` new tokens (1 and 4 sequences) over each
     total context, and the merge. ``reference`` (heads, length) pairs and the mixed batch are tagged
-    ``ref`` and ``quick``; the ``quick_chunk`` (heads, context) chunk and the merges ``quick``."""
+    ``ref`` and ``quick``; the ``quick_chunk`` (heads, context) chunk and the merges ``quick``. ``long`` shapes
+    (tagged ``long``) come before the merges."""
     ref, quick = frozenset({"ref", "quick"}), frozenset({"quick"})
     shapes = []
     for h in heads:
@@ -212,20 +214,32 @@ def _shape_set(
             tags = quick if (h, ctx) == quick_chunk else frozenset()
             shapes.append(Shape("chunk", h, (chunk_new,), (ctx,), series="chunk 1 seq", x=ctx, tags=tags))
             shapes.append(Shape("chunk", h, (chunk_new // 4,) * 4, (ctx // 4,) * 4, series="chunk 4 seqs", x=ctx))
+    shapes += long
     shapes += [Shape("merge", h, (merge_tokens,), tags=quick) for h in heads]
     return shapes
 
 
+def _long(heads: int, causal: tuple[int, ...], chunk: tuple[int, int]) -> tuple[Shape, ...]:
+    """One sequence of each ``causal`` length and ``chunk = (new, context)``, tagged ``long``."""
+    tags = frozenset({"long"})
+    new, context = chunk
+    causal_shapes = (Shape("causal", heads, (s,), tags=tags) for s in causal)
+    return (*causal_shapes, Shape("chunk", heads, (new,), (context,), tags=tags))
+
+
 def gpu_shapes() -> list[Shape]:
     """bench_prefill's GPU set: length sweeps of 16384 tokens at H=16 and 128, the reference shapes (4x4096
-    at H=16, 2x8192 and a mixed batch at H=128), 1024 new tokens over 8k to 32k of context, the merge."""
+    at H=16, 2x8192 and a mixed batch at H=128), 1024 new tokens over 8k to 32k of context, long prompts at H=128
+    (one sequence of 32k and of 128k tokens, 1024 new over 128k of context), the merge."""
     return _shape_set((16, 128), (512, 1024, 2048, 4096, 8192, 16384), 16384, {(16, 4096), (128, 8192)},
-                      (512, 1024, 2048, 3000, 700), 1024, (8192, 16384, 32768), (128, 16384), 16384)  # fmt: skip
+                      (512, 1024, 2048, 3000, 700), 1024, (8192, 16384, 32768), (128, 16384), 16384,
+                      _long(128, (32768, 131072), (1024, 131072)))  # fmt: skip
 
 
 def cpu_shapes() -> list[Shape]:
-    """bench_prefill's CPU set: the same structure at tiny sizes (H=2 and 4, lengths 16..64), for CI."""
-    return _shape_set((2, 4), (16, 32, 64), 128, {(2, 32), (4, 64)}, (16, 40, 64, 24), 16, (64, 128), (4, 64), 256)
+    """bench_prefill's CPU set: the same structure at tiny sizes (H=2 and 4, lengths 16..256), for CI."""
+    return _shape_set((2, 4), (16, 32, 64), 128, {(2, 32), (4, 64)}, (16, 40, 64, 24), 16, (64, 128), (4, 64), 256,
+                      _long(4, (256,), (16, 512)))  # fmt: skip
 
 
 #: Context-chunk shapes of the Triton tuning sweep: 1024 new tokens over 8192 of context.
@@ -244,7 +258,7 @@ def select_shapes(shapes: list[Shape], patterns: Sequence[str], quick: bool) -> 
         if not hits:
             raise SystemExit(
                 f"--shapes {pattern!r} matches no shape here; choose ids (wildcards allowed), a suite "
-                f"(causal, chunk, merge) or a tag (ref, quick). Ids: {', '.join(s.id for s in shapes)}"
+                f"(causal, chunk, merge) or a tag (ref, quick, long). Ids: {', '.join(s.id for s in shapes)}"
             )
         chosen += [s for s in hits if s not in chosen]
     return [s for s in shapes if s in chosen]

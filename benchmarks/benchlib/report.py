@@ -618,6 +618,7 @@ PREFILL_FIELDS = [
     "ratio_best",
     "best_op",
     "ratio_auto_best",
+    "ratio_best_bf16",
     "note",
 ]
 _PREFILL_TEXT = ("method", "series", "shape", "label", "raw_method", "best_baseline", "best_op", "note")
@@ -667,6 +668,35 @@ def add_auto_ratio(rows: list[dict[str, Any]], auto: str = "auto") -> None:
     for r in rows:
         if r["method"] == auto:
             r["best_op"], r["ratio_auto_best"] = best, forced[best] / auto_time
+
+
+def add_fp8_ratio(rows: list[dict[str, Any]]) -> None:
+    """Fill ``best_op`` (the fastest correct bf16 op, ``auto`` included) and ``ratio_best_bf16`` (the fp8 row's
+    throughput / that op's, the FLOPs counted alike) in the fp8 rows of one shape's rows, in place."""
+    times = {r["method"]: r["time_ms"] for r in rows if r["status"] == "ok" and r.get("time_ms")}
+    ops = {r["method"]: times[r["method"]] for r in rows if r["kind"] == "op" and r["method"] in times}
+    if not ops:
+        return
+    best = min(ops, key=ops.get)
+    for r in rows:
+        if r["kind"] == "fp8" and r["method"] in times:
+            r["best_op"], r["ratio_best_bf16"] = best, ops[best] / times[r["method"]]
+
+
+def fp8_crossover(rows: list[dict[str, Any]]) -> str:
+    """Per fp8 method and head count, the causal sweep's ratios to the best bf16 op and the length from which
+    fp8 pays (every longer length too); empty without fp8 rows on the sweep."""
+    lines = []
+    sweep = [r for r in rows if r["kind"] == "fp8" and r["series"] == "causal" and r.get("ratio_best_bf16")]
+    for m in _ordered(r["method"] for r in sweep):
+        for heads in sorted({r["heads"] for r in sweep if r["method"] == m}):
+            mine = (r for r in sweep if r["method"] == m and r["heads"] == heads)
+            points = sorted((int(r["x"]), r["ratio_best_bf16"]) for r in mine)
+            pays = [x for i, (x, _) in enumerate(points) if all(ratio >= 1 for _, ratio in points[i:])]
+            verdict = f"pays from s = {pays[0]}" if pays else f"does not pay up to s = {points[-1][0]}"
+            ratios = ", ".join(f"{x}: {ratio:.2f}" for x, ratio in points)
+            lines.append(f"- **{m}**, H={heads}: {verdict} ({ratios})")
+    return "\n".join(lines)
 
 
 def load_prefill_rows(csv_path: Path) -> list[dict[str, Any]]:
@@ -734,12 +764,14 @@ def render_prefill_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> 
         kinds = {r["method"]: r["kind"] for r in srows}
         raw_of = {r["method"]: r["raw_method"] for r in srows if r.get("raw_method")}
         columns = []  # (header, method, row key)
-        for m in (m for m in methods if kinds[m] in ("op", "direct")):
+        for m in (m for m in methods if kinds[m] in ("op", "direct", "fp8")):
             if m in raw_of:
                 columns.append((f"{m} / {raw_of[m]}", m, "ratio_raw"))
             columns.append((f"{m} / best raw", m, "ratio_best"))
             if any(cell.get((s, m), {}).get("ratio_auto_best") is not None for s in shapes):
                 columns.append((f"{m} / best op", m, "ratio_auto_best"))
+            if any(cell.get((s, m), {}).get("ratio_best_bf16") is not None for s in shapes):
+                columns.append((f"{m} / best bf16 op", m, "ratio_best_bf16"))
         if columns:
             table = []
             for s in shapes:
@@ -753,6 +785,10 @@ def render_prefill_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> 
                 "the best raw baseline it compares the single measurements of the table above"
             ]
             parts += ["", markdown_table(headers, table), ""]
+    crossover = fp8_crossover(rows)
+    if crossover:
+        parts += ["## FP8 against the best bf16 op (causal sweep, quantisation excluded and included)", ""]
+        parts += [crossover, ""]
     parts += ["## Correctness (checked once per shape before timing, against fp32 reference math)", ""]
     parts += [correctness_table(rows), ""]
     parts += ["Columns and methods are described in `benchmarks/README.md`.", ""]
