@@ -101,45 +101,25 @@ def prefill_with_chunk_fake(
     return out, lse
 
 
-def prefill_fp8_fake(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    q_descale: torch.Tensor,
-    k_descale: torch.Tensor,
-    v_descale: torch.Tensor,
-    softmax_scale: float,
-    out_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fake ``mla::prefill_fp8``: ``out`` ``[T, H, Dv]`` in ``out_dtype``, ``lse`` float32 ``[H, T]``."""
-    op = "mla.prefill_fp8"
-    check_attention_inputs(
-        op, (q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale), self_attention=True, fp8=True
-    )
-    check_fp8_scales(op, q, {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}, out_dtype)
+def _fp8_fake(op: str, args: tuple, self_attention: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if self_attention:
+        q, k, v, cu, max_seqlen, *descales, softmax_scale, out_dtype = args
+        inputs = (q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale)
+    else:
+        q, k, v, cu_q, cu_k, max_q, max_k, *descales, softmax_scale, out_dtype = args
+        inputs = (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale)
+    check_attention_inputs(op, inputs, self_attention, fp8=True)
+    check_fp8_scales(op, q, dict(zip(("q_descale", "k_descale", "v_descale"), descales)), out_dtype)
     return _attention_outputs(q, v, out_dtype)
 
 
-def prefill_context_chunk_fp8_fake(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    q_descale: torch.Tensor,
-    k_descale: torch.Tensor,
-    v_descale: torch.Tensor,
-    softmax_scale: float,
-    out_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fake ``mla::prefill_context_chunk_fp8``: ``out`` ``[Tq, H, Dv]`` in ``out_dtype``, ``lse`` float32
-    ``[H, Tq]``."""
-    op = "mla.prefill_context_chunk_fp8"
-    inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale)
-    check_attention_inputs(op, inputs, self_attention=False, fp8=True)
-    check_fp8_scales(op, q, {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}, out_dtype)
-    return _attention_outputs(q, v, out_dtype)
+def prefill_fp8_fake(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fake ``mla::prefill_fp8``, called with the op's arguments in its schema's order: ``out`` ``[T, H, Dv]`` in
+    ``out_dtype``, ``lse`` float32 ``[H, T]``."""
+    return _fp8_fake("mla.prefill_fp8", args, self_attention=True)
+
+
+def prefill_context_chunk_fp8_fake(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fake ``mla::prefill_context_chunk_fp8``, called with the op's arguments in its schema's order: ``out``
+    ``[Tq, H, Dv]`` in ``out_dtype``, ``lse`` float32 ``[H, Tq]``."""
+    return _fp8_fake("mla.prefill_context_chunk_fp8", args, self_attention=False)
