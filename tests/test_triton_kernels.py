@@ -774,7 +774,7 @@ def test_backend_capability_and_device():
     ]
     assert backend.reasons(None, config) == ["runs on CUDA devices only, not on CPU"]
     assert backend.reasons(DeviceCapability(9, 0), SelectorConfig(torch.float32, DEEPSEEK_V3)) == [
-        "dtype float32 is not supported (use bfloat16, float16)"
+        "dtype float32 is not supported (use bfloat16, float16, float8_e4m3fn)"
     ]
     assert not backend.plans_on_host, "the kernels read cu_seqlens on the device"
 
@@ -827,7 +827,7 @@ def test_out_of_resources_steps_down_unless_explicit(monkeypatch, attention_laun
     real_launch, tried, layouts = attention_launches.launch, [], []
 
     def launch(plan_args):
-        config = plan_args[-1]
+        config = plan_args[-2]  # (..., causal, config, scales)
         tried.append(config)
         if config.block_n > 16:
             raise OutOfResources(config.block_n * 1024, 16 * 1024, "shared memory")
