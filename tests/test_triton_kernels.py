@@ -615,6 +615,15 @@ def test_gluon_kernel_runs_on_the_triton_releases_it_is_adapted_to():
         assert reason is not None and f"(installed: {version})" in reason and "3.6, 3.7, 3.8, 3.9" in reason
 
 
+def test_gluon_kernel_is_register_lean_from_triton_3_8():
+    """3.6 and 3.7 compile the Gluon kernel as timed on the H200; 3.8 on take the spellings that fit its
+    register budgets (compared as numbers: 3.10 is after 3.9)."""
+    from mla_ops.kernels.triton_compat import lean_registers
+
+    assert not lean_registers("3.6.0") and not lean_registers("3.7.1")
+    assert lean_registers("3.8.0") and lean_registers("3.9.0+git1a2b") and lean_registers("3.10.0")
+
+
 def test_supported_triton_releases_match_pyproject():
     """pyproject.toml's triton requirements admit exactly the releases the kernels are adapted to."""
     import re
@@ -642,18 +651,15 @@ def test_gluon_names_resolve_under_the_installed_triton():
 
 def test_compile_sm90_compiles_the_tabled_variants_under_the_installed_triton():
     """benchmarks/compile_sm90.py (no GPU needed) compiles every variant the SM90 tables launch for sm_90a with
-    this Triton: no compile error, no serialised wgmma, the Gluon kernel warp-specialised. Spills are
-    reported, not failed (``--allow-spills``): with Triton 3.8 and 3.9 ptxas spills a few words per work
-    item in the Gluon kernel. benchmarks/compile_matrix.sh runs it, spills failing, under each release."""
+    this Triton: no compile error, no spill, no serialised wgmma, the Gluon kernel warp-specialised.
+    benchmarks/compile_matrix.sh runs it under each supported release."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     script = root / "benchmarks" / "compile_sm90.py"
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))  # this checkout's kernels
-    proc = subprocess.run(
-        [sys.executable, str(script), "--allow-spills"], capture_output=True, text=True, env=env, timeout=600
-    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode == 2 and "needs Triton with its NVIDIA backend and ptxas" in proc.stderr:
         pytest.skip(f"this Triton cannot compile for sm_90a here: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
@@ -661,7 +667,7 @@ def test_compile_sm90_compiles_the_tabled_variants_under_the_installed_triton():
               for k, c in t.items() if k[:2] == (192, 128)}  # fmt: skip
     summary = proc.stdout.strip().splitlines()[-1]
     assert f"sm_90a: {len(tabled)} of {len(tabled)} variants compiled" in summary, summary
-    assert "0 serialise wgmma; 0 failed (spills allowed)" in summary, summary
+    assert "0 spill, 0 serialise wgmma; 0 failed" in summary, summary
 
 
 def test_program_layout():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -20,7 +21,7 @@ from ..runtime.alloc import empty
 from .configs import head_dim_split
 from .launch import TorchScratch
 from .programs import program_layout
-from .triton_compat import thread_barrier, tma_load
+from .triton_compat import lean_registers, thread_barrier, tma_load
 
 __all__ = ["attention_sm90", "sm90_launch", "sm90_shared_memory", "sm90_unsupported_reason"]
 
@@ -33,7 +34,8 @@ _LOG2E = 1.4426950408889634
 #: kernel's ``maxnreg`` (168) times its 12 warps is the register file. FlashAttention-3 splits it 240 for
 #: each consumer and 24 for the producer (whose warpgroup holds it four times); here the producer decodes
 #: every work item itself, which spills in 24, so it gets 40 and the consumers 232, which still compile
-#: without spills (``benchmarks/compile_sm90.py``).
+#: without spills (``benchmarks/compile_sm90.py``). With Triton >= 3.8 no split fits the code as written
+#: (224 or 240 for the consumers spill more); :data:`_LEAN` makes it fit this one instead.
 _MAXNREG = 168
 _CONSUMER_REGS = gl.constexpr(232)
 _PRODUCER_REGS = gl.constexpr(40)
@@ -45,6 +47,11 @@ _PAD_FILL = gl.constexpr(1024)
 _tma_load = tma_load()
 #: Gluon's barrier of a program's threads, under this release's name.
 _thread_barrier = thread_barrier()
+
+#: Whether to take the register-lean spellings (mla_ops.kernels.triton_compat.lean_registers): with Triton
+#: >= 3.8 the partitions are a few registers over their budgets otherwise; 3.6 and 3.7 keep the code
+#: measured on the GPU.
+_LEAN = gl.constexpr(lean_registers(triton.__version__))
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -64,11 +71,14 @@ def _sequence_of_slot(cu_seqlens_q, num_seqs, slot, WARPS: gl.constexpr):
 
 
 @gluon.jit
-def _put_item(item_smem, w):
-    """Write work item ``w`` where the consumers read it (:func:`_get_item`), visible to them once the
+def _put_item(item_smem, w, seq_smem, b):
+    """Write work item ``w`` (and, where :data:`_LEAN`, its sequence ``b`` into ``seq_smem``) where the
+    consumers read it (:func:`_get_item`), visible to them once the
     producer next arrives on the Q barrier (an mbarrier arrive releases the warp's earlier writes)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     item_smem.store(gl.full([1], w, gl.int32, layout))
+    if _LEAN:
+        seq_smem.store(gl.full([1], b, gl.int32, layout))
     _thread_barrier()  # the lane that arrives next must come after every lane's store
 
 
@@ -80,8 +90,8 @@ def _get_item(item_smem):
 
 
 @gluon.jit
-def _work_item(w, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group,
-               CAUSAL: gl.constexpr, BN: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+def _work_item(w, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group, b_given,
+               B_GIVEN: gl.constexpr, CAUSAL: gl.constexpr, BN: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
     """Work item ``w < num_heads * num_slots``: ``(real, h, q_start, len_q, k_start, len_k, m0, num_tiles)``:
     head ``h``, the query rows ``m0`` on of the sequence at ``q_start`` (``len_q`` rows), its keys
     (``len_k`` rows from ``k_start``) and its ``num_tiles`` key tiles; ``real`` is false for the slots no
@@ -93,7 +103,10 @@ def _work_item(w, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, he
     heads_here = gl.minimum(heads_per_group, num_heads - group * heads_per_group)
     slot = r // heads_here
     h = group * heads_per_group + (r - slot * heads_here)
-    b = _sequence_of_slot(cu_seqlens_q, num_seqs, slot, WARPS)
+    if B_GIVEN:
+        b = b_given
+    else:
+        b = _sequence_of_slot(cu_seqlens_q, num_seqs, slot, WARPS)
     q_start = gl.load(cu_seqlens_q + b)
     q_end = gl.load(cu_seqlens_q + gl.minimum(b + 1, num_seqs))
     len_q = q_end - q_start
@@ -107,7 +120,7 @@ def _work_item(w, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, he
         hi = gl.maximum(gl.minimum(len_k, m0 + 2 * _HALF + len_k - len_q), 0)
     else:
         hi = len_k
-    return real, h, q_start, len_q, k_start, len_k, m0, gl.cdiv(hi, BN)
+    return real, h, q_start, len_q, k_start, len_k, m0, gl.cdiv(hi, BN), b
 
 
 @gluon.jit
@@ -138,7 +151,7 @@ def _load_values(v_desc, v_smem, v_ready, v_empty, g, row):
 @gluon.jit
 def _produce_item(
     qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty,
-    k_ready, k_empty, v_ready, v_empty, item_smem, w, t, n, h, q_row, k_start, len_k, num_tiles, stride_qh,
+    k_ready, k_empty, v_ready, v_empty, item_smem, seq_smem, w, b, t, n, h, q_row, k_start, len_k, num_tiles, stride_qh,
     stride_kh, stride_vt, stride_vh, V_LAYOUT: gl.constexpr,
 ):  # fmt: skip
     """One work item's loads, the program's ``n``-th (``w``), its tiles ``t`` onwards of the rings: Q, then
@@ -151,7 +164,7 @@ def _produce_item(
     if num_tiles > 0:  # the first keys before Q, which waits for the previous item's last scores
         _load_keys(ka_desc, kb_desc, k_smem_a, k_smem_b, k_ready, k_empty, t, k_start, col_k)
     mbarrier.wait(q_empty, (n & 1) ^ 1)
-    _put_item(item_smem, w)
+    _put_item(item_smem, w, seq_smem, b)
     mbarrier.expect(q_bar, 2 * (qa_desc.block_type.nbytes + qb_desc.block_type.nbytes))
     col_q = h * stride_qh
     for c in gl.static_range(2):
@@ -183,7 +196,7 @@ def _produce_item(
 @gluon.jit
 def _producer(
     qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty,
-    k_ready, k_empty, v_ready, v_empty, item_smem, Counter, cu_seqlens_q, cu_seqlens_k, stride_qh, stride_kh,
+    k_ready, k_empty, v_ready, v_empty, item_smem, seq_smem, Counter, cu_seqlens_q, cu_seqlens_k, stride_qh, stride_kh,
     stride_vt, stride_vh, num_seqs, num_heads, num_slots, heads_per_group, worker, num_workers,
     V_LAYOUT: gl.constexpr, CAUSAL: gl.constexpr,
 ):  # fmt: skip
@@ -198,13 +211,13 @@ def _producer(
     n = worker * 0  # items loaded so far
     w = worker
     while w < num_items:
-        real, h, q_start, _len_q, k_start, len_k, m0, num_tiles = _work_item(
-            w, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group, CAUSAL, BN, 1
+        real, h, q_start, _len_q, k_start, len_k, m0, num_tiles, b = _work_item(
+            w, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group, 0, False, CAUSAL, BN, 1
         )
         if real:
             _produce_item(
                 qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar,
-                q_empty, k_ready, k_empty, v_ready, v_empty, item_smem, w, t, n, h, q_start + m0, k_start,
+                q_empty, k_ready, k_empty, v_ready, v_empty, item_smem, seq_smem, w, b, t, n, h, q_start + m0, k_start,
                 len_k, num_tiles, stride_qh, stride_kh, stride_vt, stride_vh, V_LAYOUT,
             )  # fmt: skip
             t += num_tiles
@@ -213,7 +226,7 @@ def _producer(
         # causal blocks first, and whoever is free takes the next.
         w = num_workers + gl.atomic_add(Counter, 1)
     mbarrier.wait(q_empty, (n & 1) ^ 1)
-    _put_item(item_smem, -1)
+    _put_item(item_smem, -1, seq_smem, 0)
     mbarrier.arrive(q_bar, count=1)  # no transfer: the phase completes on the arrival alone
 
 
@@ -225,7 +238,7 @@ def _issue_scores(q_a, q_b, k_a, k_b, s_init):
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, keys, len_k, q_pos, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+def _softmax(s, m_i, l_i, keys, start, len_k, q_pos, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
              SCALE_NONNEG: gl.constexpr):  # fmt: skip
     """One tile's online-softmax step on its raw scores ``s``: ``(p, alpha, m_new, l_new)``, ``p`` the
     tile's probabilities (fp32, base 2) and ``alpha`` the factor that rescales the running output.
@@ -234,9 +247,18 @@ def _softmax(s, m_i, l_i, keys, len_k, q_pos, qk_scale, MASKED: gl.constexpr, CA
     tile's key positions, ``q_pos`` the rows' positions among the keys); a row with no visible key yet
     keeps ``m = -inf`` and gets ``p = 0``, ``alpha = 0`` instead of NaN."""
     if MASKED:
-        visible = (keys < len_k)[None, :]
-        if CAUSAL:
-            visible = visible & (keys[None, :] <= q_pos[:, None])
+        if _LEAN and CAUSAL:
+            # keys < min(len_k, q_pos + 1), spelled so that no key position need stay in a register: in the
+            # wgmma layout a thread's columns are 2 * (lane % 4) (bits 1-2) plus constants (bits 0, 3-6),
+            # so each compare becomes a constant against one value per row.
+            lane = keys & 6
+            lim = gl.minimum(q_pos + 1, len_k) - start
+            visible = (keys - lane)[None, :] < (lim[:, None] - lane[None, :])
+        else:
+            keys = keys + start
+            visible = (keys < len_k)[None, :]
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= q_pos[:, None])
         s = gl.where(visible, s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: exp2(-inf - 0), not NaN
@@ -286,7 +308,7 @@ def _step(
     acc_tok = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s_tok,))  # products retire in order: both parts of S_i are done
     mbarrier.arrive(k_empty.index(stage), count=1)
-    p_i, alpha, m_i, l_i = _softmax(s, m_i, l_i, keys0 + i * BN, len_k, q_pos, qk_scale, MASKED, CAUSAL, SCALE_NONNEG)
+    p_i, alpha, m_i, l_i = _softmax(s, m_i, l_i, keys0, i * BN, len_k, q_pos, qk_scale, MASKED, CAUSAL, SCALE_NONNEG)
     o_layout: gl.constexpr = acc.type.layout
     p_i = _operand(p_i, v_smem.dtype, o_layout)
     acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
@@ -338,7 +360,7 @@ def _consume_item(
         s = warpgroup_mma_wait(0, deps=(s_tok,))
         mbarrier.arrive(k_empty.index(s0), count=1)
         # The output is still zero: nothing to rescale.
-        p0, _, m_i, l_i = _softmax(s, m_i, l_i, keys0, len_k, q_pos, qk_scale, True, CAUSAL, SCALE_NONNEG)
+        p0, _, m_i, l_i = _softmax(s, m_i, l_i, keys0, 0, len_k, q_pos, qk_scale, True, CAUSAL, SCALE_NONNEG)
         p = _operand(p0, v_smem.dtype, o_layout)
     for i in range(1, full):  # tiles every row of this warpgroup sees whole: no mask
         p, m_i, l_i, acc = _step(
@@ -352,7 +374,11 @@ def _consume_item(
         )  # fmt: skip
     # Every score of the item is in: the producer may load the next item's Q under what is left.
     mbarrier.arrive(q_empty, count=1)
-    if mine > 0:  # the last tile's P @ V
+    if _LEAN:  # from values live anyway: no predicate kept across the loops
+        has_last = t0 + mine - 1 >= t0
+    else:
+        has_last = mine > 0
+    if has_last:  # the last tile's P @ V
         last = t0 + mine - 1
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
         acc_tok = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
@@ -381,8 +407,8 @@ def _consume_item(
 @gluon.jit
 def _consumer(
     q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-    item_smem, Out, Lse, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group, stride_ot,
-    stride_oh, stride_lse_h, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr,
+    item_smem, seq_smem, Out, Lse, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group,
+    stride_ot, stride_oh, stride_lse_h, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroup ``WG`` on each work item the producer hands over, in its order, until it hands over
     ``-1``."""
@@ -392,9 +418,14 @@ def _consumer(
     mbarrier.wait(q_bar, 0)
     w = _get_item(item_smem)
     while w >= 0:
-        _, h, q_start, len_q, _k_start, len_k, m0, num_tiles = _work_item(
-            w, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group, CAUSAL, BN, 4
-        )
+        if _LEAN:  # the producer's sequence: no search of cu_seqlens_q over four warps here
+            b_given = _get_item(seq_smem)
+        else:
+            b_given = 0
+        _, h, q_start, len_q, _k_start, len_k, m0, num_tiles, _b = _work_item(
+            w, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group, b_given, _LEAN, CAUSAL,
+            BN, 4,
+        )  # fmt: skip
         _consume_item(
             q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
             Out, Lse, t, n, h, q_start, len_q, len_k, m0, num_tiles, stride_ot, stride_oh, stride_lse_h,
@@ -448,6 +479,10 @@ def _attn_fwd_sm90(
         k_smem_b = gl.allocate_shared_memory(kb_desc.dtype, [STAGES, BN, D_B], kb_desc.layout)
         v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BN, D_V], V_LAYOUT)
         item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        if _LEAN:
+            seq_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        else:
+            seq_smem = item_smem
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -464,17 +499,17 @@ def _attn_fwd_sm90(
         gl.warp_specialize(
             [
                 (_consumer, (q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready, k_empty,
-                             v_ready, v_empty, item_smem, Out, Lse, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads,
-                             num_slots, heads_per_group, stride_ot, stride_oh, stride_lse_h, qk_scale, 0, CAUSAL,
-                             SCALE_NONNEG)),
+                             v_ready, v_empty, item_smem, seq_smem, Out, Lse, cu_seqlens_q, cu_seqlens_k, num_seqs,
+                             num_heads, num_slots, heads_per_group, stride_ot, stride_oh, stride_lse_h, qk_scale, 0,
+                             CAUSAL, SCALE_NONNEG)),
                 (_consumer, (q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready, k_empty,
-                             v_ready, v_empty, item_smem, Out, Lse, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads,
-                             num_slots, heads_per_group, stride_ot, stride_oh, stride_lse_h, qk_scale, 1, CAUSAL,
-                             SCALE_NONNEG)),
+                             v_ready, v_empty, item_smem, seq_smem, Out, Lse, cu_seqlens_q, cu_seqlens_k, num_seqs,
+                             num_heads, num_slots, heads_per_group, stride_ot, stride_oh, stride_lse_h, qk_scale, 1,
+                             CAUSAL, SCALE_NONNEG)),
                 (_producer, (qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem,
-                             q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, item_smem, Counter, cu_seqlens_q,
-                             cu_seqlens_k, stride_qh, stride_kh, stride_vt, stride_vh, num_seqs, num_heads, num_slots,
-                             heads_per_group, pid, num_workers, V_LAYOUT, CAUSAL)),
+                             q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, item_smem, seq_smem, Counter,
+                             cu_seqlens_q, cu_seqlens_k, stride_qh, stride_kh, stride_vt, stride_vh, num_seqs,
+                             num_heads, num_slots, heads_per_group, pid, num_workers, V_LAYOUT, CAUSAL)),
             ],
             [4, 1],
             [_CONSUMER_REGS, _PRODUCER_REGS],
@@ -486,8 +521,8 @@ def _attn_fwd_sm90(
 
 def sm90_shared_memory(dqk: int, dv: int, block_n: int, stages: int, elem_bytes: int = 2) -> int:
     """Bytes of shared memory one program takes: the block's Q and ``stages`` K/V buffers, plus the barriers
-    and the work item's number."""
-    return elem_bytes * (BLOCK_M * dqk + stages * block_n * (dqk + dv)) + 8 * (2 + 4 * stages) + 16
+    and the work item's number and sequence (the sequence only where :data:`_LEAN`; counted always)."""
+    return elem_bytes * (BLOCK_M * dqk + stages * block_n * (dqk + dv)) + 8 * (2 + 4 * stages) + 32
 
 
 def _aligned(t: torch.Tensor) -> bool:

@@ -10,14 +10,8 @@ releases; every name it takes from Gluon that is spelled differently in some rel
 - The barrier of a program's threads: ``gl.thread_barrier()`` in Triton 3.6, ``gl.barrier()`` from 3.7 on
   (which, on one CTA as here, emits the same ``debug_barrier``).
 
-One difference is not in the API, and has no adapter: with Triton 3.8 and 3.9 ptxas spills a few words
-in the Gluon kernel (56-84 bytes per thread for the table's variant, against none with 3.6 and 3.7:
-``benchmarks/compile_matrix.sh``), a predicate register saved once per work item in each consumer
-warpgroup and a few values of the producer warp. Other splits of the register file between the
-partitions spill as much or more (consumers at 240 registers: 48 bytes; at 224: 184; the producer at 24:
-184), and so does holding all of a warpgroup's tiles in one branch, so that the predicate need not live
-across the loops (none on the chunk path, 96 bytes on the causal one); the kernel stays as checked on the
-H200 with 3.6, and whether the spills cost time with 3.8 is for a GPU run to say.
+- Register pressure: with Triton 3.8 and 3.9 the kernel as written for 3.6 spills in every partition;
+  :func:`lean_registers` picks spellings that fit there and leaves 3.6 and 3.7 compiling as before.
 
 This module imports Triton only when a Gluon name is asked for, so that the version checks work without it.
 """
@@ -45,6 +39,23 @@ def gluon_triton_reason(version: str) -> str | None:
         f"its Gluon (Triton's experimental language) is adapted to Triton {', '.join(SUPPORTED_RELEASES)}, "
         f"and Gluon's API changes between releases (installed: {version})"
     )
+
+
+def lean_registers(version: str) -> bool:
+    """Whether the Gluon kernel takes its register-lean spellings under Triton ``version`` (3.8 on).
+
+    With Triton 3.8 and 3.9 the kernel as 3.6 compiles it fits its partitions' budgets only by spilling
+    (56-84 bytes per thread, in both consumers and the producer; ``benchmarks/compile_sm90.py``), and no
+    other split of the register file helps (consumers at 224 or 240 registers spill more). Three spellings
+    that compute the same make it fit with 0 spills: the producer hands the consumers each item's sequence
+    with its number (they no longer search ``cu_seqlens_q`` over four warps, whose shared-memory reduction
+    held addresses across the loops), the last ``P @ V`` is conditioned on values live anyway instead of a
+    predicate kept across the loops, and the causal mask compares constants against one bound per row
+    instead of holding the tile's key positions in registers (on the chunk path that spelling spills
+    with 3.8 and 3.9, so it is left to the causal one). 3.6 and 3.7, whose code is the one timed on the
+    H200, compile exactly as before.
+    """
+    return tuple(int(x) for x in release(version).split(".")) >= (3, 8)
 
 
 def tma_load() -> Any:
