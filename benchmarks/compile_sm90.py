@@ -78,20 +78,25 @@ class Variant:
         return found
 
 
-def _stand_ins(dqk: int, dv: int, causal: bool):
-    """CPU tensors shaped and strided like the GPU ones: ``v`` a strided view of a ``[T, H, 256]`` kv."""
+def _stand_ins(dqk: int, dv: int, causal: bool, dtype_name: str = "bfloat16"):
+    """``(call, out, lse, scales)`` over CPU tensors shaped and strided like the GPU ones: ``v`` a strided view of
+    a ``[T, H, Dv + 128]`` kv; for fp8 inputs, bf16 output and per-head descale factors (else ``scales`` None)."""
     import torch
 
-    dtype = torch.bfloat16
+    from mla_ops.backends.base import Fp8Scales, VarlenCall
+
+    dtype = getattr(torch, dtype_name)
     q = torch.empty(TOKENS, HEADS, dqk, dtype=dtype)
     k = torch.empty(TOKENS, HEADS, dqk, dtype=dtype)
     kv = torch.empty(TOKENS, HEADS, dv + 128, dtype=dtype)
-    v = kv[..., 128:]
-    out = torch.empty(TOKENS, HEADS, dv, dtype=dtype)
+    fp8 = dtype == torch.float8_e4m3fn
+    out = torch.empty(TOKENS, HEADS, dv, dtype=torch.bfloat16 if fp8 else dtype)
     lse = torch.empty(HEADS, TOKENS, dtype=torch.float32)
     cu_q = torch.tensor([0, TOKENS // 2, TOKENS], dtype=torch.int32)
     cu_k = cu_q if causal else torch.tensor([0, 300, TOKENS], dtype=torch.int32)
-    return q, k, v, out, lse, cu_q, cu_k
+    call = VarlenCall(q, k, kv[..., 128:], cu_q, cu_k, TOKENS, TOKENS, dqk**-0.5, causal)
+    descale = torch.ones(HEADS)
+    return call, out, lse, Fp8Scales(descale, descale, descale, out.dtype) if fp8 else None
 
 
 def parse_ptxas_log(log: str) -> tuple[int, int, str | None]:
@@ -119,8 +124,9 @@ def _ptxas_usage(ptx: str) -> tuple[int, int, str | None]:
     return parse_ptxas_log(log)
 
 
-def compile_variant(config: Any, dqk: int, dv: int, causal: bool) -> Variant:
-    """Compile ``config`` for sm_90a as ``attention_triton`` would launch it; never raises."""
+def compile_variant(config: Any, dqk: int, dv: int, causal: bool, dtype_name: str = "bfloat16") -> Variant:
+    """Compile ``config`` for sm_90a as ``attention_triton`` would launch it on ``dtype_name`` inputs; never
+    raises."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -128,7 +134,7 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool) -> Variant:
 
     variant = Variant(str(config), causal)
     try:
-        q, k, v, out, lse, cu_q, cu_k = _stand_ins(dqk, dv, causal)
+        call, out, lse, scales = _stand_ins(dqk, dv, causal, dtype_name)
         if config.gluon:
             # The Hopper kernel written in Gluon, as attention_sm90 launches it.
             from triton.experimental.gluon._runtime import GluonASTSource as source
@@ -136,10 +142,7 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool) -> Variant:
             from mla_ops.kernels.attention_sm90 import _attn_fwd_sm90 as kernel
             from mla_ops.kernels.attention_sm90 import sm90_launch
 
-            _, args, launch_options = sm90_launch(
-                q, k, v, out, lse, cu_q, cu_k, TOKENS, TOKENS, dqk**-0.5, causal, config.block_n, config.num_stages,
-                num_sms=132,
-            )  # fmt: skip
+            _, args, launch_options = sm90_launch(call, out, lse, config.block_n, config.num_stages, num_sms=132)
             keywords = launch_options
             variant.descriptors = ("q", "k", "v(device)")
         else:
@@ -147,7 +150,7 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool) -> Variant:
             from mla_ops.kernels.attention_kernel import attn_fwd_kernel as kernel
 
             source = ASTSource
-            plan = launch_plan(q, k, v, out, lse, cu_q, cu_k, TOKENS, TOKENS, dqk**-0.5, causal, config)
+            plan = launch_plan(call, out, lse, config, scales)
             args, launch_options, keywords = plan.args, plan.options, {**plan.constexprs, **plan.options}
         target = GPUTarget("cuda", CAPABILITY, 32)
         backend = make_backend(target)
@@ -169,12 +172,13 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool) -> Variant:
     return variant
 
 
-def table_variants(dqk: int, dv: int) -> list[tuple[str, bool]]:
+def table_variants(dqk: int, dv: int, fp8: bool = False) -> list[tuple[str, bool]]:
     """``(configuration, causal)`` of every variant the SM90 tables launch for ``(dqk, dv)``: each entry
-    with the path its key names, without repeats."""
+    with the path its key names, without repeats. ``fp8``: the fp8 calls' (the large-batch table's Gluon kernel has
+    no fp8 path, so they launch the main table's entries at every size)."""
     from mla_ops.kernels.configs import SM90_ATTENTION, SM90_LARGE_BATCH_ATTENTION
 
-    tables = (*SM90_ATTENTION.items(), *SM90_LARGE_BATCH_ATTENTION.items())
+    tables = (*SM90_ATTENTION.items(), *(() if fp8 else SM90_LARGE_BATCH_ATTENTION.items()))
     return list(dict.fromkeys((str(config), bool(key[2])) for key, config in tables if key[:2] == (dqk, dv)))
 
 
@@ -184,6 +188,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     cli.add_attention_configs(parser, "--configs", "the SM90 tables' entries for --dims, each on its own path")
     parser.add_argument("--dims", default="192,128", help="Dqk,Dv (default 192,128)")
+    parser.add_argument(
+        "--dtype", choices=("bfloat16", "float16", "float8_e4m3fn"), default="bfloat16",
+        help="the inputs' dtype (default bfloat16); float8_e4m3fn compiles the fp8 ops' variants",
+    )  # fmt: skip
     parser.add_argument(
         "--path", choices=("both", "causal", "chunk"), default="both",
         help="which path to compile the --configs for (default both)",
@@ -217,17 +225,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         paths = {"both": (True, False), "causal": (True,), "chunk": (False,)}[args.path]
         variants = [(text, causal) for text in args.configs.split(";") for causal in paths]
     else:
-        variants = table_variants(dqk, dv)
+        variants = table_variants(dqk, dv, fp8=args.dtype == "float8_e4m3fn")
         if not variants:
             print(f"compile_sm90.py: the SM90 tables list nothing for (Dqk, Dv) = ({dqk}, {dv})", file=sys.stderr)
             return 2
     parsed = [(AttentionConfig.parse(text, "--configs"), causal) for text, causal in variants]
-    print(f"triton {triton.__version__}, sm_{CAPABILITY}a, (Dqk, Dv) = ({dqk}, {dv}), bf16")
+    dtype_label = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8 (e4m3)"}[args.dtype]
+    print(f"triton {triton.__version__}, sm_{CAPABILITY}a, (Dqk, Dv) = ({dqk}, {dv}), {dtype_label}")
     header = ("config", "path", "regs", "spill", "smem KiB", "scratch", "warps", "ws", "tma")
     print("{:<28} {:<6} {:>4} {:>5} {:>8} {:>7} {:>5} {:>3} {:>3}  descriptors".format(*header))
     failed = compiled = spilled = serialised = 0
     for config, causal in parsed:
-        v = compile_variant(config, dqk, dv, causal)
+        v = compile_variant(config, dqk, dv, causal, args.dtype)
         path = "causal" if causal else "chunk"
         problems = v.problems(config.gluon)
         if args.allow_spills:
@@ -245,8 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{v.config:<28} {path:<6} FAIL: {v.error}")
         failed += bool(problems)
     allowed = " (spills allowed)" if args.allow_spills else ""
+    inputs = "" if args.dtype == "bfloat16" else f", {dtype_label}"
     print(
-        f"triton {triton.__version__}, sm_{CAPABILITY}a: {compiled} of {len(parsed)} variants compiled, "
+        f"triton {triton.__version__}, sm_{CAPABILITY}a{inputs}: {compiled} of {len(parsed)} variants compiled, "
         f"{spilled} spill, {serialised} serialise wgmma; {failed} failed{allowed}"
     )
     return 1 if failed else 0

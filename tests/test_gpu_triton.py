@@ -18,6 +18,7 @@ from sequence_isolation import assert_sequences_close, poison_sequences
 from utils import GraphBuffers, assert_attention_close, cu_seqlens_of, make_batch, make_qkv, record_results
 
 import mla_ops
+from mla_ops.backends.base import VarlenCall
 from mla_ops.backends.reference import merge_attn_states_reference
 from mla_ops.backends.triton import TritonBackend
 from mla_ops.runtime.merge_dispatch import merge_kernel
@@ -279,10 +280,8 @@ def test_gluon_persistent_programs_carry_their_rings(monkeypatch, text, causal, 
     cu_k = cu_k[:-1].contiguous()
     poison_sequences(k, v, cu_k, [*poisoned, len(lengths_k)])
     q = torch.cat([q, torch.full_like(q[:9], math.nan)])
-    out, lse = attention_sm90.attention_sm90(
-        q, k, v, cu_q, cu_k, 1000, max(lengths_k), _scale(192), causal, block_n=config.block_n,
-        stages=config.num_stages,
-    )  # fmt: skip
+    call = VarlenCall(q, k, v, cu_q, cu_k, 1000, max(lengths_k), _scale(192), causal)
+    out, lse = attention_sm90.attention_sm90(call, block_n=config.block_n, stages=config.num_stages)
     clean = sorted(set(range(len(lengths_q))) - poisoned)
     assert_sequences_close(out, lse, q, k, v, cu_q, cu_k, _scale(192), causal, clean)
     _check_padding(lse, sum(lengths_q))

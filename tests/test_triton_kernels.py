@@ -27,6 +27,7 @@ pytest.importorskip("triton", reason="the Triton kernels need triton installed (
 from sequence_isolation import assert_sequences_close, poison_sequences
 from utils import assert_attention_close, cu_seqlens_of, make_batch, make_qkv
 
+from mla_ops.backends.base import VarlenCall
 from mla_ops.backends.reference import merge_attn_states_reference
 from mla_ops.backends.triton import TritonBackend
 from mla_ops.kernels import configs
@@ -649,22 +650,26 @@ def test_gluon_names_resolve_under_the_installed_triton():
         assert function.__name__ in names and getattr(function, "__triton_builtin__", False)
 
 
-def test_compile_sm90_compiles_the_tabled_variants_under_the_installed_triton():
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_compile_sm90_compiles_the_tabled_variants_under_the_installed_triton(dtype):
     """benchmarks/compile_sm90.py (no GPU needed) compiles every variant the SM90 tables launch for sm_90a with
-    this Triton: no compile error, no spill, no serialised wgmma, the Gluon kernel warp-specialised.
-    benchmarks/compile_matrix.sh runs it under each supported release."""
+    this Triton: no compile error, no spill, no serialised wgmma, the Gluon kernel warp-specialised; for fp8 inputs,
+    the main table's entries, which fp8 calls launch at every size. benchmarks/compile_matrix.sh runs it under each
+    supported release."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     script = root / "benchmarks" / "compile_sm90.py"
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))  # this checkout's kernels
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    command = [sys.executable, str(script), "--dtype", dtype]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode == 2 and "needs Triton with its NVIDIA backend and ptxas" in proc.stderr:
         pytest.skip(f"this Triton cannot compile for sm_90a here: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-    tabled = {(str(c), k[2]) for t in (configs.SM90_ATTENTION, configs.SM90_LARGE_BATCH_ATTENTION)
-              for k, c in t.items() if k[:2] == (192, 128)}  # fmt: skip
+    tables = (configs.SM90_ATTENTION,) if dtype == "float8_e4m3fn" else (configs.SM90_ATTENTION,
+                                                                          configs.SM90_LARGE_BATCH_ATTENTION)
+    tabled = {(str(c), k[2]) for t in tables for k, c in t.items() if k[:2] == (192, 128)}
     summary = proc.stdout.strip().splitlines()[-1]
     assert f"sm_90a: {len(tabled)} of {len(tabled)} variants compiled" in summary, summary
     assert "0 spill, 0 serialise wgmma; 0 failed" in summary, summary
@@ -715,7 +720,8 @@ def test_gluon_launch_arguments_on_host_stand_ins():
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
 
     def launch(num_sms):
-        return attention_sm90.sm90_launch(q, k, v, out, lse, cu, cu, 200, 200, 0.1, True, 128, 2, num_sms=num_sms)
+        call = VarlenCall(q, k, v, cu, cu, 200, 200, 0.1, True)
+        return attention_sm90.sm90_launch(call, out, lse, 128, 2, num_sms=num_sms)
 
     slots, _, pad = program_layout(300, 4, 2, 200, 200, 320 * 2, attention_sm90.BLOCK_M)
     (grid,), args, _ = launch(num_sms=1000)
@@ -1040,9 +1046,8 @@ def test_relaunched_leading_arguments_are_the_plans():
     out = torch.empty(batch.q.shape[0], HEADS, 128, dtype=torch.bfloat16)
     lse = torch.empty(HEADS, batch.q.shape[0])
     cu = batch.cu_seqlens
-    plan = attention.launch_plan(
-        batch.q, batch.k, batch.v, out, lse, cu, cu, 17, 17, 0.1, True, AttentionConfig(64, 32, 4, 2)
-    )
+    call = VarlenCall(batch.q, batch.k, batch.v, cu, cu, 17, 17, 0.1, True)
+    plan = attention.launch_plan(call, out, lse, AttentionConfig(64, 32, 4, 2))
     tensors = (batch.q, batch.k, batch.v, out, lse, cu, cu)
     expected = tuple(t.data_ptr() for t in tensors)
     assert len(expected) == attention._LEADING == len(attention.NATIVE_TENSOR_CODES)

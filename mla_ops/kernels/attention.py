@@ -19,6 +19,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
+from ..backends.base import VarlenCall
 from ..runtime.alloc import empty, template
 from ..runtime.capture import current_cuda_device, on_device
 from .attention_kernel import PAD_FILL_BLOCK, SEQ_CHUNK, attn_fwd_kernel
@@ -37,7 +38,7 @@ from .programs import program_layout
 from .triton_compat import gluon_triton_reason
 
 if TYPE_CHECKING:
-    from ..backends.base import Fp8Scales, VarlenCall
+    from ..backends.base import Fp8Scales
 
 __all__ = [
     "LAUNCHES",
@@ -224,20 +225,16 @@ def attention_triton(
                     f"attention_triton: the Triton attention config {config} asks for the Gluon kernel, but {reason}; "
                     f"drop the 'gluon' flag (e.g. from {CONFIG_ENV_VAR})"
                 )
+        call = VarlenCall(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
         with on_device(device):
-            _sm90_module().attention_sm90(
-                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, out, lse,
-                block_n=config.block_n, stages=config.num_stages,
-            )  # fmt: skip
+            _sm90_module().attention_sm90(call, out, lse, block_n=config.block_n, stages=config.num_stages)
         return out, lse
+    call = VarlenCall(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
     while True:
         try:
             # Triton launches on the current device and its current stream, not on q's device.
             with on_device(device):
-                fixed = launches.launch(
-                    (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                     config, scales),
-                )  # fmt: skip
+                fixed = launches.launch((call, out, lse, config, scales))
             if fixed is not None:  # None for a launch through the JIT function (a variant's first)
                 out_template = template(out.shape, out_dtype, device)
                 lse_template = template(lse.shape, torch.float32, device)
@@ -344,28 +341,22 @@ class LaunchPlan(NamedTuple):
 
 
 def launch_plan(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    call: VarlenCall,
     out: torch.Tensor,
     lse: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    causal: bool,
     config: AttentionConfig,
     scales: Fp8Scales | None = None,
 ) -> LaunchPlan:
-    """The ``tl.dot`` kernel's arguments, grid, constexprs and options for one call of :func:`attention_triton`
-    (``scales``: an fp8 call's).
+    """The ``tl.dot`` kernel's arguments, grid, constexprs and options for one call of :func:`attention_triton`:
+    its inputs ``call`` (:class:`~mla_ops.backends.base.VarlenCall`), its outputs, its configuration and, for an fp8
+    call, its ``scales``.
 
     The tensors may be CPU stand-ins with the GPU tensors' shapes, strides and alignment, for compiling
     a variant ahead of time on a machine without a GPU (``benchmarks/compile_sm90.py``).
     """
     if config.gluon:
         raise ValueError(f"launch_plan: {config} runs the Gluon kernel (mla_ops.kernels.attention_sm90), not this one")
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = call
     num_tokens, num_heads, dqk = q.shape
     dv = v.shape[-1]
     d_a, d_b = head_dim_split(dqk)
@@ -433,11 +424,11 @@ class AttentionLaunches(LaunchCache):
         self.launcher = CachedLaunch(attn_fwd_kernel)
 
     def launch(self, plan_args: tuple) -> FixedLaunch | None:
-        """Launch the kernel for :func:`launch_plan`'s arguments (q, k, v, out, lse, ..., config, scales); returns the
+        """Launch the kernel for :func:`launch_plan`'s arguments (call, out, lse, config, scales); returns the
         :class:`FixedLaunch` to launch the same layout with new addresses, or ``None`` where the launch went
         through the JIT function."""
         plan = launch_plan(*plan_args)
-        device = plan_args[0].device
+        device = plan_args[0].q.device
         return self.launcher(
             plan.key, device, plan.grid, plan.args, plan.constexprs, leading=plan.leading, **plan.options
         )

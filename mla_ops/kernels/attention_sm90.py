@@ -17,6 +17,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..backends.base import VarlenCall
 from ..runtime.alloc import empty
 from .configs import head_dim_split
 from .launch import TorchScratch
@@ -574,22 +575,10 @@ def _multiprocessors(index: int) -> int:
 
 
 def sm90_launch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    causal: bool,
-    block_n: int,
-    stages: int,
-    num_sms: int | None = None,
+    call: VarlenCall, out: torch.Tensor, lse: torch.Tensor, block_n: int, stages: int, num_sms: int | None = None
 ) -> tuple[tuple[int], tuple, dict]:
-    """``(grid, args, options)`` of one launch of the kernel: ``_attn_fwd_sm90[grid](*args, **options)``.
+    """``(grid, args, options)`` of one launch of the kernel on ``call``'s inputs
+    (:class:`~mla_ops.backends.base.VarlenCall`) into ``out`` and ``lse``: ``_attn_fwd_sm90[grid](*args, **options)``.
 
     One program per multiprocessor (``num_sms``, by default q's device's count), at most one per work
     item, takes work items until none is left; the items are counted through a zeroed int32 allocated
@@ -598,6 +587,7 @@ def sm90_launch(
     and alignment (for compiling ahead of time: ``benchmarks/compile_sm90.py``, which then gives
     ``num_sms``); ``args`` holds host descriptors over them.
     """
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = call
     num_tokens, num_heads, dqk = q.shape
     dv = v.shape[-1]
     num_seqs = cu_seqlens_q.shape[0] - 1
@@ -622,23 +612,15 @@ def sm90_launch(
 
 
 def attention_sm90(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    causal: bool,
+    call: VarlenCall,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     *,
     block_n: int = 128,
     stages: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged attention forward on Hopper; arguments and results as
-    :func:`mla_ops.kernels.attention.attention_triton` (which calls this for the inputs and
+    """Ragged attention forward on Hopper of ``call`` (:class:`~mla_ops.backends.base.VarlenCall`); results as
+    :func:`mla_ops.kernels.attention.attention_triton`'s (which calls this for the inputs and
     configurations it covers: :func:`sm90_unsupported_reason` is ``None``), with the device of ``q``
     current.
 
@@ -648,6 +630,7 @@ def attention_sm90(
     Launched through Triton's own dispatch (host descriptors hold the tensors' addresses, so nothing of
     a launch can be reused), with the device-side descriptors' global scratch from PyTorch's allocator.
     """
+    q, v = call.q, call.v
     num_tokens, num_heads, dv = q.shape[0], q.shape[1], v.shape[-1]
     if out is None:
         out = empty((num_tokens, num_heads, dv), q.dtype, q.device)
@@ -655,10 +638,7 @@ def attention_sm90(
         lse = empty((num_heads, num_tokens), torch.float32, q.device)
     if num_tokens == 0 or num_heads == 0:
         return out, lse
-    grid, args, options = sm90_launch(
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, block_n,
-        stages,
-    )  # fmt: skip
+    grid, args, options = sm90_launch(call, out, lse, block_n, stages)
     with TorchScratch():
         _attn_fwd_sm90[grid](*args, **options)
     return out, lse
