@@ -148,7 +148,7 @@ DIMS = sorted(
     {MLADimensions(nope, rope, v) for nope in (64, 128, 192) for rope in (0, 64) for v in (64, 128, 256)}
     | {MLADimensions(128, 64, 128), MLADimensions(192, 64, 256)}
 )
-CAPABILITIES = [None, DeviceCapability(8, 0), DeviceCapability(9, 0), DeviceCapability(10, 0)]
+CAPABILITIES = [None, DeviceCapability(8, 0), DeviceCapability(8, 9), DeviceCapability(9, 0), DeviceCapability(10, 0)]
 
 
 def _rules_choice(capability: DeviceCapability | None, config: SelectorConfig) -> str:
@@ -190,7 +190,7 @@ def every_library_installed():
 def test_rules_selection_and_routing_agree(capability):
     disagreements = []
     for dims in DIMS:
-        for dtype in (torch.bfloat16, torch.float16):
+        for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
             config = SelectorConfig(dtype, dims)
             views = (
                 _rules_choice(capability, config),
