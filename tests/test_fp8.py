@@ -313,3 +313,25 @@ def test_triton_fp8_warmup_launches_both_paths_and_factor_layouts(attention_laun
     TritonBackend()._warmup_fp8(torch.device("cpu"), 64, 32, 2, torch.Generator().manual_seed(0))
     # causal and chunk x per-head (stride 1) and per-tensor (stride 0) factors x two output dtypes x two v layouts
     assert len(set(calls)) == len(calls) == 16
+
+
+def test_fp8_launches_replace_ten_leading_tensors_and_bf16_launches_keep_seven() -> None:
+    """An fp8 launch's descale factors follow the seven tensors, so that a known layout's relaunch replaces their
+    addresses too; a bf16 launch passes None for them and for their strides, which Triton compiles out (its variants
+    keep the parameters and code they had without fp8)."""
+    pytest.importorskip("triton", reason="the launch plan is the Triton kernel's")
+    from mla_ops.kernels import attention
+    from mla_ops.kernels.configs import AttentionConfig
+
+    b = fp8_batch([5, 9], None, 2)
+    out, lse = torch.empty(14, 2, 128, dtype=torch.bfloat16), torch.empty(2, 14)
+    call = VarlenCall(b.q, b.k, b.v, b.cu_seqlens_q, b.cu_seqlens_q, 9, 9, SCALE, True)
+    scales = Fp8Scales(*(d.reshape(-1).expand(2) for d in b.descales), torch.bfloat16)
+    plan = attention.launch_plan(call, out, lse, AttentionConfig(64, 32, 4, 2), scales)
+    assert plan.leading == 10 and plan.constexprs["FP8"]
+    assert [a.data_ptr() for a in plan.args[7:10]] == [d.data_ptr() for d in scales[:3]]
+    assert plan.args[-3:] == (1, 1, 1)  # the per-head factors' strides
+    bf16 = call._replace(q=b.bf16[0], k=b.bf16[1], v=b.bf16[2])
+    plan = attention.launch_plan(bf16, out, lse, AttentionConfig(64, 32, 4, 2))
+    assert plan.leading == 7 and not plan.constexprs["FP8"]
+    assert plan.args[7:10] == (None, None, None) and plan.args[-3:] == (None, None, None)

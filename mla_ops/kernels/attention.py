@@ -386,9 +386,10 @@ def launch_plan(
         out.stride(0),
         out.stride(1),
     )
-    # bf16/fp16: no descale factors (None, which Triton compiles out) and their strides 0.
+    # bf16/fp16: no descale factors and no strides of theirs: None, which Triton compiles out, so those variants
+    # have the kernel parameters and code they had before fp8 existed.
     descales = (None, None, None) if scales is None else tuple(scales[:3])
-    descale_strides = tuple(0 if d is None else d.stride(0) for d in descales)
+    descale_strides = tuple(None if d is None else d.stride(0) for d in descales)
     args = (
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *descales, *strides, lse.stride(0),
         num_tokens, num_heads, num_seqs, num_slots, heads_per_group, num_pad_programs, float(softmax_scale) * _LOG2E,
