@@ -151,7 +151,10 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool, dtype_name: st
 
             source = ASTSource
             plan = launch_plan(call, out, lse, config, scales)
-            args, launch_options, keywords = plan.args, plan.options, {**plan.constexprs, **plan.options}
+            from mla_ops.kernels.triton_compat import COMPILE_OPTIONS  # what CachedLaunch adds to every launch
+
+            launch_options = {**plan.options, **COMPILE_OPTIONS}
+            args, keywords = plan.args, {**plan.constexprs, **launch_options}
         target = GPUTarget("cuda", CAPABILITY, 32)
         backend = make_backend(target)
         binder = create_function_from_signature(kernel.signature, kernel.params, backend)

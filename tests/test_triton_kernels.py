@@ -928,7 +928,8 @@ def test_cached_launch_skips_the_jit_after_the_first_launch(monkeypatch):
     launcher(("variant-b",), cuda0, (5,), ("z", 8, 32), constexprs, num_warps=4)
     launcher(("variant-a",), torch.device("cuda", 1), (5,), ("w", 8, 16), constexprs, num_warps=4)  # not current
     assert [c[0] for c in calls] == ["jit", "direct", "jit", "jit"]
-    assert calls[0] == ("jit", (4, 2), ("x", 7, 16), {"MODE": 1, "BLOCK": 64, "num_warps": 4})
+    # The JIT launch compiles with the package's options too (FMA contraction asked for explicitly).
+    assert calls[0] == ("jit", (4, 2), ("x", 7, 16), {"MODE": 1, "BLOCK": 64, "num_warps": 4, "enable_fp_fusion": True})
     _, compiled_key, args = calls[1]
     assert compiled_key == 1  # the variant compiled by the first launch
     assert args == (5, 1, 1, "stream0", "function", "metadata", None, None, None, "y", 8, 16, 64, 1)
@@ -1089,7 +1090,7 @@ def test_cached_launch_supplies_the_scratch_allocator(monkeypatch):
         params = (SimpleNamespace(name="x_ptr", is_constexpr=False), SimpleNamespace(name="BLOCK", is_constexpr=True))
 
         def __getitem__(self, grid):
-            def launch_(x, BLOCK, scratch_bytes):
+            def launch_(x, BLOCK, scratch_bytes, **options):  # options: Triton's compile options
                 seen.append(("jit", _allocation._allocator.get()))
                 return Compiled(scratch_bytes)
 

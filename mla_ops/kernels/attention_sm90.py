@@ -22,7 +22,7 @@ from ..runtime.alloc import empty
 from .configs import head_dim_split
 from .launch import TorchScratch
 from .programs import program_layout
-from .triton_compat import lean_registers, thread_barrier, tma_load
+from .triton_compat import COMPILE_OPTIONS, lean_registers, thread_barrier, tma_load
 
 __all__ = ["attention_sm90", "sm90_launch", "sm90_shared_memory", "sm90_unsupported_reason"]
 
@@ -608,7 +608,7 @@ def sm90_launch(
         float(softmax_scale) * _LOG2E,
         dv, v_layout, bool(causal), softmax_scale >= 0, stages,
     )  # fmt: skip
-    return grid, args, dict(num_warps=4, maxnreg=_MAXNREG)
+    return grid, args, dict(num_warps=4, maxnreg=_MAXNREG, **COMPILE_OPTIONS)
 
 
 def attention_sm90(

@@ -22,6 +22,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from ..runtime.capture import current_cuda_device
+from .triton_compat import COMPILE_OPTIONS
 
 try:  # Triton >= 3.4: runtime hooks live in triton.knobs
     from triton import knobs as _knobs
@@ -384,7 +385,7 @@ class CachedLaunch:
         compiled = self.compiled.get(key) if direct else None
         if compiled is None:
             with TorchScratch():  # the variant is not known yet, nor whether it needs scratch
-                launched = self.kernel[grid](*args, **constexprs, **options)
+                launched = self.kernel[grid](*args, **constexprs, **options, **COMPILE_OPTIONS)
             if direct and launched is not None:
                 self.compiled[key] = launched
             return None

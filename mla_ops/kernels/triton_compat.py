@@ -12,6 +12,7 @@ releases; every name it takes from Gluon that is spelled differently in some rel
 
 - Register pressure: with Triton 3.8 and 3.9 the kernel as written for 3.6 spills in every partition;
   :func:`lean_registers` picks spellings that fit there and leaves 3.6 and 3.7 compiling as before.
+- Floating-point contraction: :data:`COMPILE_OPTIONS` asks for it explicitly, for every release.
 
 This module imports Triton only when a Gluon name is asked for, so that the version checks work without it.
 """
@@ -19,6 +20,11 @@ This module imports Triton only when a Gluon name is asked for, so that the vers
 from __future__ import annotations
 
 from typing import Any
+
+#: Options every launch of the package's kernels passes. FMA contraction, on by default through Triton 3.9, is
+#: asked for explicitly: the kernels' arithmetic is written for it (a score's scaling and max subtraction fuse
+#: into one FMA), Triton 3.9 warns on every compile that leaves it to the default, and 3.10 turns the default off.
+COMPILE_OPTIONS: dict[str, Any] = {"enable_fp_fusion": True}
 
 #: Triton releases (major.minor) the package supports and tests: pyproject.toml's range, the releases
 #: ``benchmarks/compile_matrix.sh`` compiles the kernels with.
