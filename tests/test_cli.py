@@ -186,3 +186,14 @@ def test_the_console_script_names_itself() -> None:
     result = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.startswith("usage: mla-ops ")
     assert _run("--help").stdout.startswith("usage: python -m mla_ops ")
+
+
+def test_info_prints_the_fp8_rules() -> None:
+    """``info --dtype float8_e4m3fn`` prints the fp8 ops' selection rules: on SM90 only TRITON has fp8 kernels, and
+    on SM80 none does, with the reason."""
+    result = _run("info", "--capability", "9.0", "--dtype", "float8_e4m3fn")
+    assert result.returncode == 0, result.stderr
+    assert "FLASHINFER  no: dtype float8_e4m3fn is not supported (use bfloat16, float16)" in result.stdout
+    assert "TRITON      yes" in result.stdout
+    result = _run("info", "--capability", "8.0", "--dtype", "float8_e4m3fn")
+    assert "TRITON      no: dtype float8_e4m3fn needs compute capability 8.9 or newer" in result.stdout
