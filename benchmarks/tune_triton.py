@@ -13,7 +13,9 @@ reports TFLOP/s (FLOPs = 2 * H * (Dqk + Dv) * pairs, pairs = s(s+1)/2 causal, sq
 the best configuration per shape, and FlashInfer's fa3 kernel on the same shapes when ``flashinfer``
 imports, so the ratio comes from one run. It also sweeps the merge kernel (GB/s) at T=16384, H=128,
 Dv=128. Results go to a CSV (``--out``, with ``<stem>.env.json`` beside it); the best configurations
-are printed as lines to paste into ``mla_ops/kernels/configs.py``. Needs a CUDA device.
+are printed as lines to paste into ``mla_ops/kernels/configs.py``. With ``--dtype float8_e4m3fn`` it sweeps the
+fp8 ops' kernel instead (inputs quantised per head, the ``tl.dot`` kernel only, the ratio against bf16 fa3) and
+prints dtype-specific table entries. Needs a CUDA device.
 
 Usage::
 
@@ -70,6 +72,20 @@ DEFAULT_CANDIDATES = [
     "128,64,4,3,gluon,ovl,pers",
 ]
 QUICK_CANDIDATES = ["128,64,8,3", "128,128,8,2", "128,64,8,3,ovl"]
+#: fp8 candidates: e4m3 tiles take half the shared memory, so longer rings and 128-key tiles fit. Each compiles for
+#: sm_90a without spills under Triton 3.6 (compile_sm90.py --dtype float8_e4m3fn --configs); "128,128,8,{2,3},ovl"
+#: spill 64-128 bytes there and are left out.
+FP8_CANDIDATES = [
+    "128,64,8,2",
+    "128,64,8,3",
+    "128,64,8,4",
+    "128,128,8,2",
+    "128,128,8,3",
+    "128,32,8,4",
+    "64,128,4,3",
+    "128,64,8,3,ovl",
+    "128,64,8,4,ovl",
+]
 
 MERGE_CANDIDATES = [(bt, w) for bt in (4, 8, 16, 32, 64) for w in (2, 4, 8)]
 
@@ -85,9 +101,10 @@ def label(shape: P.Shape) -> str:
     return f"{shape.short_label} H{shape.heads}"
 
 
-def check_candidate(config: Any, device: torch.device, dtype: torch.dtype) -> str | None:
-    """Run ``config`` on :data:`CHECK_SHAPES` against the reference; the problem found, or ``None``."""
-    method = M.TritonRaw(config)
+def check_candidate(config: Any, device: torch.device, dtype: torch.dtype, fp8: bool = False) -> str | None:
+    """Run ``config`` on :data:`CHECK_SHAPES` against the reference (``fp8``: on the inputs quantised); the problem
+    found, or ``None``."""
+    method = M.TritonRaw(config, fp8)
     for shape in CHECK_SHAPES:
         p = P.make_problem(shape, device, dtype, seed=1, padding_rows=3)
         checked = M.check_and_time(method, p, M.reference_outputs(p), timed=False)
@@ -105,11 +122,16 @@ def sweep_attention(
 
     from mla_ops.kernels.configs import AttentionConfig, table_attention_config
 
-    texts = args.candidates.split(";") if args.candidates else (QUICK_CANDIDATES if args.quick else DEFAULT_CANDIDATES)
+    fp8 = args.dtype == "float8_e4m3fn"
+    built_in = FP8_CANDIDATES if fp8 else DEFAULT_CANDIDATES
+    texts = args.candidates.split(";") if args.candidates else (QUICK_CANDIDATES if args.quick else built_in)
     candidates = [AttentionConfig.parse(t, "--candidates") for t in texts]
+    if fp8 and any(c.gluon for c in candidates):
+        log("the Gluon kernel has no fp8 path: its candidates are left out")
+        candidates = [c for c in candidates if not c.gluon]
     cap = torch.cuda.get_device_capability(device)
     for causal in (True, False):
-        table = table_attention_config(cap, P.DQK, P.DV, causal, torch.bfloat16)
+        table = table_attention_config(cap, P.DQK, P.DV, causal, getattr(torch, args.dtype))
         if table not in candidates:
             candidates.append(table)
         log(f"table config ({'causal' if causal else 'chunk'}): {table}")
@@ -119,7 +141,7 @@ def sweep_attention(
     for i, config in enumerate(candidates):
         log(f"[{i + 1}/{len(candidates)}] {config}  ({time.time() - started:.0f} s)")
         try:
-            problem = check_candidate(config, device, torch.bfloat16)
+            problem = check_candidate(config, device, torch.bfloat16, fp8)
         except Exception as exc:  # a configuration the compiler rejects is a result, not a crash
             problem = R.short_error(exc, 200)
         if problem is not None:
@@ -127,7 +149,7 @@ def sweep_attention(
             writer.writerow({**meta, "kind": "triton", "shape": "check", "config": str(config), "error": problem})
             continue
         results[config] = {}
-        method = M.TritonRaw(config)
+        method = M.TritonRaw(config, fp8)
         for name, p in problems.items():
             try:
                 ms = timing.measure(method.prepare(p).fn, device, warmup_ms=args.warmup, rep_ms=args.rep).median_ms
@@ -242,6 +264,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="CSV file to write (one row per candidate and shape)")
     cli.add_attention_configs(parser, "--candidates", "a built-in list")
     parser.add_argument("--quick", action="store_true", help="three candidates only (a smoke run)")
+    parser.add_argument(
+        "--dtype", choices=("bfloat16", "float8_e4m3fn"), default="bfloat16",
+        help="the inputs (default bfloat16); float8_e4m3fn sweeps the fp8 ops' kernel on the shapes' inputs\n"
+        "quantised per head, against bf16 fa3",
+    )  # fmt: skip
     parser.add_argument("--no-flashinfer", action="store_true", help="skip timing FlashInfer fa3")
     parser.add_argument("--no-merge", action="store_true", help="skip the merge kernel sweep")
     parser.add_argument("--warmup", type=int, default=25, help="warm-up time per measurement, ms (default 25)")
@@ -285,9 +312,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.no_merge:
             sweep_merge(args, device, writer, meta)
         log("")
-        log("best Triton configuration per shape (192/128 bf16):")
+        log(f"best Triton configuration per shape (192/128 {args.dtype}):")
         for name, (tflops, config) in best.items():
-            ratio = f"  {tflops / fa3[name]:.2f}x fa3 ({fa3[name]:.0f})" if name in fa3 else ""
+            ratio = f"  {tflops / fa3[name]:.2f}x bf16 fa3 ({fa3[name]:.0f})" if name in fa3 else ""
             log(f"  {name:<18} {tflops:7.1f} TFLOP/s  {config}{ratio}")
             writer.writerow(
                 {
@@ -302,9 +329,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # One entry per path and table: the configuration with the best geometric mean over that path's
         # shapes. Gluon configurations go only into the large-batch table (every tuning shape is a large
         # batch), the others into the table that serves every batch.
+        fp8 = args.dtype == "float8_e4m3fn"
         for causal in (True, False):
             names = [label(s) for s in SHAPES if (s.suite == "causal") == causal]
-            for table, gluon in (("SM90_ATTENTION", False), ("SM90_LARGE_BATCH_ATTENTION", True)):
+            tables = (("SM90_ATTENTION", False),) if fp8 else (
+                ("SM90_ATTENTION", False), ("SM90_LARGE_BATCH_ATTENTION", True)
+            )
+            # An fp8 entry is keyed on the dtype too, which wins over the dtype-free bf16 one (configs.py).
+            key = f"({P.DQK}, {P.DV}, {causal}, torch.float8_e4m3fn)" if fp8 else f"({P.DQK}, {P.DV}, {causal})"
+            for table, gluon in tables:
                 scored = [
                     (math.exp(sum(math.log(r[n]) for n in names) / len(names)), c)
                     for c, r in results.items()
@@ -313,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if scored:
                     score, config = max(scored, key=lambda t: t[0])
                     log(
-                        f"  -> {table}[({P.DQK}, {P.DV}, {causal})] = {config!r}  # geomean {score:.1f} TFLOP/s"
+                        f"  -> {table}[{key}] = {config!r}  # geomean {score:.1f} TFLOP/s"
                         f" ({CONFIG_ENV_VAR}={config})"
                     )
     R.write_json(args.out.with_name(args.out.name.removesuffix(".csv") + ".env.json"), env)

@@ -13,6 +13,7 @@ import importlib.util
 import io
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -1064,3 +1065,20 @@ def test_compile_sm90_reads_registers_spills_and_serialised_wgmma_from_ptxas():
     assert CS.parse_ptxas_log(clean) == (255, 0, None)
     variant = CS.Variant("128,64,8,3", causal=False, registers=255, spill_bytes=0, serialized="C7515")
     assert variant.problems(wants_ws=False) == ["wgmma serialised (C7515)"]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="needs triton and its interpreter (TRITON_INTERPRET=1, set by conftest when CUDA is absent)",
+)
+def test_triton_raw_fp8_runs_the_kernel_on_quantised_inputs():
+    """tune_triton.py --dtype float8_e4m3fn checks each candidate through TritonRaw(config, fp8=True): the fp8
+    kernel on the problem's inputs quantised per head, held to the fp8 rows' tolerances."""
+    from mla_ops.kernels.configs import AttentionConfig
+
+    problem = P.make_problem(P.Shape("chunk", 2, (5, 0, 17), (9, 3, 0)), torch.device("cpu"), torch.bfloat16)
+    method = M.TritonRaw(AttentionConfig(16, 32, 4, 2), fp8=True)
+    assert method.name == "triton_raw fp8[16,32,4,2]" and method.tolerance == (M.FP8_OUT_TOL, M.FP8_LSE_TOL)
+    checked = M.check_and_time(method, problem, M.reference_outputs(problem), timed=False)
+    assert checked.status == "ok", checked
+    assert 0 < checked.rel_err <= M.FP8_OUT_TOL and checked.lse_err <= M.FP8_LSE_TOL

@@ -218,16 +218,21 @@ class DirectMethod(Method):
 
 class TritonRaw(Method):
     """TRITON's raw call: the kernel function ``mla_ops.kernels.attention.attention_triton``, with its
-    tuned launch configuration or ``config`` (an ``AttentionConfig``, for tuning sweeps)."""
+    tuned launch configuration or ``config`` (an ``AttentionConfig``, for tuning sweeps). With ``fp8``, on the
+    problem's inputs quantised per head by ``mla_ops.quantize_fp8`` before timing, checked with the fp8 rows'
+    tolerances."""
 
     name = "triton_raw"
     kind = "direct"
     implementation = "mla_ops.kernels.attention.attention_triton called directly"
 
-    def __init__(self, config: Any = None) -> None:
-        self.config = config
+    def __init__(self, config: Any = None, fp8: bool = False) -> None:
+        self.config, self.fp8 = config, fp8
+        if fp8:
+            self.tolerance = (FP8_OUT_TOL, FP8_LSE_TOL)
+            self.name = "triton_raw fp8"
         if config is not None:
-            self.name = f"triton_raw[{config}]"
+            self.name = f"{self.name}[{config}]"
 
     def unavailable(self, device: torch.device) -> str | None:
         return _needs_cuda(device, "the Triton kernel (outside the interpreter)") or _import_problem("triton")
@@ -240,7 +245,16 @@ class TritonRaw(Method):
 
     def prepare(self, p: Problem) -> Prepared:
         args, causal = p.attention_args(), p.causal
-        return Prepared(lambda: self.call(*args, causal), _pair)
+        if not self.fp8:
+            return Prepared(lambda: self.call(*args, causal), _pair)
+        import mla_ops
+        from mla_ops.backends.base import Fp8Scales
+        from mla_ops.kernels.attention import attention_triton
+
+        (q8, dq), (k8, dk), (v8, dv) = (mla_ops.quantize_fp8(x) for x in args[:3])
+        scales = Fp8Scales(dq, dk, dv, p.dtype)
+        fp8_args = (q8, k8, v8, *args[3:], causal)
+        return Prepared(lambda: attention_triton(*fp8_args, config=self.config, scales=scales), _pair)
 
 
 class ReferenceRaw(Method):
