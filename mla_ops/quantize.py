@@ -2,12 +2,16 @@
 
 :func:`quantize_fp8` scales each head (or the whole tensor) so that its largest magnitude maps to the largest
 finite e4m3 value, and returns the factor that undoes it. Engines whose cache is fp8 already pass their own
-tensors and factors to the ops instead. Design: docs/design/fp8.md.
+tensors and factors to the ops instead. On CUDA the conversion is one Triton kernel
+(:mod:`mla_ops.kernels.quantize`) where Triton is installed; elsewhere, and under ``torch.compile`` (whose Inductor
+fuses it), PyTorch's operators. Design: docs/design/fp8.md.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -15,8 +19,19 @@ from .specs import FP8_DTYPE, FP8_MAX
 
 __all__ = ["quantize_fp8"]
 
-#: Elements converted per step in eager mode: the float32 intermediate of one step stays within 256 MiB.
+#: Elements converted per step by PyTorch's operators in eager mode: the float32 intermediate of one step stays
+#: within 256 MiB.
 _STEP_ELEMENTS = 1 << 26
+
+
+@functools.cache
+def _cuda_kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """:func:`mla_ops.kernels.quantize.quantize_rows_fp8`, or ``None`` where Triton does not import."""
+    try:
+        from .kernels.quantize import quantize_rows_fp8
+    except ImportError:
+        return None
+    return quantize_rows_fp8
 
 
 def quantize_fp8(x: torch.Tensor, per_head: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,8 +66,12 @@ def quantize_fp8(x: torch.Tensor, per_head: bool = True) -> tuple[torch.Tensor, 
     dims = (0, 2) if per_head else (0, 1, 2)
     amax = torch.linalg.vector_norm(x, ord=math.inf, dim=dims).float()
     descale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
-    scale = (1.0 / descale).reshape(-1, 1) if per_head else 1.0 / descale
     out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    if x.is_cuda and x.stride(2) == 1 and not torch.compiler.is_compiling():
+        kernel = _cuda_kernel()
+        if kernel is not None:
+            return kernel(x, (1.0 / descale).reshape(-1).expand(num_heads), out), descale
+    scale = (1.0 / descale).reshape(-1, 1) if per_head else 1.0 / descale
     # Under torch.compile the conversion is one fused kernel; eagerly each step materialises its float32 rows, so
     # steps of bounded size keep that intermediate small (a 128k-token q would otherwise need 13 GB).
     rows = num_tokens if torch.compiler.is_compiling() else max(1, _STEP_ELEMENTS // (num_heads * head_dim))

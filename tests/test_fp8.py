@@ -335,3 +335,22 @@ def test_fp8_launches_replace_ten_leading_tensors_and_bf16_launches_keep_seven()
     plan = attention.launch_plan(bf16, out, lse, AttentionConfig(64, 32, 4, 2))
     assert plan.leading == 7 and not plan.constexprs["FP8"]
     assert plan.args[7:10] == (None, None, None) and plan.args[-3:] == (None, None, None)
+
+
+@interpreted
+@pytest.mark.parametrize("per_head", [True, False])
+def test_quantize_kernel_in_the_interpreter(per_head) -> None:
+    """The CUDA conversion kernel, run in Triton's interpreter, on a strided view and a token count no block divides,
+    with per-head or per-tensor scales. The inputs are e4m3 values times powers of two, so every product is exact
+    and the rounding mode cannot matter: the interpreter truncates (and mis-converts some values near a power of two,
+    126.4 to 64), where a GPU rounds to nearest as PyTorch does (tests/test_gpu_fp8.py holds the two equal there)."""
+    from mla_ops.kernels.quantize import quantize_rows_fp8
+
+    gen = torch.Generator().manual_seed(5)
+    values = (torch.randn(37, 3, 192, generator=gen) * 40).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    descale = torch.tensor([0.25, 2.0, 8.0]) if per_head else torch.tensor([4.0])
+    kv = torch.zeros(37, 3, 320, dtype=torch.bfloat16)
+    kv[..., 128:] = (values.float() * descale.reshape(-1, 1)).bfloat16()  # exact: 4 significant bits
+    scale = (1.0 / descale).expand(3)
+    got = quantize_rows_fp8(kv[..., 128:], scale, torch.empty(37, 3, 192, dtype=FP8_DTYPE))
+    assert torch.equal(got.float(), values.float())
