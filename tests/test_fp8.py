@@ -354,3 +354,14 @@ def test_quantize_kernel_in_the_interpreter(per_head) -> None:
     scale = (1.0 / descale).expand(3)
     got = quantize_rows_fp8(kv[..., 128:], scale, torch.empty(37, 3, 192, dtype=FP8_DTYPE))
     assert torch.equal(got.float(), values.float())
+
+
+def test_triton_describes_its_fp8_kernel() -> None:
+    pytest.importorskip("triton.experimental.gluon", reason="the bf16 description names the Gluon kernel where it runs")
+    from mla_ops.backends.triton import TritonBackend
+
+    backend = TritonBackend(triton_version=lambda: "3.6.0")
+    fp8 = backend.describe(mla_ops.DeviceCapability(9, 0), mla_ops.SelectorConfig(FP8_DTYPE))
+    assert "fp8 (e4m3) inputs: this kernel at every size" in fp8 and "large batches" not in fp8
+    bf16 = backend.describe(mla_ops.DeviceCapability(9, 0), mla_ops.SelectorConfig(torch.bfloat16))
+    assert "large batches: the Hopper kernel written in Gluon" in bf16

@@ -81,6 +81,8 @@ class TritonBackend(PrefillBackend):
         version = self.triton_version()
         where = f"Triton {version}" if version else "Triton (not installed)"
         text = f"{where}: mla_ops varlen flash-attention forward, QK split into power-of-two dots (192 = 128 + 64)"
+        if config.dtype == FP8_DTYPE:
+            return text + "; fp8 (e4m3) inputs: this kernel at every size, P @ V in e4m3 (the Gluon kernel has none)"
         dims = config.mla_dimensions
         large = capability is not None and any(
             table_large_batch_config(tuple(capability), dims.qk_head_dim, dims.v_head_dim, causal, config.dtype)
