@@ -1,8 +1,9 @@
 """Run the package's own CUDA kernels under NVIDIA compute-sanitizer, on awkward shapes.
 
 The kernels: the Hopper Gluon attention kernel (calls of at least 65536 key rows x heads on SM90), the
-``tl.dot`` attention kernel (smaller calls, and every call elsewhere), the Triton merge and LSE kernels, and
-the native library's C++ launches of them (a layout's second call). The workload runs each path of the
+``tl.dot`` attention kernel (smaller calls, and every call elsewhere; its fp8 variant for the fp8 ops), the fp8
+quantiser's conversion kernel, the Triton merge and LSE kernels, and the native library's C++ launches of them
+(a layout's second call). The workload runs each path of the
 TRITON backend eagerly (first call through Python, second through the native library) and inside a CUDA
 graph replayed with new lengths, on ragged batches with an empty sequence, one-token sequences, lengths
 that are not multiples of any block, padding rows and ``v`` as a strided view at the end of each row of
@@ -47,8 +48,8 @@ _COUNT = re.compile(r"(\d+) (?:errors?|hazards?)")
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="Run the package's CUDA kernels (Gluon and tl.dot attention, merge, LSE, the native "
-        "launches) under compute-sanitizer on awkward shapes, eagerly and in CUDA graphs.",
+        description="Run the package's CUDA kernels (Gluon and tl.dot attention, the fp8 attention and quantiser, "
+        "merge, LSE, the native launches) under compute-sanitizer on awkward shapes, eagerly and in CUDA graphs.",
     )
     parser.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS), help="sanitizer tools to run")
     parser.add_argument("--sanitizer", default=None, help="path of compute-sanitizer (default: PATH, CUDA home)")
@@ -79,9 +80,10 @@ def _inputs(rows: int, heads: int, padding: int, seed: int):
     return q, k, kv[..., 64:]
 
 
-def _check(name: str, got, want, rows: int, tol: float = 2e-2) -> None:
-    """Raise if ``got`` (GPU ``(out, lse)``) is not the CPU reference ``want`` within ``tol`` in the first
-    ``rows`` rows (the ops leave ``out``'s padding rows unwritten; reading them would be initcheck's finding)."""
+def _check(name: str, got, want, rows: int, tol: float = 2e-2, out_tol: float | None = None) -> None:
+    """Raise if ``got`` (GPU ``(out, lse)``) is not the CPU reference ``want`` within ``tol`` (``out_tol`` for
+    ``out`` where given) in the first ``rows`` rows (the ops leave ``out``'s padding rows unwritten; reading them
+    would be initcheck's finding)."""
     out, lse = got[0][:rows].float().cpu(), got[1][:, :rows].cpu()
     ref_out, ref_lse = want[0][:rows].float(), want[1][:, :rows]
     finite = torch.isfinite(ref_lse)
@@ -89,13 +91,42 @@ def _check(name: str, got, want, rows: int, tol: float = 2e-2) -> None:
         raise AssertionError(f"{name}: rows without keys differ from the reference (lse = -inf)")
     err_out = (out - ref_out).abs().max().item()
     err_lse = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
-    if not (err_out <= tol and err_lse <= tol):
+    if not (err_out <= (tol if out_tol is None else out_tol) and err_lse <= tol):
         raise AssertionError(f"{name}: max |out - ref| {err_out:.3g}, max |lse - ref| {err_lse:.3g} > {tol}")
     print(f"  {name}: ok (max |out - ref| {err_out:.2e}, max |lse - ref| {err_lse:.2e})", flush=True)
 
 
 def _cpu(t):
     return t.cpu() if hasattr(t, "cpu") else t
+
+
+def _fp8_workload(new_lengths: Sequence[int], chunk_q: Sequence[int], chunk_k: Sequence[int]) -> None:
+    """The fp8 ops: the quantiser's kernel on the views, then the fp8 variant of the ``tl.dot`` kernel on both paths
+    (a launch, then its relaunch), against REFERENCE on the same quantised inputs: the kernel rounds P to e4m3 and
+    the reference does not, so ``out`` gets a loose bound and the LSE the usual one."""
+    import mla_ops
+
+    heads = 16
+    q, k, v = _inputs(sum(new_lengths), heads, 64, seed=7)
+    cu = _offsets(new_lengths, "cuda")
+    (q8, dq), (k8, dk), (v8, dv) = (mla_ops.quantize_fp8(x) for x in (q, k, v))
+    want_q8, _ = mla_ops.quantize_fp8(_cpu(q))
+    if not torch.equal(q8.cpu().float(), want_q8.float()):
+        raise AssertionError("quantize_fp8: the CUDA kernel and PyTorch's conversion differ")
+    print("  quantize_fp8: ok", flush=True)
+    fp8_new = (q8, k8, v8, cu, max(new_lengths), dq, dk, dv)
+    want = mla_ops.prefill_fp8(*(_cpu(t) for t in fp8_new))
+    for attempt in ("launch", "relaunch"):
+        _check(f"fp8 new tokens ({attempt})", mla_ops.prefill_fp8(*fp8_new), want, sum(new_lengths), out_tol=0.35)
+    qc, _, _ = _inputs(sum(chunk_q), heads, 16, seed=8)
+    _, kc, vc = _inputs(sum(chunk_k), heads, 8, seed=9)
+    (qc8, dqc), (kc8, dkc), (vc8, dvc) = (mla_ops.quantize_fp8(x, per_head=False) for x in (qc, kc, vc))
+    chunk = (qc8, kc8, vc8, _offsets(chunk_q, "cuda"), _offsets(chunk_k, "cuda"), max(chunk_q), max(chunk_k), dqc,
+             dkc, dvc)  # fmt: skip
+    want = mla_ops.prefill_context_chunk_fp8(*(_cpu(t) for t in chunk))
+    for attempt in ("launch", "relaunch"):
+        got = mla_ops.prefill_context_chunk_fp8(*chunk)
+        _check(f"fp8 context chunk ({attempt})", got, want, sum(chunk_q), out_tol=0.35)
 
 
 def run_workload(graphs: bool) -> int:
@@ -153,6 +184,9 @@ def run_workload(graphs: bool) -> int:
                 graph.replay()
                 want_g = mla_ops.prefill(_cpu(q), _cpu(k), _cpu(v), static_cu.cpu(), max(lengths))
                 _check(f"graph replay H={heads} {lengths}", graphed, want_g, sum(lengths))
+
+        if torch.cuda.get_device_capability() >= (8, 9):  # fp8 tensor cores
+            _fp8_workload(new_lengths, chunk_q, chunk_k)
 
     # The LSE kernel (FLASHINFER's base-2 [n, H] LSE into natural-log [H, n]), with -inf rows.
     lse2 = torch.randn(777, 16, device="cuda")
