@@ -1,7 +1,8 @@
 """MLA prefill attention as ``torch.library`` custom ops.
 
-Importing this package registers ``torch.ops.mla.prefill``, ``torch.ops.mla.prefill_context_chunk``
-and ``torch.ops.mla.merge_attn_states``. The Python API below wraps them with defaults.
+Importing this package registers ``torch.ops.mla.prefill``, ``torch.ops.mla.prefill_context_chunk``,
+``torch.ops.mla.merge_attn_states`` and the fp8 ops ``torch.ops.mla.prefill_fp8`` and
+``torch.ops.mla.prefill_context_chunk_fp8``. The Python API below wraps them with defaults.
 """
 
 from __future__ import annotations
