@@ -185,18 +185,19 @@ def attention_triton(
         out_empty = empty((num_tokens, num_heads, dv), out_dtype, device)
         return out_empty, empty((num_heads, num_tokens), torch.float32, device)
 
-    layout, (p_q, p_k, p_v, p_cu_q, p_cu_k, *p_descales) = _layout(
+    layout, (p_q, p_k, p_v, p_cu_q, p_cu_k), p_descales = _layout(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, config, scales
     )
     launches = LAUNCHES
     known = launches.known.get(layout)
     if known is not None and device.index == current_cuda_device():  # launches go to the current device
         out, lse = torch.empty_like(known.out_template), torch.empty_like(known.lse_template)
-        known.launch((p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k, *p_descales))
+        # Concatenation, not unpacking: with bf16's empty tuple it costs nothing where a starred form builds a list.
+        known.launch((p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k) + p_descales)  # noqa: RUF005
         return out, lse
     out = empty((num_tokens, num_heads, dv), out_dtype, device)
     lse = empty((num_heads, num_tokens), torch.float32, device)
-    addresses = (p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k, *p_descales)
+    addresses = (p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k) + p_descales  # noqa: RUF005
     if known is not None:  # q's device is not the current one
         with on_device(device):
             known.launch(addresses)
@@ -273,8 +274,9 @@ def batch_invariant_config(
 def _layout(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, config, scales=None
 ):
-    """``(layout, addresses)`` of a call of :func:`attention_triton` with these arguments: the key of its
-    known launch, and the five inputs' device addresses (eight with an fp8 call's descale factors).
+    """``(layout, addresses, descale_addresses)`` of a call of :func:`attention_triton` with these arguments: the
+    key of its known launch, the five inputs' device addresses, and an fp8 call's three descale factors' (empty
+    otherwise: a separate tuple, so that a bf16 call's hot path unpacks no starred tuple).
 
     The layout is everything the launch depends on but the addresses (see :func:`launch_plan`): shapes,
     strides, the inputs' alignment and devices (the outputs are fresh, contiguous and aligned, on q's
@@ -297,11 +299,11 @@ def _layout(
         max_seqlen_q > 0, max_seqlen_k, softmax_scale, causal, q.dtype, q.device, chooser, inputs,
     )  # fmt: skip
     if scales is None:
-        return layout, (p_q, p_k, p_v, p_cu_q, p_cu_k)
+        return layout, (p_q, p_k, p_v, p_cu_q, p_cu_k), ()
     descales = scales[:3]
     p_descales = tuple(d.data_ptr() for d in descales)
     fp8 = (scales.out_dtype, *(d.stride(0) for d in descales), *(p % 16 == 0 for p in p_descales))
-    return (*layout, fp8, *(d.get_device() for d in descales)), (p_q, p_k, p_v, p_cu_q, p_cu_k, *p_descales)
+    return (*layout, fp8, *(d.get_device() for d in descales)), (p_q, p_k, p_v, p_cu_q, p_cu_k), p_descales
 
 
 #: The tensor behind each leading argument of a plan (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), as the
@@ -316,7 +318,7 @@ def known_native_launch(call: VarlenCall) -> NativeLaunch | None:
     coded as :data:`NATIVE_TENSOR_CODES`); ``None`` where no launch of the layout is known (none made yet,
     or the Gluon kernel's, whose host descriptors hold the tensors' addresses) or it cannot be made
     natively."""
-    layout, _ = _layout(*call, None)
+    layout, _, _ = _layout(*call, None)
     known = LAUNCHES.known.get(layout)
     return None if known is None else known.launch.native_launch(NATIVE_TENSOR_CODES)
 
