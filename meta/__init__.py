@@ -109,7 +109,7 @@ def _fp8_fake(op: str, args: tuple, self_attention: bool) -> tuple[torch.Tensor,
         q, k, v, cu_q, cu_k, max_q, max_k, *descales, softmax_scale, out_dtype = args
         inputs = (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale)
     check_attention_inputs(op, inputs, self_attention, fp8=True)
-    check_fp8_scales(op, q, dict(zip(("q_descale", "k_descale", "v_descale"), descales)), out_dtype)
+    check_fp8_scales(op, q, descales, out_dtype)
     return _attention_outputs(q, v, out_dtype)
 
 

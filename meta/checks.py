@@ -224,19 +224,25 @@ def check_attention_inputs(op: str, inputs: AttentionInputs, self_attention: boo
     _check_scale(op, softmax_scale)
 
 
+#: The fp8 ops' descale arguments, in their schemas' order.
+DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
 #: The shapes a descale factor may have, as the messages name them.
 _DESCALE_SHAPES = "[] or [1] (one factor for every head) or [H] (one per head)"
 
 
-def check_fp8_scales(
-    op: str, q: torch.Tensor, descales: dict[str, object], out_dtype: object
-) -> None:
-    """Validate an fp8 op's descale factors and output dtype without reading data: each of ``descales`` (by
-    argument name) a float32 tensor of shape ``[]``, ``[1]`` or ``[H]`` on ``q``'s device, and ``out_dtype``
-    bfloat16 or float16. Call it after :func:`check_attention_inputs` accepted ``q``. Their values are checked
-    where they are on the host (:func:`check_fp8_scale_values`)."""
+def check_out_dtype(op: str, out_dtype: object) -> None:
+    """An fp8 op's ``out_dtype`` must be bfloat16 or float16."""
+    if out_dtype not in _DTYPES:
+        raise TypeError(f"{op}: out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype!r:.40}")
+
+
+def check_fp8_scales(op: str, q: torch.Tensor, descales: Sequence[object], out_dtype: object) -> None:
+    """Validate an fp8 op's descale factors (``q``'s, ``k``'s and ``v``'s, :data:`DESCALE_NAMES`) and output dtype
+    without reading data: each factor a float32 tensor of shape ``[]``, ``[1]`` or ``[H]`` on ``q``'s device, and
+    ``out_dtype`` bfloat16 or float16. Call it after :func:`check_attention_inputs` accepted ``q``. Their values
+    are checked where they are on the host (:func:`check_fp8_scale_values`)."""
     num_heads = q.shape[1]
-    for name, d in descales.items():
+    for name, d in zip(DESCALE_NAMES, descales):
         if not isinstance(d, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a float32 torch.Tensor {_DESCALE_SHAPES}, got {type(d).__name__}")
         if d.dtype != torch.float32:
@@ -248,16 +254,14 @@ def check_fp8_scales(
             )
         if d.device != q.device:
             raise ValueError(f"{op}: {name} is on {d.device} but q is on {q.device}; move it to {q.device}")
-    if out_dtype not in _DTYPES:
-        raise TypeError(
-            f"{op}: out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype!r:.40}"
-        )
+    check_out_dtype(op, out_dtype)
 
 
-def check_fp8_scale_values(op: str, descales: dict[str, torch.Tensor]) -> None:
-    """Each descale factor must be finite and positive: this reads them, so call it only where they are on the
-    host (a CUDA kernel given a non-finite factor returns NaN rows, as with any non-finite input)."""
-    for name, d in descales.items():
+def check_fp8_scale_values(op: str, descales: Sequence[torch.Tensor]) -> None:
+    """Each descale factor (:data:`DESCALE_NAMES`) must be finite and positive: this reads them, so call it only
+    where they are on the host (a CUDA kernel given a non-finite factor returns NaN rows, as with any non-finite
+    input)."""
+    for name, d in zip(DESCALE_NAMES, descales):
         bad = d[~(torch.isfinite(d) & (d > 0))]
         if bad.numel():
             raise ValueError(

@@ -18,12 +18,14 @@ import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.mla)
 from .meta.checks import (
+    DESCALE_NAMES,
     MAX_SEQLEN_LIMIT,
     check_argument_types,
     check_attention_inputs,
     check_cu_seqlens_values,
     check_max_seqlen,
     check_merge_inputs,
+    check_out_dtype,
 )
 from .runtime.graph_trees import IN_GRAPH_TWINS, routes_in_graph
 
@@ -585,12 +587,13 @@ def pack_rows(
     return packed[0], packed[1], packed_offsets
 
 
-def _fp8_arguments(op: str, q, tensors: dict[str, object], out_dtype: object, softmax_scale: object) -> float:
+def _fp8_arguments(
+    op: str, q, tensors: dict[str, object], descales: tuple, ints: dict[str, object], out_dtype, softmax_scale
+) -> float:
     """The softmax scale of an fp8 call, after the checks that must come before the dispatcher (whose own errors
-    name no argument): the tensors' types and ``out_dtype``."""
-    check_argument_types(op, tensors, {})
-    if out_dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"{op}: out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype!r:.40}")
+    name no argument): the tensors' types, ``descales``' among them, the ints and ``out_dtype``."""
+    check_argument_types(op, {**tensors, **dict(zip(DESCALE_NAMES, descales))}, ints)
+    check_out_dtype(op, out_dtype)
     return _scale(op, q, softmax_scale)
 
 
@@ -624,10 +627,9 @@ def prefill_fp8(
     """
     op = "mla.prefill_fp8"
     max_seqlen = _length(op, "max_seqlen", max_seqlen)
-    check_max_seqlen(op, "max_seqlen", max_seqlen)
     tensors = {"q": q, "k": k, "v": v, "cu_seqlens": cu_seqlens}
-    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
-    scale = _fp8_arguments(op, q, {**tensors, **descales}, out_dtype, softmax_scale)
+    descales = (q_descale, k_descale, v_descale)
+    scale = _fp8_arguments(op, q, tensors, descales, {"max_seqlen": max_seqlen}, out_dtype, softmax_scale)
     return torch.ops.mla.prefill_fp8(
         q, k, v, cu_seqlens, max_seqlen, q_descale, k_descale, v_descale, scale, out_dtype
     )
@@ -653,11 +655,10 @@ def prefill_context_chunk_fp8(
     op = "mla.prefill_context_chunk_fp8"
     max_seqlen_q = _length(op, "max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _length(op, "max_seqlen_k", max_seqlen_k)
-    check_max_seqlen(op, "max_seqlen_q", max_seqlen_q)
-    check_max_seqlen(op, "max_seqlen_k", max_seqlen_k)
     tensors = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
-    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
-    scale = _fp8_arguments(op, q, {**tensors, **descales}, out_dtype, softmax_scale)
+    descales = (q_descale, k_descale, v_descale)
+    ints = {"max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k}
+    scale = _fp8_arguments(op, q, tensors, descales, ints, out_dtype, softmax_scale)
     return torch.ops.mla.prefill_context_chunk_fp8(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q_descale, k_descale, v_descale, scale,
         out_dtype,

@@ -128,13 +128,13 @@ def _run_fp8(name: str, call: VarlenCall, q_descale, k_descale, v_descale, out_d
     if not attention_inputs_are_valid(*call, fp8=True):
         check_attention_inputs(name, call[:8], call.causal, fp8=True)
     q = call.q
-    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    descales = (q_descale, k_descale, v_descale)
     check_fp8_scales(name, q, descales, out_dtype)
     if q.device.type == "cpu":
         check_fp8_scale_values(name, descales)
     # One factor per head for the kernels: a per-tensor factor becomes a stride-0 view, no copy.
     heads = q.shape[1]
-    scales = Fp8Scales(*(d.reshape(-1).expand(heads) for d in descales.values()), out_dtype)
+    scales = Fp8Scales(*(d.reshape(-1).expand(heads) for d in descales), out_dtype)
     backend = route_call(call)
     with on_device(q.device):
         return backend.attention_fp8(call, scales)
