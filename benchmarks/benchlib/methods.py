@@ -173,16 +173,20 @@ class Fp8OpMethod(Method):
                 return mla_ops.prefill_fp8(q8, k8, v8, cu_q, max_q, dq, dk, dv, scale)
             return mla_ops.prefill_context_chunk_fp8(q8, k8, v8, cu_q, cu_k, max_q, max_k, dq, dk, dv, scale)
 
-        def quantised():
-            (q8, dq), (k8, dk), (v8, dv) = (mla_ops.quantize_fp8(x) for x in (q, k, v))
-            return q8, k8, v8, dq, dk, dv
-
         if self.quantize:
-            fn = lambda: attend(*quantised())
+            fn = lambda: attend(*quantised_inputs(q, k, v))
         else:
-            inputs = quantised()
+            inputs = quantised_inputs(q, k, v)
             fn = lambda: attend(*inputs)
         return Prepared(fn, _pair, lambda: mla_ops.prefill_backend(self.backend))
+
+
+def quantised_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(q8, k8, v8, q_descale, k_descale, v_descale)``: the three quantised per head by ``mla_ops.quantize_fp8``."""
+    import mla_ops
+
+    (q8, dq), (k8, dk), (v8, dv) = (mla_ops.quantize_fp8(x) for x in (q, k, v))
+    return q8, k8, v8, dq, dk, dv
 
 
 def fp8_backends(names: Sequence[str], device: torch.device) -> list[str]:
@@ -247,12 +251,11 @@ class TritonRaw(Method):
         args, causal = p.attention_args(), p.causal
         if not self.fp8:
             return Prepared(lambda: self.call(*args, causal), _pair)
-        import mla_ops
         from mla_ops.backends.base import Fp8Scales
         from mla_ops.kernels.attention import attention_triton
 
-        (q8, dq), (k8, dk), (v8, dv) = (mla_ops.quantize_fp8(x) for x in args[:3])
-        scales = Fp8Scales(dq, dk, dv, p.dtype)
+        q8, k8, v8, *descales = quantised_inputs(*args[:3])
+        scales = Fp8Scales(*descales, p.dtype)
         fp8_args = (q8, k8, v8, *args[3:], causal)
         return Prepared(lambda: attention_triton(*fp8_args, config=self.config, scales=scales), _pair)
 
