@@ -69,6 +69,8 @@ FIELDS = R.Fields(
     ("op_minus_raw_outputs_us", "op − raw, op's outputs", ".2f"),
     ("graph_op_us", "graph op µs", ".2f"),
     ("graph_raw_us", "graph raw µs", ".2f"),
+    ("host_issue_us", "op host issue µs", ".2f"),
+    ("host_issue_raw_us", "raw host issue µs", ".2f"),
     ("note", "raw call / note", R.text("raw_call", "note")),
 )
 
@@ -487,9 +489,63 @@ def measure_dispatch_floor(args: argparse.Namespace, device: torch.device) -> di
     return row
 
 
+#: The path name of the host-issue rows.
+HOST_ISSUE_PATH = "prefill_context_chunk, host issue"
+#: Their chunk on CUDA unless ``--host-chunk`` says otherwise: (new tokens, context keys). At H=16 its 131072
+#: key rows times heads take TRITON's Gluon kernel on SM90, whose 0.13 ms outlasts any backend's host time.
+DEFAULT_HOST_CHUNK = (1024, 8192)
+
+
+def measure_host_issue(
+    row: dict[str, Any], args: argparse.Namespace, device: torch.device, dtype: torch.dtype, auto: str
+) -> dict[str, Any]:
+    """One row: the host time of issuing one ``prefill_context_chunk`` op call, and one raw library call, on a
+    chunk large enough that the kernel outlasts the host (``--host-chunk``: one sequence of NEW tokens over
+    CONTEXT keys), where the per-call figures of the other rows are device time. For TRITON on SM90 this is
+    the Gluon kernel's call (from ``TMA_MIN_KEY_ROWS`` key rows times heads)."""
+    import torch
+
+    import mla_ops
+
+    name, backend = row["name"], row["backend"]
+    new, context = args.host_chunk
+    out = row_start(HOST_ISSUE_PATH, name, args, auto) | {"tokens": new}
+    notes = [f"{new} new tokens over {context} keys"]
+    p = P.make_problem(P.Shape("chunk", args.heads, (new,), (context,)), device, dtype, args.seed)
+    q, k, v, cu_q, cu_k, max_q, max_k, scale = p.attention_args()
+    op_args = (q, k, v, cu_q, cu_k, max_q, max_k, scale)
+    def host_us(fn: Callable[[], Any]) -> float:
+        return 1e3 * statistics.median(timing.host_issue(fn, device, args.host_calls, args.rounds))
+
+    with mla_ops.prefill_backend(name):
+        out["host_issue_us"] = host_us(lambda: torch.ops.mla.prefill_context_chunk(*op_args))
+    raw = M.raw_method_for(name, backend, device, args.fi_backend)
+    why = "it has none" if raw is None else raw.unavailable(device)
+    if why is None:
+        try:
+            fn = raw.prepare(p).fn
+            out["host_issue_raw_us"] = host_us(fn)
+            out["raw_call"] = raw.implementation
+        except Exception as exc:
+            why = R.short_error(exc)
+    if why is not None:
+        notes.append(f"raw call unavailable: {why}")
+    if name == "TRITON":
+        from mla_ops.kernels.attention import LAUNCHES
+
+        # The Gluon kernel's remembered launches take a work counter; the tl.dot kernel's do not.
+        gluon = any(known.counted for known in LAUNCHES.known.values())
+        notes.append("the Gluon kernel" if gluon else "the tl.dot kernel")
+    out["note"] = "; ".join(notes)
+    return out
+
+
 def print_row(result: dict[str, Any]) -> None:
     """A row's per-call figures on one line, and its note."""
-    keys = ("routing_us", "api_us", "op_us", "direct_us", "raw_us", "graph_op_us", "graph_raw_us")
+    keys = (
+        "routing_us", "api_us", "op_us", "direct_us", "raw_us", "graph_op_us", "graph_raw_us", "host_issue_us",
+        "host_issue_raw_us",
+    )  # fmt: skip
     figures = ", ".join(f"{k} {R.fmt(result.get(k), '.2f')}" for k in keys if k in result)
     print(f"  {figures}  {result.get('note', '')}")
 
@@ -510,7 +566,10 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         "*raw, op's outputs*: for FLASHINFER, whose raw call returns a base-2 [T, H] LSE, the library's own "
         'call that returns the op\'s natural-log [H, T] one (run(..., lse_base="ln", lse_layout="HN")); the '
         "other raw calls return the op's outputs already. "
-        "*graph* columns: device time per call inside a replayed CUDA graph. The *dispatch floor* row is an op "
+        "*graph* columns: device time per call inside a replayed CUDA graph. *host issue* columns (the "
+        f"*{HOST_ISSUE_PATH}* rows): the host time of issuing one call on a chunk whose kernel outlasts it "
+        "(time.perf_counter around back-to-back calls that queue on the device; for TRITON on SM90 the Gluon "
+        "kernel's call), the op's and the raw library call's. The *dispatch floor* row is an op "
         "with mla.prefill's schema whose Python kernel only returns preallocated outputs: what the dispatcher "
         "alone costs on this host, below which no op with a Python kernel can go. The *prefill_with_context, 1 "
         "chunk* rows are a layer's attention with one context chunk: mla_ops.prefill_with_context, the fused op "
@@ -523,6 +582,19 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         "goals: op − raw <= 5 µs; the merge op <= 15 µs."
     )
     return R.results_page("MLA op dispatch overhead", env, intro, FIELDS.table(rows), extra=[shape])
+
+
+def _host_chunk(text: str) -> tuple[int, ...]:
+    """``--host-chunk``'s value: ``(new, context)``, or ``()`` for 'none'."""
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        new, context = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NEW,CONTEXT (two integers) or 'none', got {text!r}") from None
+    if new < 1 or context < 1:
+        raise argparse.ArgumentTypeError(f"NEW and CONTEXT must be positive, got {text!r}")
+    return new, context
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -548,6 +620,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--graph-replays", type=int, default=20, help="replays per timing sample")
     parser.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph measurements")
     parser.add_argument(
+        "--host-chunk", type=_host_chunk, metavar="NEW,CONTEXT",
+        help="the host-issue rows' chunk: NEW tokens over CONTEXT keys, one sequence (default: 1024,8192 on CUDA, "
+        "none on CPU); 'none' skips those rows",
+    )  # fmt: skip
+    parser.add_argument(
+        "--host-calls", type=int, default=20, help="calls issued back to back per host-issue round (default 20)"
+    )
+    parser.add_argument(
         "--merge-only",
         action="store_true",
         help="measure only the dispatch floor and merge_attn_states (e.g. with a large --tokens, where the "
@@ -563,6 +643,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.heads < 1:
         parser.error("--tokens and --heads must be positive")
+    if args.host_calls < 1:
+        parser.error("--host-calls must be at least 1")
     if args.interleaved_samples < 0 or args.sample_calls < 1:
         parser.error("--interleaved-samples must be 0 or more and --sample-calls at least 1")
     return args
@@ -624,6 +706,16 @@ def _run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
                 result = row_start(path, row["name"], args) | {"note": f"failed: {R.short_error(exc)}"}
             rows.append(result)
             print_row(result)
+    if args.host_chunk is None:
+        args.host_chunk = DEFAULT_HOST_CHUNK if device.type == "cuda" else ()
+    for row in [] if args.merge_only or not args.host_chunk else timed:
+        print(f"{row['name']} {HOST_ISSUE_PATH}...", flush=True)
+        try:
+            result = measure_host_issue(row, args, device, dtype, auto)
+        except Exception as exc:
+            result = row_start(HOST_ISSUE_PATH, row["name"], args) | {"note": f"failed: {R.short_error(exc)}"}
+        rows.append(result)
+        print_row(result)
     print("dispatch floor...", flush=True)
     try:
         rows.append(measure_dispatch_floor(args, device))

@@ -352,6 +352,26 @@ def test_dispatch_cpu_run(default_out, written):
     assert json.loads((default_out / "dispatch.env.json").read_text())["iters"] == 5
 
 
+def test_dispatch_host_issue_rows(default_out, written):
+    """``--host-chunk NEW,CONTEXT`` adds one host-issue row per backend, the op's and the raw call's host time on that
+    chunk; on CPU there are none by default (the chunk is sized for a GPU's kernels), and 'none' skips them."""
+    argv = ["--device", "cpu", "--iters", "3", "--rounds", "3", "--interleaved-samples", "0", "--host-calls", "2"]
+    _main(BD, [*argv, "--host-chunk", "8,40"])
+    _assert_fields_written(written, BD, default_out / "dispatch.csv")
+    rows = {(r["path"], r["backend"]): r for r in _read_rows(default_out / "dispatch.csv")}
+    row = rows[(BD.HOST_ISSUE_PATH, "REFERENCE")]
+    assert float(row["host_issue_us"]) > 0 and float(row["host_issue_raw_us"]) > 0
+    assert row["tokens"] == "8" and row["note"] == "8 new tokens over 40 keys"
+    assert "op host issue µs" in (default_out / "dispatch.md").read_text()
+    for chunk in ([], ["--host-chunk", "none"]):
+        written.clear()
+        _main(BD, argv + chunk)
+        assert not any(r["path"] == BD.HOST_ISSUE_PATH for r in _read_rows(default_out / "dispatch.csv"))
+    for bad in ("3", "8,x", "0,40"):
+        with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+            BD.parse_args(["--host-chunk", bad])
+
+
 def test_dispatch_merge_parts_allocate_two_outputs_and_launch_once(merge_launches):
     """The merge row's raw column: two fresh outputs and one launch of the fixed kernel per call, with the
     inputs' and those outputs' addresses; nothing where the kernel is not launched directly (CPU)."""
@@ -548,6 +568,14 @@ def test_measure_counts_calls_and_samples():
     calls.clear()
     timing.measure(lambda: calls.append(1), CPU, warmup_ms=0.0, rep_ms=0.0, min_samples=7)
     assert len(calls) >= 1 + 5 + 7  # the untimed first call, the estimate, the samples
+
+
+def test_host_issue_times_rounds_of_back_to_back_calls():
+    calls = []
+    per_call = timing.host_issue(lambda: calls.append(1), CPU, calls=5, rounds=4)
+    assert len(calls) == 3 + 4 * 5 and len(per_call) == 4 and all(t >= 0 for t in per_call)
+    with pytest.raises(ValueError, match="at least 1"):
+        timing.host_issue(lambda: None, CPU, calls=0, rounds=1)
 
 
 def test_alternating_takes_turns_within_each_round(monkeypatch):

@@ -222,6 +222,30 @@ def _samples(prepare: Callable[[], None], run: Callable[[], None], device: torch
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
+def host_issue(fn: Callable[[], Any], device: torch.device, calls: int, rounds: int) -> list[float]:
+    """Host time of issuing ``fn``, in ms per call, in each of ``rounds`` rounds: ``time.perf_counter`` around
+    ``calls`` back-to-back calls, the device synchronised before each round (and after it, untimed).
+
+    Unlike :func:`measure`, nothing waits for the device within a round, so for a call whose kernels run
+    longer than the host takes to issue them the figure is still the host's: the launches queue up. Keep
+    ``calls`` well below the launch queue's depth (about a thousand kernels), past which issuing blocks.
+    """
+    if calls < 1 or rounds < 1:
+        raise ValueError(f"calls and rounds must be at least 1, got {calls} and {rounds}")
+    out = []
+    with gc_paused():
+        for _ in range(3):  # warm-up
+            fn()
+        for _ in range(rounds):
+            synchronize(device)
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            out.append((time.perf_counter() - start) * 1e3 / calls)
+        synchronize(device)
+    return out
+
+
 def alternating(
     fns: Mapping[str, Callable[[], Any]],
     device: torch.device,
