@@ -465,7 +465,16 @@ def flashinfer_module(
 # --- FlashAttention-4 (flash_attn.cute) -----------------------------------------------------------------
 
 
-def fa4_module(internal: bool = True) -> types.ModuleType:
+def _fa4_dequantised(t, descale, cu_seqlens):
+    """fp8 ``t`` ``[T, H, D]`` in float32, each sequence's rows times its factors (``descale`` ``[B, H]``, as
+    FlashAttention-4 takes them); rows past ``cu_seqlens[-1]`` times 1."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    factors = torch.repeat_interleave(descale, lengths, dim=0)
+    factors = torch.cat([factors, factors.new_ones(t.shape[0] - factors.shape[0], t.shape[1])])
+    return t.float() * factors[..., None]
+
+
+def fa4_module(internal: bool = True, arch: int = 100) -> types.ModuleType:
     """``flash_attn.cute`` (flash-attn-4 4.0.0b36) as the FLASH_ATTN backend reads it.
 
     ``flash_attn_varlen_func`` has the real signature and returns ``(out, lse)``, ``lse`` float32
@@ -478,7 +487,8 @@ def fa4_module(internal: bool = True) -> types.ModuleType:
     ``module.compiled`` lists the variants compiled; ``module.calls`` what each call received, with
     ``entry`` naming the function called. With ``internal``, ``module.interface._flash_attn_fwd`` is the
     forward beneath it, with the real signature's leading parameters, returning ``(out, lse, None, None,
-    None)`` as 4.0.0b36's does.
+    None)`` as 4.0.0b36's does. It takes fp8 e4m3 inputs as the real one does: on a GPU of ``arch`` 10x only,
+    with a float32 ``[B, H]`` descale factor for each of q, k and v, into a bfloat16 output.
     """
     module = types.ModuleType("flash_attn.cute")
     module.__version__ = "4.0.0b36"
@@ -492,6 +502,11 @@ def fa4_module(internal: bool = True) -> types.ModuleType:
 
     module.interface = types.ModuleType("flash_attn.cute.interface")
     module.interface.cute = types.SimpleNamespace(compile=cute_compile)
+
+    def compile_for(q, v, cu_seqlens_q, max_seqlen_q, causal) -> None:
+        variant = (q.dtype, q.shape[-1], v.shape[-1], causal, max_seqlen_q <= 128, cu_seqlens_q.shape[0] - 1 > 256)
+        if variant not in cache:
+            cache[variant] = module.interface.cute.compile(variant)
 
     def forward(entry, q, k, v, qv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, min_seqlen_k, seqused_q,
                 seqused_k, gather_kv_indices, page_table, softmax_scale, causal, window_size, learnable_sink, softcap,
@@ -512,9 +527,7 @@ def fa4_module(internal: bool = True) -> types.ModuleType:
             capturing=_is_capturing(),
         ))  # fmt: skip
         check_kernel_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        variant = (q.dtype, q.shape[-1], v.shape[-1], causal, max_seqlen_q <= 128, cu_seqlens_q.shape[0] - 1 > 256)
-        if variant not in cache:
-            cache[variant] = module.interface.cute.compile(variant)
+        compile_for(q, v, cu_seqlens_q, max_seqlen_q, causal)
         scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
         out, lse = kernel_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, -math.inf)
         return out, (lse if return_lse else None)
@@ -544,6 +557,23 @@ def fa4_module(internal: bool = True) -> types.ModuleType:
         scheduler_metadata=None, seqlen_k_per_split=None, disable_scheduler_metadata=False,
         gather_bwd_recompute_p=False,
     ):  # fmt: skip
+        descales = (q_descale, k_descale, v_descale)
+        if q.dtype == torch.float8_e4m3fn:
+            assert arch // 10 == 10, "FP8 is only supported on SM100 (compute capability 10.x) for FA4 CuTe."
+            batch, heads = cu_seqlens_q.shape[0] - 1, k.shape[1]
+            for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
+                assert d is not None and d.dtype == torch.float32 and d.shape == (batch, heads), name
+                assert d.is_contiguous(), name
+            module.calls.append(dict(entry="_flash_attn_fwd", fp8=True, descales=descales, capturing=_is_capturing()))
+            compile_for(q, v, cu_seqlens_q, max_seqlen_q, causal)
+            q, k, v = (
+                _fa4_dequantised(t, d, cu) for t, d, cu in ((q, q_descale, cu_seqlens_q), (k, k_descale, cu_seqlens_k),
+                                                          (v, v_descale, cu_seqlens_k))
+            )  # fmt: skip
+            scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+            out, lse = kernel_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, -math.inf)
+            return out.to(torch.bfloat16), (lse if return_lse else None), None, None, None
+        assert all(d is None for d in descales), "q_descale/k_descale/v_descale are only supported for FP8 inputs"
         out, lse = forward(
             "_flash_attn_fwd", q, k, v, qv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, min_seqlen_k,
             seqused_q, seqused_k, gather_kv_indices, page_table, softmax_scale, causal,
@@ -733,6 +763,9 @@ def modelled() -> list[Modelled]:
         Modelled("flashinfer trtllm_ragged_attention_deepseek", trtllm_ragged_function([]), "flashinfer.prefill",
                  "trtllm_ragged_attention_deepseek"),
         Modelled("FlashAttention-4", fa4_module().flash_attn_varlen_func, "flash_attn.cute", "flash_attn_varlen_func"),
+        # The private forward the adapter calls, with the fp8 descale keywords FLASH_ATTN's fp8 path passes.
+        Modelled("FlashAttention-4 forward", fa4_module().interface._flash_attn_fwd, "flash_attn.cute.interface",
+                 "_flash_attn_fwd"),
         *(
             Modelled(f"FlashAttention-3 ({v})", fa3_module(v).flash_attn_varlen_func, "flash_attn_interface",
                      "flash_attn_varlen_func")

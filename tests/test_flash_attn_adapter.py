@@ -259,7 +259,9 @@ def _not_installed(capability, dqk, dv, *why):
             f"{FA2_LABEL} needs the padded head dim max(Dqk, Dv) = 188 to be a multiple of 8; "
             f"{BUNDLED_LABEL} needs the padded head dim max(Dqk, Dv) = 188 to be a multiple of 8"
         ]),
-        ((FA2,), SM90, (128, 64, 128), torch.float32, ["dtype float32 is not supported (use bfloat16, float16)"]),
+        ((FA2,), SM90, (128, 64, 128), torch.float32, [
+            "dtype float32 is not supported (use bfloat16, float16, float8_e4m3fn)"
+        ]),
         ((FA2,), None, (128, 64, 128), BF16, ["runs on CUDA devices only, not on CPU"]),
         ((), SM90, (128, 64, 128), BF16, [NOTHING]),
         ((), SM75, (128, 64, 128), BF16, [NOTHING, SM75_RULE]),
@@ -627,3 +629,111 @@ def test_padding_and_slicing_copies_are_exact(offset):
     for first in (0, 2, DQK - DV):
         got = fa._columns(wide, first, DV)
         assert got.is_contiguous() and torch.equal(got, wide[..., first : first + DV])
+
+
+# --- fp8 through FlashAttention-4 (SM100) ------------------------------------------------------------------
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def _fp8_call(causal: bool, per_head: bool, heads: int = 3):
+    """A quantised batch on CPU, the call and the op's scales (per-head factors, or one as a stride-0 [H] view)."""
+    from fp8_contract import fp8_batch
+
+    from mla_ops.backends.base import Fp8Scales
+
+    b = fp8_batch([5, 0, 9, 1], None if causal else [7, 3, 0, 12], heads, padding=2, per_head=per_head, seed=4)
+    call = VarlenCall(b.q, b.k, b.v, b.cu_seqlens_q, b.cu_seqlens_k, b.max_seqlen_q, b.max_seqlen_k, 0.09, causal)
+    return call, [d.reshape(-1).expand(heads) for d in b.descales], Fp8Scales
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
+@pytest.mark.parametrize("per_head", [True, False], ids=["per-head", "per-tensor"])
+@pytest.mark.parametrize("out_dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
+def test_fp8_runs_flash_attention_4s_forward_with_descales_per_sequence_and_head(causal, per_head, out_dtype):
+    """FlashAttention-4's forward gets each factor as float32 [B, H] (the op's [H] repeated over the sequences),
+    and the result is REFERENCE's on the same quantised inputs; its bf16 output is converted for fp16."""
+    from mla_ops.backends.reference import ReferenceBackend
+
+    chain = Chain(FA4)
+    call, descales, scales_type = _fp8_call(causal, per_head)
+    scales = scales_type(*descales, out_dtype)
+    out, lse = chain.backend.attention_fp8(call, scales)
+    want_out, want_lse = ReferenceBackend().attention_fp8(call, scales)
+    (record,) = [c for c in chain.calls if c.get("fp8")]
+    batch = call.cu_seqlens_q.shape[0] - 1
+    for got, factor in zip(record["descales"], descales):
+        assert got.shape == (batch, 3) and got.dtype == torch.float32 and torch.equal(got, factor.expand(batch, 3))
+    rows = int(call.cu_seqlens_q[-1])
+    assert out.dtype == out_dtype and out.shape == want_out.shape and lse.shape == want_lse.shape
+    torch.testing.assert_close(out[:rows].float(), want_out[:rows].float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse[:, :rows], want_lse[:, :rows], atol=1e-4, rtol=1e-4)
+
+
+def test_fp8_without_keys_returns_zeros_in_the_output_dtype():
+    chain = Chain(FA4)
+    call, descales, scales_type = _fp8_call(False, True)
+    empty = call._replace(k=call.k[:0], v=call.v[:0], max_seqlen_k=0)
+    out, lse = chain.backend.attention_fp8(empty, scales_type(*descales, torch.float16))
+    assert out.dtype == torch.float16 and not out.any() and torch.isneginf(lse).all()
+    assert not chain.calls, "nothing to launch"
+
+
+def test_fp8_rules_name_sm100_and_flash_attention_4():
+    """fp8 runs on SM100 only and through FlashAttention-4 only, whose forward must take the descale factors:
+    each gap is a reason, and info says the path is untested on hardware."""
+    fp8 = SelectorConfig(FP8, MLADimensions(128, 64, 128))
+    backend = Chain(FA4).backend
+    assert backend.reasons(SM100, fp8) == []
+    assert "untested on hardware" in backend.describe(SM100, fp8)
+    assert "untested" not in backend.describe(SM100, SelectorConfig(BF16, MLADimensions(128, 64, 128)))
+    assert backend.reasons(SM90, fp8) == [
+        "dtype float8_e4m3fn runs on SM100 (compute capability 10.x) only: FlashAttention-4's fp8 kernels are "
+        "Blackwell's, not 9.0's"
+    ]
+    # Head dims FlashAttention-4 does not serve on SM100, though the rules let FlashAttention-2 serve them in bf16.
+    wide = SelectorConfig(FP8, MLADimensions(192, 64, 128))  # (256, 128)
+    assert backend.rule_reasons(SM100, SelectorConfig(BF16, MLADimensions(192, 64, 128))) == []
+    (reason,) = backend.reasons(SM100, wide)
+    assert reason.startswith(f"fp8 inputs run on FlashAttention-4 only: {FA4_LABEL} on SM100 supports")
+    # FlashAttention-2 alone, and a FlashAttention-4 without the forward that takes descales.
+    for chain in (Chain(FA2), _fa4_without_forward()):
+        (reason,) = chain.backend.reasons(SM100, fp8)
+        assert reason.startswith("fp8 inputs need FlashAttention-4 (pip install flash-attn-4) whose forward takes")
+        call, descales, scales_type = _fp8_call(True, True)
+        with pytest.raises(ValueError, match="FLASH_ATTN cannot run fp8 inputs here: fp8 inputs need FlashAtt"):
+            chain.backend.attention_fp8(call, scales_type(*descales, BF16))
+
+
+def _fa4_without_forward() -> Chain:
+    chain = Chain(FA4)
+    chain.libraries[FA4] = standins.fa4_module(internal=False)
+    chain.backend = FlashAttnBackend(libraries=chain.libraries)
+    return chain
+
+
+def test_fp8_is_refused_by_flash_attention_4_off_sm100():
+    """What the stand-in models of flash-attn-4 4.0.0b36: fp8 inputs on another architecture fail its assert."""
+    library = standins.fa4_module(arch=90)
+    call, descales, scales_type = _fp8_call(True, True)
+    backend = FlashAttnBackend(libraries={FA4: library})
+    with pytest.raises(AssertionError, match="FP8 is only supported on SM100"):
+        backend.attention_fp8(call, scales_type(*descales, BF16))
+
+
+def test_fp8_warmup_compiles_what_fp8_calls_launch(monkeypatch):
+    """``warmup`` with an fp8 config compiles FlashAttention-4's fp8 variants, so that a capture compiles none."""
+    chain = Chain(FA4)
+    fa4 = chain.libraries[FA4]
+    monkeypatch.setattr(DeviceCapability, "of", classmethod(lambda cls, device: SM100))
+    chain.backend.warmup(torch.device("cpu"), SelectorConfig(FP8), 2)
+    compiled = set(fa4.compiled)
+    assert compiled and all(variant[0] == FP8 for variant in compiled)
+    call, descales, scales_type = _fp8_call(True, True, heads=2)
+    with standins.capturing():
+        for budget in (64, 2048):
+            chain.backend.attention_fp8(call._replace(max_seqlen_q=budget, max_seqlen_k=budget),
+                                        scales_type(*descales, BF16))  # fmt: skip
+    assert set(fa4.compiled) == compiled, "capture compiled nothing"
+    assert fa4.calls[-1]["capturing"] and fa4.calls[-1]["fp8"]

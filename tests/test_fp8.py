@@ -227,7 +227,7 @@ def test_fp8_op_compiles_one_graph_across_batches() -> None:
 # --- routing -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("capability", "expected"), [("9.0", "TRITON"), ("8.9", "TRITON"), ("10.0", "TRITON")])
+@pytest.mark.parametrize(("capability", "expected"), [("9.0", "TRITON"), ("8.9", "TRITON"), ("10.0", "FLASH_ATTN")])
 def test_fp8_routes_to_the_backends_with_fp8_kernels(all_installed, capability, expected) -> None:
     config = mla_ops.SelectorConfig(FP8_DTYPE)
     assert mla_ops.select_backend(mla_ops.DeviceCapability.parse(capability), config).name == expected

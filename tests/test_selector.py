@@ -205,7 +205,7 @@ class TestErrorMessages(expecttest.TestCase):
         self.assertExpectedRaisesInline(
             ValueError,
             lambda: sel.select_backend(SM90, SelectorConfig(torch.float32, DEEPSEEK)),
-            """No valid MLA prefill backend found with SelectorConfig(dtype=torch.float32, mla_dimensions=MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)). Reasons: {FLASHINFER: [dtype float32 is not supported (use bfloat16, float16)], FLASH_ATTN: [dtype float32 is not supported (use bfloat16, float16)], TRITON: [dtype float32 is not supported (use bfloat16, float16, float8_e4m3fn)]}.""",
+            """No valid MLA prefill backend found with SelectorConfig(dtype=torch.float32, mla_dimensions=MLADimensions(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)). Reasons: {FLASHINFER: [dtype float32 is not supported (use bfloat16, float16)], FLASH_ATTN: [dtype float32 is not supported (use bfloat16, float16, float8_e4m3fn)], TRITON: [dtype float32 is not supported (use bfloat16, float16, float8_e4m3fn)]}.""",
         )
 
     def test_no_valid_backend_for_odd_dims(self) -> None:

@@ -116,6 +116,11 @@ class PrefillBackend(abc.ABC):
         """Why the backend's kernels do not serve ``(Dqk, Dv)`` heads on ``capability`` (``None``: CPU)."""
         return []
 
+    def combination_reasons(self, capability: DeviceCapability, config: SelectorConfig) -> list[str]:
+        """Why the backend's kernels for ``config``'s dtype do not serve its head dims on ``capability``, where each
+        passes its own rule above (default: none; FLASH_ATTN runs fp8 through one of its implementations only)."""
+        return []
+
     def library_reasons(self, capability: DeviceCapability | None, config: SelectorConfig) -> list[str]:
         """Why what is installed on this machine cannot serve ``config`` (empty: it can).
 
@@ -138,6 +143,8 @@ class PrefillBackend(abc.ABC):
             reasons += self.capability_reasons(capability)
         reasons += self.dtype_reasons(config.dtype, capability)
         reasons += self.head_dim_reasons(config.head_dim_qk, config.head_dim_v, capability)
+        if capability is not None and not reasons:
+            reasons += self.combination_reasons(capability, config)
         return reasons
 
     def reasons(self, capability: DeviceCapability | None, config: SelectorConfig) -> list[str]:

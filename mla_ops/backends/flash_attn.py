@@ -3,7 +3,8 @@
 The chain, best first: ``flash_attn.cute`` (FlashAttention-4), ``flash_attn_interface`` (FlashAttention-3),
 ``flash_attn`` (FlashAttention-2) and PyTorch's bundled FlashAttention-2, the last two with ``v`` widened to
 ``Dqk`` (without a copy where its storage allows). :meth:`FlashAttnBackend.warmup` compiles FlashAttention-4's
-variants ahead of CUDA-graph capture. Design: docs/design/backends.md (FLASH_ATTN).
+variants ahead of CUDA-graph capture. fp8 inputs run through FlashAttention-4 on SM100 (untested on hardware).
+Design: docs/design/backends.md (FLASH_ATTN), docs/design/fp8.md.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any
 import torch
 
 from ..runtime.capture import is_capturing, on_device
-from ..specs import DeviceCapability, SelectorConfig
-from .base import PrefillBackend, VarlenCall
+from ..specs import FP8_DTYPE, SUPPORTED_DTYPES, DeviceCapability, SelectorConfig
+from .base import Fp8Scales, PrefillBackend, VarlenCall, dtype_name
 
 _SM80 = DeviceCapability(8, 0)
 _SM90 = DeviceCapability(9, 0)
@@ -339,6 +340,19 @@ _FA4_KEYWORDS = (
 )
 
 
+#: The keyword arguments of FlashAttention-4's forward that take fp8 inputs' descale factors.
+_FA4_DESCALES = ("q_descale", "k_descale", "v_descale")
+
+
+def _takes(function: Callable[..., Any], names: tuple[str, ...]) -> bool:
+    """Whether ``function`` takes every keyword in ``names``."""
+    try:
+        params = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+    return all(name in params for name in names)
+
+
 def fa4_forward(interface: Any) -> Callable[..., Any] | None:
     """``interface._flash_attn_fwd`` (``flash_attn.cute.interface``) when it takes ``q, k, v`` first and
     every keyword in :data:`_FA4_KEYWORDS`, else ``None``.
@@ -387,16 +401,34 @@ class _FA4Adapter(_Adapter):
         super().__init__(function, version)
         self.jit = jit
         self.entry = forward if forward is not None else function
+        #: Whether it can run fp8 inputs: only its forward takes their descale factors (4.0.0b36's public
+        #: ``flash_attn_varlen_func`` takes none).
+        self.takes_descales = forward is not None and _takes(forward, _FA4_DESCALES)
 
     def describe(self) -> str:
         text = super().describe()
         return text if self.entry is self.function else f"{text}; calls its forward without the autograd wrapper"
 
-    def _call(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    def forward_fp8(
+        self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, descales
+    ):
+        """:meth:`forward` of fp8 inputs, ``descales`` the forward's ``q_descale``, ``k_descale`` and ``v_descale``
+        (float32 ``[B, H]``); ``out`` is bfloat16, the only output of FlashAttention-4's fp8 kernels."""
+        num_tokens, num_heads, _ = q.shape
+        q, k, v = _aligned(q), _aligned(k), _aligned(v)
+        out, lse = self._call(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, descales
+        )
+        return _finish(self.kind, out, lse, num_tokens, num_heads, 0, v.shape[-1], causal)
+
+    def _call(
+        self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, descales=None
+    ):
         def run():
             return self.entry(
                 q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                 max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal, return_lse=True,
+                **(descales or {}),
             )  # fmt: skip
 
         if self.jit is None or not is_capturing():
@@ -568,10 +600,10 @@ class _Chain:
     absent: dict[str, str]  # implementation name -> why it could not be loaded
 
 
-def _no_keys(q: torch.Tensor, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The result when no row has a key: ``out`` 0 and ``lse`` ``-inf``."""
+def _no_keys(q: torch.Tensor, dv: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The result when no row has a key: ``out`` 0 (in ``dtype``, by default q's) and ``lse`` ``-inf``."""
     num_tokens, num_heads, _ = q.shape
-    out = q.new_zeros((num_tokens, num_heads, dv))
+    out = q.new_zeros((num_tokens, num_heads, dv), dtype=dtype)
     lse = torch.full((num_heads, num_tokens), -math.inf, dtype=torch.float32, device=q.device)
     return out, lse
 
@@ -581,6 +613,14 @@ _NOTHING = (
     "available; install flash-attn-4 (pip install 'mla_ops[flash-attn]'), flash-attn, or a CUDA build of torch"
 )
 
+
+#: Why fp8 calls need FlashAttention-4's forward, for messages.
+_FP8_NEEDS = (
+    "fp8 inputs need FlashAttention-4 (pip install flash-attn-4) whose forward takes descale factors "
+    "(flash_attn.cute.interface._flash_attn_fwd's q_descale, k_descale, v_descale, as in 4.0.0b36)"
+)
+#: What info says of the fp8 path: no Blackwell GPU has run it here.
+FP8_UNTESTED = "fp8: FlashAttention-4's fp8 forward, descales per sequence and head; untested on hardware"
 
 #: flash-attn-4 (4.0.0b36) compiles another scheduler variant for batches of more than 256 sequences
 #: (``BIN_BATCH_SEARCH_THRESH`` in flash_attn/cute/interface.py), so warm-up runs a batch this large too.
@@ -602,6 +642,8 @@ class FlashAttnBackend(PrefillBackend):
     """
 
     name = "FLASH_ATTN"
+    # fp8 through FlashAttention-4 on SM100 (dtype_reasons, library_reasons, attention_fp8).
+    dtypes = (*SUPPORTED_DTYPES, FP8_DTYPE)
     # Every implementation in the chain computes a sequence's query tiles over its own keys, without splitting
     # them across programs (num_splits=1, the default of FA3 and FA4): nothing in a tile reads another sequence.
     batch_invariant = True
@@ -660,6 +702,21 @@ class FlashAttnBackend(PrefillBackend):
             return []
         return [f"compute capability {capability} is not supported: {'; '.join(details)}"]
 
+    def dtype_reasons(self, dtype: torch.dtype, capability: DeviceCapability | None) -> list[str]:
+        # flash-attn-4 4.0.0b36 asserts compute capability 10.x for fp8 inputs.
+        if dtype == FP8_DTYPE and capability is not None and capability.major != 10:
+            return [
+                f"dtype {dtype_name(dtype)} runs on SM100 (compute capability 10.x) only: FlashAttention-4's fp8 "
+                f"kernels are Blackwell's, not {capability}'s"
+            ]
+        return super().dtype_reasons(dtype, capability)
+
+    def combination_reasons(self, capability: DeviceCapability, config: SelectorConfig) -> list[str]:
+        if config.dtype != FP8_DTYPE:
+            return []
+        dims = _FA4.dim_reasons(capability, config.head_dim_qk, config.head_dim_v)
+        return [f"fp8 inputs run on FlashAttention-4 only: {'; '.join(dims)}"] if dims else []
+
     def head_dim_reasons(self, head_dim_qk: int, head_dim_v: int, capability: DeviceCapability | None) -> list[str]:
         kinds = _KINDS
         if capability is not None:
@@ -677,6 +734,8 @@ class FlashAttnBackend(PrefillBackend):
             return []  # the rules already say why, or there is no device to pick a link for
         adapter, skipped = self.choose(capability, config.head_dim_qk, config.head_dim_v)
         if adapter is not None:
+            if config.dtype == FP8_DTYPE and not getattr(adapter, "takes_descales", False):
+                return [f"{_FP8_NEEDS}; installed: {adapter.describe()}"]
             return []
         return [
             f"no installed FlashAttention implementation serves compute capability {capability} with head dims "
@@ -692,6 +751,8 @@ class FlashAttnBackend(PrefillBackend):
         except Exception as exc:
             return f"unknown (probing FlashAttention failed: {exc!r})"
         chosen = adapter.describe() if adapter is not None else "none usable"
+        if config.dtype == FP8_DTYPE and getattr(adapter, "takes_descales", False):
+            chosen = f"{chosen}; {FP8_UNTESTED}"
         return f"{chosen} [skipped: {'; '.join(skipped)}]" if skipped else chosen
 
     def warmup(self, device: torch.device, config: SelectorConfig, num_heads: int) -> None:
@@ -705,6 +766,13 @@ class FlashAttnBackend(PrefillBackend):
             raise ValueError(f"cannot warm up {self.name} for {config!r} on {device}: {reasons}")
         dqk, dv = config.head_dim_qk, config.head_dim_v
         gen = torch.Generator(device="cpu").manual_seed(0)
+        attend = self.attention
+        if config.dtype == FP8_DTYPE:  # unit factors; each call passes them as [B, H], so one variant serves all
+            ones = torch.ones(num_heads, dtype=torch.float32, device=device)
+            scales = Fp8Scales(ones, ones, ones, torch.bfloat16)
+
+            def attend(call: VarlenCall) -> tuple[torch.Tensor, torch.Tensor]:
+                return self.attention_fp8(call, scales)
 
         def rand(*shape: int) -> torch.Tensor:
             return torch.randn(*shape, generator=gen).to(device=device, dtype=config.dtype)
@@ -724,8 +792,8 @@ class FlashAttnBackend(PrefillBackend):
                 cu, cu_k = offsets(lengths), offsets(slices)
                 for v in (rand(10, num_heads, dv), kv[..., dqk:]):
                     for bound in (8, 4096):
-                        self.attention(VarlenCall(q, k, v, cu, cu, bound, bound, scale, True))
-                        self.attention(VarlenCall(q, k[:4], v[:4], cu, cu_k, bound, bound, scale, False))
+                        attend(VarlenCall(q, k, v, cu, cu, bound, bound, scale, True))
+                        attend(VarlenCall(q, k[:4], v[:4], cu, cu_k, bound, bound, scale, False))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -752,3 +820,28 @@ class FlashAttnBackend(PrefillBackend):
         return self._adapter_for(q, v).forward(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), causal
         )
+
+    def attention_fp8(self, call: VarlenCall, scales: Fp8Scales) -> tuple[torch.Tensor, torch.Tensor]:
+        """FlashAttention-4's fp8 forward (SM100). Its descale factors are per sequence and head (float32
+        ``[B, H]``), so the op's per-head ones are repeated over the batch's sequences (``B * H`` floats); its
+        output is bfloat16, converted where ``scales.out_dtype`` is float16. Untested on hardware."""
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = call
+        max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+        if q.shape[0] == 0 or cu_seqlens_q.shape[0] == 1 or k.shape[0] == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
+            return _no_keys(q, v.shape[-1], scales.out_dtype)
+        adapter = self._adapter_for(q, v)
+        if not getattr(adapter, "takes_descales", False):
+            raise ValueError(
+                f"FLASH_ATTN cannot run fp8 inputs here: {_FP8_NEEDS}; installed: {adapter.describe()}. Select "
+                "another backend with MLA_OPS_PREFILL_BACKEND (TRITON runs fp8 on SM89 and newer)"
+            )
+        batch = cu_seqlens_q.shape[0] - 1
+        descales = {
+            name: d.unsqueeze(0).expand(batch, d.shape[0]).contiguous() for name, d in zip(_FA4_DESCALES, scales)
+        }
+        out, lse = adapter.forward_fp8(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(softmax_scale), causal, descales
+        )
+        if out.dtype != scales.out_dtype:
+            out = out.to(scales.out_dtype)
+        return out, lse
