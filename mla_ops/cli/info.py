@@ -328,7 +328,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--capability", type=_capability, default=None, help="simulate a CUDA device, e.g. 9.0, 10.0, 8.0"
     )
     parser.add_argument(
-        "--dtype", default="bfloat16", help="dtype of q/k/v: bfloat16 or float16 (others print why they fail)"
+        "--dtype",
+        default="bfloat16",
+        help="dtype of q/k/v: bfloat16, float16 or float8_e4m3fn (others print why they fail)",
     )
     parser.add_argument(
         "--dims",
