@@ -142,19 +142,18 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool, dtype_name: st
             from mla_ops.kernels.attention_sm90 import _attn_fwd_sm90 as kernel
             from mla_ops.kernels.attention_sm90 import sm90_launch
 
-            _, args, launch_options = sm90_launch(call, out, lse, config.block_n, config.num_stages, num_sms=132)
-            keywords = launch_options
-            variant.descriptors = ("q", "k", "v(device)")
+            plan = sm90_launch(call, out, lse, config.block_n, config.num_stages, num_sms=132)
+            variant.descriptors = ("q(device)", "k(device)", "v(device)")
         else:
             from mla_ops.kernels.attention import launch_plan
             from mla_ops.kernels.attention_kernel import attn_fwd_kernel as kernel
 
             source = ASTSource
             plan = launch_plan(call, out, lse, config, scales)
-            from mla_ops.kernels.triton_compat import COMPILE_OPTIONS  # what CachedLaunch adds to every launch
+        from mla_ops.kernels.triton_compat import COMPILE_OPTIONS  # what CachedLaunch adds to every launch
 
-            launch_options = {**plan.options, **COMPILE_OPTIONS}
-            args, keywords = plan.args, {**plan.constexprs, **launch_options}
+        launch_options = {**plan.options, **COMPILE_OPTIONS}
+        args, keywords = plan.args, {**plan.constexprs, **launch_options}
         target = GPUTarget("cuda", CAPABILITY, 32)
         backend = make_backend(target)
         binder = create_function_from_signature(kernel.signature, kernel.params, backend)

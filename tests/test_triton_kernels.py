@@ -708,8 +708,10 @@ def test_gluon_kernel_scope():
 
 def test_gluon_launch_arguments_on_host_stand_ins():
     """``sm90_launch`` on CPU stand-ins: one program per multiprocessor, at most one per work item, with a
-    zeroed item counter, followed by the padding programs; the TMA blocks' shared-memory layouts are built
-    once, not per launch."""
+    zeroed item counter, followed by the padding programs. Its leading arguments are the seven tensors and the
+    counter, and only integers follow, so that a layout's later calls relaunch with new addresses (the kernel
+    builds its TMA descriptors itself, over Q's and K's rows); the blocks' shared-memory layouts are built once,
+    not per launch, and a variant's key does not depend on the number of programs."""
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
     from triton.experimental.gluon import language as gl
 
@@ -717,6 +719,7 @@ def test_gluon_launch_arguments_on_host_stand_ins():
     from mla_ops.kernels.programs import program_layout
 
     q, k, v = make_qkv(300, 4, 192, 128, torch.bfloat16, strided_v=True)
+    k = torch.empty(290, 8, 256, dtype=torch.bfloat16)[:, 2:6, 32:224]  # rows and heads of a wider tensor
     out, lse = torch.empty(300, 4, 128, dtype=torch.bfloat16), torch.empty(4, 300)
     cu = torch.tensor([0, 100, 300], dtype=torch.int32)
 
@@ -725,15 +728,27 @@ def test_gluon_launch_arguments_on_host_stand_ins():
         return attention_sm90.sm90_launch(call, out, lse, 128, 2, num_sms=num_sms)
 
     slots, _, pad = program_layout(300, 4, 2, 200, 200, 320 * 2, attention_sm90.BLOCK_M)
-    (grid,), args, _ = launch(num_sms=1000)
-    (grid_p,), args_p, _ = launch(num_sms=3)
-    counter, num_workers = 9, 22  # positions in the kernel's arguments
-    assert (grid, args[num_workers]) == (4 * slots + pad, 4 * slots)  # fewer work items than multiprocessors
-    assert (grid_p, args_p[num_workers]) == (3 + pad, 3)
+    plan, plan_p = launch(num_sms=1000), launch(num_sms=3)
+    leading = attention_sm90.SM90_LEADING
+    assert plan.leading == leading == 8
+    assert list(plan.args[:7]) == [q, k, v, out, lse, cu, cu]
+    assert not any(isinstance(a, torch.Tensor) for a in plan.args[leading:]), "only scalars follow"
+    names = [p.name for p in attention_sm90._attn_fwd_sm90.params if not p.is_constexpr]
+    assert len(names) == len(plan.args) and names[leading - 1] == "Counter"
+    args, args_p = dict(zip(names, plan.args)), dict(zip(names, plan_p.args))
+    assert (plan.grid, args["num_workers"]) == ((4 * slots + pad,), 4 * slots)  # fewer items than multiprocessors
+    assert (plan_p.grid, args_p["num_workers"]) == ((3 + pad,), 3)
     for launched in (args, args_p):
-        assert launched[counter].dtype == torch.int32 and launched[counter].tolist() == [0]
-    assert args_p[0].layout is args[0].layout and args[0].layout is not args[2].layout
-    assert args[0].layout == gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)  # Q's 128 channels
+        assert launched["Counter"].dtype == torch.int32 and launched["Counter"].tolist() == [0]
+    # Q's rows span its 4 heads; K's run to the end of its last head's 192 channels in the wider rows.
+    assert (args["num_tokens_q"], args["q_cols"], args["stride_qt"]) == (300, 4 * 192, 4 * 192)
+    assert (args["k_rows"], args["k_cols"], args["stride_kt"]) == (290, 3 * 256 + 192, 8 * 256)
+    assert plan.key == plan_p.key
+    constexprs = plan.constexprs
+    assert plan_p.constexprs["Q_LAYOUT_A"] is constexprs["Q_LAYOUT_A"]
+    assert constexprs["Q_LAYOUT_A"] is not constexprs["K_LAYOUT_A"]
+    assert constexprs["Q_LAYOUT_A"] == gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)  # 128 channels
+    assert (constexprs["D_A"], constexprs["D_B"], constexprs["D_V"], constexprs["BN"]) == (128, 64, 128, 128)
 
 
 def test_shrink_steps_down_to_smallest():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -33,7 +33,16 @@ from .configs import (
     large_batch_attention_config,
     shrink,
 )
-from .launch import CachedLaunch, FixedLaunch, KnownLayout, LaunchCache, NativeLaunch, pointer_alignment, remember
+from .launch import (
+    CachedLaunch,
+    FixedLaunch,
+    KnownLayout,
+    LaunchCache,
+    LaunchPlan,
+    NativeLaunch,
+    pointer_alignment,
+    remember,
+)
 from .programs import program_layout
 from .triton_compat import gluon_triton_reason
 
@@ -59,11 +68,12 @@ def _interpreting() -> bool:
 
 
 #: From this many key rows times heads on, a call takes the large-batch table's configuration (on
-#: Hopper the Gluon kernel) where one is tabled. That kernel loads through TMA descriptors built on the
-#: host, which hold the tensors' addresses and so are built for every launch: about 55 µs of host time
-#: (H200 host, Triton 3.6, 2026-12-01: 82 µs per eager context-chunk call with descriptors, 27 µs
-#: without), so below about 4096 keys at H=16 (512 at H=128) the host is the bottleneck and the ``tl.dot``
-#: kernel, relaunched without rebuilding anything, finishes first. The rule depends on shapes only, so
+#: Hopper the Gluon kernel) where one is tabled. Set when that kernel's TMA descriptors were built on the
+#: host for every launch: about 55 µs of host time (H200 host, Triton 3.6, 2026-12-01: 82 µs per eager
+#: context-chunk call with descriptors, 27 µs without), so that below about 4096 keys at H=16 (512 at
+#: H=128) the ``tl.dot`` kernel, relaunched without rebuilding anything, finished first. The kernel now
+#: builds them itself and is relaunched too, zeroing its work counter and descriptor scratch (two small
+#: memsets) per launch; the crossover is to be measured again. The rule depends on shapes only, so
 #: an eager warm-up run and a later CUDA-graph capture of the same shapes launch the same kernel (one
 #: first met inside capture would compile there). An explicit configuration (argument or
 #: ``MLA_OPS_TRITON_CONFIG``) is launched as given.
@@ -193,14 +203,21 @@ def attention_triton(
     if known is not None and device.index == current_cuda_device():  # launches go to the current device
         out, lse = torch.empty_like(known.out_template), torch.empty_like(known.lse_template)
         # Concatenation, not unpacking: with bf16's empty tuple it costs nothing where a starred form builds a list.
-        known.launch((p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k) + p_descales)  # noqa: RUF005
+        addresses = (p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k) + p_descales  # noqa: RUF005
+        if known.counted:
+            _launch_counted(known, addresses, device)
+        else:
+            known.launch(addresses)
         return out, lse
     out = empty((num_tokens, num_heads, dv), out_dtype, device)
     lse = empty((num_heads, num_tokens), torch.float32, device)
-    addresses = (p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k) + p_descales  # noqa: RUF005
     if known is not None:  # q's device is not the current one
+        addresses = (p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k) + p_descales  # noqa: RUF005
         with on_device(device):
-            known.launch(addresses)
+            if known.counted:
+                _launch_counted(known, addresses, device)
+            else:
+                known.launch(addresses)
         return out, lse
 
     key = None
@@ -228,7 +245,8 @@ def attention_triton(
                 )
         call = VarlenCall(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
         with on_device(device):
-            _sm90_module().attention_sm90(call, out, lse, block_n=config.block_n, stages=config.num_stages)
+            fixed = launches.launch_sm90(call, out, lse, config)
+        _remember(layout, fixed, out, lse, True)
         return out, lse
     call = VarlenCall(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
     while True:
@@ -236,11 +254,7 @@ def attention_triton(
             # Triton launches on the current device and its current stream, not on q's device.
             with on_device(device):
                 fixed = launches.launch((call, out, lse, config, scales))
-            if fixed is not None:  # None for a launch through the JIT function (a variant's first)
-                out_template = template(out.shape, out_dtype, device)
-                lse_template = template(lse.shape, torch.float32, device)
-                if out_template is not None and lse_template is not None:
-                    remember(launches.known, layout, KnownLayout(fixed, out_template, lse_template, False))
+            _remember(layout, fixed, out, lse, False)
             return out, lse
         except OutOfResources as exc:
             # The table is tuned for one GPU; on a smaller one, step down instead of failing. An
@@ -253,6 +267,26 @@ def attention_triton(
                     f"{CONFIG_ENV_VAR})"
                 ) from exc
             config = launches.table_configs[key] = smaller
+
+
+def _launch_counted(known: KnownLayout, addresses: tuple[int, ...], device: torch.device) -> None:
+    """Relaunch ``known`` (the Gluon kernel's) on ``addresses`` and a fresh zeroed work counter."""
+    # The counter is held until the launch is queued: freed earlier, its block could become the kernel's
+    # scratch, which the launch allocates.
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    known.launch((*addresses, counter.data_ptr()))
+
+
+def _remember(layout: tuple, fixed: FixedLaunch | None, out: torch.Tensor, lse: torch.Tensor, counted: bool) -> None:
+    """Keep ``fixed``, the launch that made ``out`` and ``lse``, for the later calls of ``layout``; nothing where the
+    launch went through the JIT function (``fixed`` is ``None``: a variant's first launch) or the outputs cannot
+    be templated. ``counted``: the launch takes a fresh work counter (the Gluon kernel's)."""
+    if fixed is None:
+        return
+    out_template = template(out.shape, out.dtype, out.device)
+    lse_template = template(lse.shape, torch.float32, lse.device)
+    if out_template is not None and lse_template is not None:
+        remember(LAUNCHES.known, layout, KnownLayout(fixed, out_template, lse_template, False, counted))
 
 
 def batch_invariant_config(
@@ -315,9 +349,8 @@ def known_native_launch(call: VarlenCall) -> NativeLaunch | None:
     """The launch that :func:`attention_triton` (with its default configuration) repeats for the layout of
     ``call``'s arguments (:class:`~mla_ops.backends.base.VarlenCall`, the order of :func:`attention_triton`'s),
     in the form a launcher in C++ takes (:meth:`FixedLaunch.native_launch`, the tensors
-    coded as :data:`NATIVE_TENSOR_CODES`); ``None`` where no launch of the layout is known (none made yet,
-    or the Gluon kernel's, whose host descriptors hold the tensors' addresses) or it cannot be made
-    natively."""
+    coded as :data:`NATIVE_TENSOR_CODES`); ``None`` where no launch of the layout is known (none made yet)
+    or it cannot be made natively (the Gluon kernel's: it needs global scratch and a work counter)."""
     layout, _, _ = _layout(*call, None)
     known = LAUNCHES.known.get(layout)
     return None if known is None else known.launch.native_launch(NATIVE_TENSOR_CODES)
@@ -327,19 +360,6 @@ def known_native_launch(call: VarlenCall) -> NativeLaunch | None:
 #: descale factors after them.
 _LEADING = 7
 _LEADING_FP8 = 10
-
-
-class LaunchPlan(NamedTuple):
-    """Everything one launch of the ``tl.dot`` kernel needs: ``kernel[grid](*args, **constexprs, **options)``;
-    ``key`` names the compiled variant for :class:`~mla_ops.kernels.launch.CachedLaunch`, whose relaunches replace
-    the first ``leading`` arguments (the tensors)."""
-
-    key: tuple
-    grid: tuple[int]
-    args: tuple
-    constexprs: dict
-    options: dict
-    leading: int
 
 
 def launch_plan(
@@ -414,7 +434,8 @@ class AttentionLaunches(LaunchCache):
     ``MAX_LAYOUTS`` the table starts over. ``table_configs``: the table's configuration per (device, Dqk, Dv,
     causal, dtype), after any step-down forced by the compiler running out of shared memory or registers:
     one dict lookup per call. ``large_configs``: the large-batch configuration per the same key, or ``None``
-    where none is tabled. ``launcher``: the ``tl.dot`` kernel's :class:`CachedLaunch`.
+    where none is tabled. ``launcher``: the ``tl.dot`` kernel's :class:`CachedLaunch`; ``sm90_launcher``: the
+    Gluon kernel's, made at its first launch (``None`` before).
     """
 
     TABLES = ("known", "table_configs", "large_configs")
@@ -425,16 +446,25 @@ class AttentionLaunches(LaunchCache):
         self.table_configs: dict[tuple, AttentionConfig] = {}
         self.large_configs: dict[tuple, AttentionConfig | None] = {}
         self.launcher = CachedLaunch(attn_fwd_kernel)
+        self.sm90_launcher: CachedLaunch | None = None
 
     def launch(self, plan_args: tuple) -> FixedLaunch | None:
         """Launch the kernel for :func:`launch_plan`'s arguments (call, out, lse, config, scales); returns the
         :class:`FixedLaunch` to launch the same layout with new addresses, or ``None`` where the launch went
         through the JIT function."""
-        plan = launch_plan(*plan_args)
-        device = plan_args[0].q.device
-        return self.launcher(
-            plan.key, device, plan.grid, plan.args, plan.constexprs, leading=plan.leading, **plan.options
-        )
+        return self.launcher.launch(launch_plan(*plan_args), plan_args[0].q.device)
+
+    def launch_sm90(
+        self, call: VarlenCall, out: torch.Tensor, lse: torch.Tensor, config: AttentionConfig
+    ) -> FixedLaunch | None:
+        """Launch the Gluon kernel (:mod:`mla_ops.kernels.attention_sm90`, which must cover the call) with
+        ``config``'s tile and stages; returns as :meth:`launch` does. Its relaunches take a fresh work counter
+        after the seven addresses (:class:`KnownLayout`'s ``counted``)."""
+        module = _sm90_module()
+        if self.sm90_launcher is None:
+            self.sm90_launcher = CachedLaunch(module._attn_fwd_sm90)
+        plan = module.sm90_launch(call, out, lse, config.block_n, config.num_stages)
+        return self.sm90_launcher.launch(plan, call.q.device)
 
 
 #: This process's launch state of :func:`attention_triton`.

@@ -15,16 +15,15 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..backends.base import VarlenCall
 from ..runtime.alloc import empty
 from .configs import head_dim_split
-from .launch import TorchScratch
+from .launch import LaunchPlan, TorchScratch, pointer_alignment
 from .programs import program_layout
 from .triton_compat import COMPILE_OPTIONS, lean_registers, thread_barrier, tma_load
 
-__all__ = ["attention_sm90", "sm90_launch", "sm90_shared_memory", "sm90_unsupported_reason"]
+__all__ = ["SM90_LEADING", "attention_sm90", "sm90_launch", "sm90_shared_memory", "sm90_unsupported_reason"]
 
 #: Query rows per consumer warpgroup; a program has two, so its block is 128 rows.
 _HALF = gl.constexpr(64)
@@ -53,6 +52,10 @@ _thread_barrier = thread_barrier()
 #: >= 3.8 the partitions are a few registers over their budgets otherwise; 3.6 and 3.7 keep the code
 #: measured on the GPU.
 _LEAN = gl.constexpr(lean_registers(triton.__version__))
+
+#: How many leading kernel arguments change from call to call: q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k (as
+#: the ``tl.dot`` kernel's) and the work counter.
+SM90_LEADING = 8
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -195,10 +198,22 @@ def _produce_item(
 
 
 @gluon.jit
+def _row_descriptor(T, rows, cols, stride_t, smem):
+    """A TMA descriptor over ``T`` ``[tokens, H, D]`` as 2-D rows ``[rows, cols]`` (row stride ``stride_t``; head
+    ``h`` from column ``h * stride_h``, its two parts side by side), in blocks of one buffer of ``smem``
+    (``[buffers, block rows, width]``, ``width`` one part of a head), in its layout."""
+    return tma.make_tensor_descriptor(
+        T, shape=[rows, cols], strides=[stride_t, 1], block_shape=[smem.type.shape[1], smem.type.shape[2]],
+        layout=smem.type.layout,
+    )  # fmt: skip
+
+
+@gluon.jit
 def _producer(
-    qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty,
-    k_ready, k_empty, v_ready, v_empty, item_smem, seq_smem, Counter, cu_seqlens_q, cu_seqlens_k, stride_qh, stride_kh,
-    stride_vt, stride_vh, num_seqs, num_heads, num_slots, heads_per_group, worker, num_workers,
+    Q, K, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+    item_smem, seq_smem, Counter, cu_seqlens_q, cu_seqlens_k, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+    stride_vh, num_tokens_q, q_cols, k_rows, k_cols, num_seqs, num_heads, num_slots, heads_per_group, worker,
+    num_workers,
     V_LAYOUT: gl.constexpr, CAUSAL: gl.constexpr,
 ):  # fmt: skip
     """The producer warp: every work item its program takes, ``worker`` first, then the next one not yet
@@ -206,6 +221,16 @@ def _producer(
     each item's number to the consumers with the item's Q and ends with ``-1``. Tiles are counted over all
     the items (``t``), so the rings' phases run on from one item to the next and an item's first tiles load
     while the previous one is finishing."""
+    # Q and K through descriptors built here, on the device, as V's are: a launch then passes only addresses
+    # and integers, so that a layout's later calls relaunch without Triton's dispatch (mla_ops.kernels.launch).
+    # Each covers the tensor as 2-D rows [tokens, columns], head h from column h * stride_h (its two parts
+    # side by side); the smem tiles' shapes and layouts give the blocks. The launcher passes the extents:
+    # computed here from the head count and strides, they held registers past this warp's 40 on Triton 3.8
+    # and 3.9 (52-72 bytes spilled).
+    qa_desc = _row_descriptor(Q, num_tokens_q, q_cols, stride_qt, q_smem_a)
+    qb_desc = _row_descriptor(Q, num_tokens_q, q_cols, stride_qt, q_smem_b)
+    ka_desc = _row_descriptor(K, k_rows, k_cols, stride_kt, k_smem_a)
+    kb_desc = _row_descriptor(K, k_rows, k_cols, stride_kt, k_smem_b)
     BN: gl.constexpr = ka_desc.block_type.shape[0]
     num_items = num_heads * num_slots
     t = worker * 0  # tiles loaded so far
@@ -454,31 +479,31 @@ def _fill_padding_lse(Lse, cu_seqlens_q, num_seqs, num_tokens, num_heads, stride
 
 @gluon.jit(
     do_not_specialize=[
-        "stride_lse_h", "num_tokens_q", "num_heads", "num_seqs", "num_slots", "heads_per_group", "num_workers",
-        "num_pad_programs",
+        "stride_lse_h", "num_tokens_q", "q_cols", "k_rows", "k_cols", "num_heads", "num_seqs", "num_slots",
+        "heads_per_group", "num_workers", "num_pad_programs",
     ]
 )  # fmt: skip
 def _attn_fwd_sm90(
-    qa_desc, qb_desc, ka_desc, kb_desc, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, Counter,
-    stride_qh, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse_h,
-    num_tokens_q, num_heads, num_seqs, num_slots, heads_per_group, num_workers, num_pad_programs, qk_scale,
-    D_V: gl.constexpr, V_LAYOUT: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr,
-    STAGES: gl.constexpr,
+    Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, Counter,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse_h,
+    num_tokens_q, q_cols, k_rows, k_cols, num_heads, num_seqs, num_slots, heads_per_group, num_workers,
+    num_pad_programs, qk_scale,
+    D_A: gl.constexpr, D_B: gl.constexpr, D_V: gl.constexpr, BN: gl.constexpr, Q_LAYOUT_A: gl.constexpr,
+    Q_LAYOUT_B: gl.constexpr, K_LAYOUT_A: gl.constexpr, K_LAYOUT_B: gl.constexpr, V_LAYOUT: gl.constexpr,
+    CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
-    BN: gl.constexpr = ka_desc.block_type.shape[0]
-    D_A: gl.constexpr = ka_desc.block_type.shape[1]
-    D_B: gl.constexpr = kb_desc.block_type.shape[1]
     pid = gl.program_id(0)
     if pid >= num_workers:
         _fill_padding_lse(Lse, cu_seqlens_q, num_seqs, num_tokens_q, num_heads, stride_lse_h, pid - num_workers,
                           num_pad_programs)  # fmt: skip
     else:
         # Each partition decodes the work items the producer takes (_work_item).
-        q_smem_a = gl.allocate_shared_memory(qa_desc.dtype, [2, _HALF, D_A], qa_desc.layout)
-        q_smem_b = gl.allocate_shared_memory(qb_desc.dtype, [2, _HALF, D_B], qb_desc.layout)
-        k_smem_a = gl.allocate_shared_memory(ka_desc.dtype, [STAGES, BN, D_A], ka_desc.layout)
-        k_smem_b = gl.allocate_shared_memory(kb_desc.dtype, [STAGES, BN, D_B], kb_desc.layout)
-        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BN, D_V], V_LAYOUT)
+        dtype: gl.constexpr = Q.dtype.element_ty
+        q_smem_a = gl.allocate_shared_memory(dtype, [2, _HALF, D_A], Q_LAYOUT_A)
+        q_smem_b = gl.allocate_shared_memory(dtype, [2, _HALF, D_B], Q_LAYOUT_B)
+        k_smem_a = gl.allocate_shared_memory(dtype, [STAGES, BN, D_A], K_LAYOUT_A)
+        k_smem_b = gl.allocate_shared_memory(dtype, [STAGES, BN, D_B], K_LAYOUT_B)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, D_V], V_LAYOUT)
         item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         if _LEAN:
             seq_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -507,10 +532,11 @@ def _attn_fwd_sm90(
                              v_ready, v_empty, item_smem, seq_smem, Out, Lse, cu_seqlens_q, cu_seqlens_k, num_seqs,
                              num_heads, num_slots, heads_per_group, stride_ot, stride_oh, stride_lse_h, qk_scale, 1,
                              CAUSAL, SCALE_NONNEG)),
-                (_producer, (qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem,
-                             q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, item_smem, seq_smem, Counter,
-                             cu_seqlens_q, cu_seqlens_k, stride_qh, stride_kh, stride_vt, stride_vh, num_seqs,
-                             num_heads, num_slots, heads_per_group, pid, num_workers, V_LAYOUT, CAUSAL)),
+                (_producer, (Q, K, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready,
+                             k_empty, v_ready, v_empty, item_smem, seq_smem, Counter, cu_seqlens_q, cu_seqlens_k,
+                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_tokens_q,
+                             q_cols, k_rows, k_cols, num_seqs, num_heads, num_slots, heads_per_group, pid,
+                             num_workers, V_LAYOUT, CAUSAL)),
             ],
             [4, 1],
             [_CONSUMER_REGS, _PRODUCER_REGS],
@@ -561,12 +587,10 @@ def _shared_layout(rows: int, width: int, dtype: torch.dtype) -> gl.NVMMASharedL
     return gl.NVMMASharedLayout.get_default_for([rows, width], _GL_DTYPES[dtype])
 
 
-def _descriptor(t: torch.Tensor, rows: int, width: int) -> TensorDescriptor:
-    """``t`` ``[T, H, D]`` as 2-D ``[T, columns]`` rows (head ``h`` from column ``h * stride_h``), in blocks of
-    ``[rows, width]``."""
-    cols = (t.shape[1] - 1) * t.stride(1) + t.shape[2]
-    layout = _shared_layout(rows, width, t.dtype)
-    return TensorDescriptor(t, [t.shape[0], cols], [t.stride(0), 1], [rows, width], layout)
+def _columns(t: torch.Tensor) -> int:
+    """The columns of ``t`` ``[T, H, D]`` seen as 2-D rows (head ``h`` from column ``h * stride_h``): the extent of
+    the kernel's Q and K descriptors."""
+    return (t.shape[1] - 1) * t.stride(1) + t.shape[2]
 
 
 @functools.cache
@@ -576,16 +600,17 @@ def _multiprocessors(index: int) -> int:
 
 def sm90_launch(
     call: VarlenCall, out: torch.Tensor, lse: torch.Tensor, block_n: int, stages: int, num_sms: int | None = None
-) -> tuple[tuple[int], tuple, dict]:
-    """``(grid, args, options)`` of one launch of the kernel on ``call``'s inputs
-    (:class:`~mla_ops.backends.base.VarlenCall`) into ``out`` and ``lse``: ``_attn_fwd_sm90[grid](*args, **options)``.
+) -> LaunchPlan:
+    """One launch of the kernel on ``call``'s inputs (:class:`~mla_ops.backends.base.VarlenCall`) into ``out`` and
+    ``lse``: ``_attn_fwd_sm90[plan.grid](*plan.args, **plan.constexprs, **plan.options)``
+    (:class:`~mla_ops.kernels.launch.LaunchPlan`), with global scratch for the descriptors the kernel builds.
 
     One program per multiprocessor (``num_sms``, by default q's device's count), at most one per work
     item, takes work items until none is left; the items are counted through a zeroed int32 allocated
     here (a ``torch.zeros`` on q's device and current stream, so inside CUDA-graph capture a memset node
-    of the graph). The tensors may be CPU stand-ins with the GPU tensors' shapes, strides
-    and alignment (for compiling ahead of time: ``benchmarks/compile_sm90.py``, which then gives
-    ``num_sms``); ``args`` holds host descriptors over them.
+    of the graph), the eighth of the plan's leading arguments: a relaunch passes a fresh one. The tensors may
+    be CPU stand-ins with the GPU tensors' shapes, strides and alignment (for compiling ahead of time:
+    ``benchmarks/compile_sm90.py``, which then gives ``num_sms``).
     """
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = call
     num_tokens, num_heads, dqk = q.shape
@@ -598,17 +623,28 @@ def sm90_launch(
     # One program of 208 KiB of shared memory fits a multiprocessor: as many programs as those.
     num_workers = min(num_heads * num_slots, num_sms or _multiprocessors(q.device.index))
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-    grid = (num_workers + num_pad_programs,)
-    v_layout = _shared_layout(block_n, dv, v.dtype)
-    args = (
-        _descriptor(q, _HALF.value, d_a), _descriptor(q, _HALF.value, d_b), _descriptor(k, block_n, d_a),
-        _descriptor(k, block_n, d_b), v, out, lse, cu_seqlens_q, cu_seqlens_k, counter,
-        q.stride(1), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-        num_tokens, num_heads, num_seqs, num_slots, heads_per_group, num_workers, num_pad_programs,
-        float(softmax_scale) * _LOG2E,
-        dv, v_layout, bool(causal), softmax_scale >= 0, stages,
+    dtype = q.dtype
+    constexprs = dict(
+        D_A=d_a, D_B=d_b, D_V=dv, BN=block_n, Q_LAYOUT_A=_shared_layout(BLOCK_M // 2, d_a, dtype),
+        Q_LAYOUT_B=_shared_layout(BLOCK_M // 2, d_b, dtype), K_LAYOUT_A=_shared_layout(block_n, d_a, dtype),
+        K_LAYOUT_B=_shared_layout(block_n, d_b, dtype), V_LAYOUT=_shared_layout(block_n, dv, dtype),
+        CAUSAL=bool(causal), SCALE_NONNEG=softmax_scale >= 0, STAGES=stages,
     )  # fmt: skip
-    return grid, args, dict(num_warps=4, maxnreg=_MAXNREG, **COMPILE_OPTIONS)
+    strides = (
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        lse.stride(0),
+    )  # fmt: skip
+    args = (
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, counter, *strides,
+        num_tokens, _columns(q), max(k.shape[0], 1), _columns(k), num_heads, num_seqs, num_slots, heads_per_group,
+        num_workers, num_pad_programs,
+        float(softmax_scale) * _LOG2E,
+    )  # fmt: skip
+    # Triton specialises the strides by value and the pointers by alignment; the other integers it does not.
+    alignment = pointer_alignment(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, counter)
+    key = (q.device.index, dtype, strides, alignment, tuple(constexprs.values()))
+    options = dict(num_warps=4, maxnreg=_MAXNREG)
+    return LaunchPlan(key, (num_workers + num_pad_programs,), args, constexprs, options, SM90_LEADING)
 
 
 def attention_sm90(
@@ -620,15 +656,14 @@ def attention_sm90(
     stages: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged attention forward on Hopper of ``call`` (:class:`~mla_ops.backends.base.VarlenCall`); results as
-    :func:`mla_ops.kernels.attention.attention_triton`'s (which calls this for the inputs and
-    configurations it covers: :func:`sm90_unsupported_reason` is ``None``), with the device of ``q``
-    current.
+    :func:`mla_ops.kernels.attention.attention_triton`'s (which launches this kernel, through its own
+    relaunch cache, for the inputs and configurations it covers: :func:`sm90_unsupported_reason` is
+    ``None``), with the device of ``q`` current.
 
     ``out`` (``[Tq, H, Dv]`` contiguous, q's dtype) and ``lse`` (float32 ``[H, Tq]`` contiguous) are
     written if given, else allocated. ``block_n`` keys per tile and ``stages`` buffers in each of the K and
-    V rings.
-    Launched through Triton's own dispatch (host descriptors hold the tensors' addresses, so nothing of
-    a launch can be reused), with the device-side descriptors' global scratch from PyTorch's allocator.
+    V rings. Launched through Triton's own dispatch, with the device-side descriptors' global scratch from
+    PyTorch's allocator.
     """
     q, v = call.q, call.v
     num_tokens, num_heads, dv = q.shape[0], q.shape[1], v.shape[-1]
@@ -638,7 +673,7 @@ def attention_sm90(
         lse = empty((num_heads, num_tokens), torch.float32, q.device)
     if num_tokens == 0 or num_heads == 0:
         return out, lse
-    grid, args, options = sm90_launch(call, out, lse, block_n, stages)
+    plan = sm90_launch(call, out, lse, block_n, stages)
     with TorchScratch():
-        _attn_fwd_sm90[grid](*args, **options)
+        _attn_fwd_sm90[plan.grid](*plan.args, **plan.constexprs, **plan.options, **COMPILE_OPTIONS)
     return out, lse

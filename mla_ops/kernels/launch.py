@@ -45,6 +45,7 @@ __all__ = [
     "FixedLaunch",
     "KnownLayout",
     "LaunchCache",
+    "LaunchPlan",
     "NativeLaunch",
     "Runtime",
     "remember",
@@ -292,15 +293,25 @@ class FixedLaunch:
 class KnownLayout:
     """What a kernel function keeps of a layout it launched before, for its next call of that layout: the
     :class:`FixedLaunch`, templates of its two outputs (``torch.empty_like`` of each gives a fresh output,
-    see :func:`mla_ops.runtime.alloc.template`) and whether the caller's input check has accepted the layout."""
+    see :func:`mla_ops.runtime.alloc.template`), whether the caller's input check has accepted the layout,
+    and whether the launch takes a fresh zeroed int32 work counter after the call's addresses (``counted``:
+    the persistent Gluon kernel's)."""
 
-    __slots__ = ("checked", "launch", "lse_template", "out_template")
+    __slots__ = ("checked", "counted", "launch", "lse_template", "out_template")
 
-    def __init__(self, launch: FixedLaunch, out_template: torch.Tensor, lse_template: torch.Tensor, checked: bool):
+    def __init__(
+        self,
+        launch: FixedLaunch,
+        out_template: torch.Tensor,
+        lse_template: torch.Tensor,
+        checked: bool,
+        counted: bool = False,
+    ) -> None:
         self.launch = launch
         self.out_template = out_template
         self.lse_template = lse_template
         self.checked = checked
+        self.counted = counted
 
 
 def remember(table: dict, layout: Hashable, entry: FixedLaunch | KnownLayout) -> None:
@@ -339,6 +350,19 @@ class LaunchCache:
         """Put back what :meth:`state` returned, dropping any attribute set since (an instance's own ``launch``)."""
         vars(self).clear()
         vars(self).update(state)
+
+
+class LaunchPlan(NamedTuple):
+    """Everything one launch of a kernel needs: ``kernel[grid](*args, **constexprs, **options)``; ``key`` names
+    the compiled variant for :class:`CachedLaunch`, whose relaunches replace the first ``leading`` arguments
+    (the tensors)."""
+
+    key: tuple
+    grid: tuple[int]
+    args: tuple
+    constexprs: dict
+    options: dict
+    leading: int
 
 
 class CachedLaunch:
@@ -393,6 +417,10 @@ class CachedLaunch:
         fixed = FixedLaunch(compiled, device.index, grid, tail, self.runtime)
         fixed(args[:leading])
         return fixed
+
+    def launch(self, plan: LaunchPlan, device: torch.device) -> FixedLaunch | None:
+        """:meth:`__call__` with a :class:`LaunchPlan`'s parts."""
+        return self(plan.key, device, plan.grid, plan.args, plan.constexprs, leading=plan.leading, **plan.options)
 
 
 def pointer_alignment(*tensors: torch.Tensor | None) -> tuple[bool, ...]:
