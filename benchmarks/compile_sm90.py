@@ -62,6 +62,7 @@ class Variant:
     warp_specialized: bool = False
     tma_ops: int = 0
     descriptors: tuple[str, ...] = ()
+    native: bool = False  # its parameters are a native launch's (mla_ops.kernels.launch.native_abi)
 
     def problems(self, wants_ws: bool) -> list[str]:
         """Why this variant is not fit to launch; empty when it is. ``wants_ws``: it states partitions of its
@@ -75,6 +76,8 @@ class Variant:
             found.append(f"wgmma serialised ({self.serialized})")
         if wants_ws and not self.warp_specialized:
             found.append("warp specialisation requested but not applied")
+        if not self.native and not self.scratch_bytes:  # kernels with scratch never launch natively
+            found.append("its parameters are not those a native launch passes")
         return found
 
 
@@ -150,6 +153,7 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool, dtype_name: st
 
             source = ASTSource
             plan = launch_plan(call, out, lse, config, scales)
+        from mla_ops.kernels.launch import native_abi
         from mla_ops.kernels.triton_compat import COMPILE_OPTIONS  # what CachedLaunch adds to every launch
 
         launch_options = {**plan.options, **COMPILE_OPTIONS}
@@ -168,6 +172,7 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool, dtype_name: st
         variant.scratch_bytes = compiled.metadata.global_scratch_size
         variant.warps = compiled.metadata.num_warps
         variant.warp_specialized = "ttg.warp_specialize" in ttgir
+        variant.native = native_abi(compiled)
         variant.tma_ops = len(re.findall(r"async_tma_copy|async_tma_store|tma_store|descriptor_(?:load|store)", ttgir))
     except Exception as exc:  # a variant the compiler rejects is a result to report
         variant.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
@@ -234,8 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parsed = [(AttentionConfig.parse(text, "--configs"), causal) for text, causal in variants]
     dtype_label = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8 (e4m3)"}[args.dtype]
     print(f"triton {triton.__version__}, sm_{CAPABILITY}a, (Dqk, Dv) = ({dqk}, {dv}), {dtype_label}")
-    header = ("config", "path", "regs", "spill", "smem KiB", "scratch", "warps", "ws", "tma")
-    print("{:<28} {:<6} {:>4} {:>5} {:>8} {:>7} {:>5} {:>3} {:>3}  descriptors".format(*header))
+    header = ("config", "path", "regs", "spill", "smem KiB", "scratch", "warps", "ws", "tma", "native")
+    print("{:<28} {:<6} {:>4} {:>5} {:>8} {:>7} {:>5} {:>3} {:>3} {:>6}  descriptors".format(*header))
     failed = compiled = spilled = serialised = 0
     for config, causal in parsed:
         v = compile_variant(config, dqk, dv, causal, args.dtype)
@@ -249,7 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if v.error is None:
             print(
                 f"{v.config:<28} {path:<6} {v.registers:>4} {v.spill_bytes:>5} {v.shared_bytes / 1024:>8.1f} "
-                f"{v.scratch_bytes:>7} {v.warps:>5} {'yes' if v.warp_specialized else 'no':>3} {v.tma_ops:>3}  "
+                f"{v.scratch_bytes:>7} {v.warps:>5} {'yes' if v.warp_specialized else 'no':>3} {v.tma_ops:>3} "
+                f"{'yes' if v.native else 'no':>6}  "
                 f"{','.join(v.descriptors) or '-'}{'  FAIL: ' + '; '.join(problems) if problems else ''}"
             )
         else:

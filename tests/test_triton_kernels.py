@@ -1005,6 +1005,43 @@ def test_a_known_launcher_is_called_through_its_c_launch_and_any_other_through_c
     launch._forwarding_known.cache_clear()
 
 
+def _ptx_entry(*params: str) -> str:
+    """A PTX module whose kernel entry declares ``params`` (each as PTX writes a parameter's type)."""
+    body = ",\n".join(f"\t.param {p} kernel_param_{i}" for i, p in enumerate(params))
+    head = ".version 8.7\n.target sm_90a\n.address_size 64\n\n.visible .entry kernel(\n"
+    return f"{head}{body}\n)\n.maxntid 128\n{{\n}}\n"
+
+
+_PTR = ".u64 .ptr .global .align 16"
+
+
+def test_native_abi_reads_the_kernels_parameters_from_its_ptx():
+    """native_abi: one PTX parameter per non-constexpr argument, of the width the native launch passes, then the two
+    scratch pointers; any other list (a host TMA descriptor's 128-byte array, a missing scratch pointer, a width
+    that differs, an unknown type) is refused. benchmarks/compile_sm90.py checks the real kernels under each
+    Triton release."""
+    from types import SimpleNamespace
+
+    from mla_ops.kernels.launch import native_abi
+
+    signature = {"Q": "*bf16", "n": "i32", "BLOCK": "constexpr", "scale": "fp32", "big": "i64", "flag": "i1"}
+
+    def abi(*params, sig=signature):
+        return native_abi(SimpleNamespace(asm={"ptx": _ptx_entry(*params)}, src=SimpleNamespace(signature=sig)))
+
+    good = (_PTR, ".u32", ".f32", ".u64", ".u8", _PTR, _PTR)
+    assert abi(*good)
+    assert abi(".u64 .ptr .global .align 1", *good[1:])  # a pointer's alignment does not matter
+    assert not abi(*good[:-1]), "the profile scratch pointer is missing"
+    assert not abi(*good, _PTR), "a parameter more"
+    assert not abi(_PTR, ".u64", *good[2:]), "an i32 passed as 8 bytes"
+    assert not abi(".align 64 .b8", *good[1:]) and not abi(".align 64 .b8 [128]", *good[1:])
+    assert not abi(".u64", *good[1:]), "a pointer must be one"
+    assert not abi(*good, sig={**signature, "n": "fp64"}), "a type the native launch does not store"
+    assert not native_abi(SimpleNamespace(asm={}, src=SimpleNamespace(signature=signature)))
+    assert not native_abi(SimpleNamespace())
+
+
 def test_native_launch_describes_the_parameters_triton_passes():
     """FixedLaunch.native_launch: the kernel's parameters as cuLaunchKernel takes them, the constexprs left out
     as Triton's launcher leaves them out, a float as its 32 bits; nothing where C++ could launch differently."""
@@ -1016,30 +1053,35 @@ def test_native_launch_describes_the_parameters_triton_passes():
     signature = {"Q": "*bf16", "Out": "*fp32", "n": "i32", "stride": "constexpr", "scale": "fp32", "big": "i64"}
     signature |= {"BLOCK": "constexpr"}
     compiled = SimpleNamespace(
-        run=None,
+        run=None,  # no launcher whose forwarding is known: the native launch does not need one
         function=0xABC,
         packed_metadata=None,
         metadata=SimpleNamespace(num_warps=4, num_ctas=1, shared=1024),
         src=SimpleNamespace(signature=signature),
+        asm={"ptx": _ptx_entry(_PTR, _PTR, ".u32", ".f32", ".u64", _PTR, _PTR)},
     )
     runtime = _runtime()
     fixed = launch.FixedLaunch(compiled, 0, (3, 2), (7, 1, 0.5, -(2**40), 64), runtime)
-    fixed.native = (None, False, False)  # a known launcher (what _native_launch finds for Triton 3.6's)
+    assert fixed.native is None
     got = fixed.native_launch((5, 2))
     half_bits = struct.unpack("<I", struct.pack("<f", 0.5))[0]
     assert got == launch.NativeLaunch(0xABC, (3, 2, 1), 128, 1024, (0, 0, 1, 3, 2), (5, 2, 7, half_bits, -(2**40)))
     assert fixed.native_launch((5,)) is None  # the leading codes do not cover the leading arguments
     for refusal in (
-        {"native": None},  # an unknown launcher: only its __call__ knows what it passes
-        {"native": (None, True, False)},  # cooperative
-        {"native": (None, False, True)},  # programmatic dependent launch
-        {"needs_scratch": True},
+        {"launch_cooperative_grid": True},
+        {"launch_pdl": True},
+        {"num_ctas": 2},
     ):
-        other = launch.FixedLaunch(compiled, 0, (3, 2), (7, 1, 0.5, -(2**40), 64), runtime)
-        other.native = (None, False, False)
-        for name, value in refusal.items():
-            setattr(other, name, value)
+        metadata = SimpleNamespace(**{"num_warps": 4, "num_ctas": 1, "shared": 1024, **refusal})
+        other = launch.FixedLaunch(SimpleNamespace(**{**vars(compiled), "metadata": metadata}), 0, (3, 2),
+                                   (7, 1, 0.5, -(2**40), 64), runtime)  # fmt: skip
         assert other.native_launch((5, 2)) is None, refusal
+    other = launch.FixedLaunch(compiled, 0, (3, 2), (7, 1, 0.5, -(2**40), 64), runtime)
+    other.needs_scratch = True
+    assert other.native_launch((5, 2)) is None
+    other = launch.FixedLaunch(SimpleNamespace(**{**vars(compiled), "asm": {"ptx": _ptx_entry(_PTR, _PTR)}}), 0,
+                               (3, 2), (7, 1, 0.5, -(2**40), 64), runtime)  # fmt: skip
+    assert other.native_launch((5, 2)) is None, "parameters other than a native launch's"
     hooks = runtime.knobs.runtime
     hooks.launch_enter_hook, hooks.launch_exit_hook = "enter", "leave"  # hooks installed: handed back anyway
     assert fixed.native_launch((5, 2)) is None
@@ -1047,9 +1089,6 @@ def test_native_launch_describes_the_parameters_triton_passes():
     compiled.src.signature = {**signature, "n": "fp64"}  # a type the C++ launcher does not store
     assert fixed.native_launch((5, 2)) is None
     compiled.src.signature = {**signature, "n": "*i32"}  # a pointer among the fixed arguments
-    assert fixed.native_launch((5, 2)) is None
-    compiled.src.signature = signature
-    compiled.metadata.num_ctas = 2
     assert fixed.native_launch((5, 2)) is None
 
 

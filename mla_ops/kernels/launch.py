@@ -14,6 +14,7 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import re
 import struct
 import textwrap
 from collections.abc import Callable, Hashable
@@ -180,6 +181,46 @@ def _native_launch(compiled: Any) -> tuple | None:
 NATIVE_KINDS = {"i32": 1, "i64": 2, "fp32": 3, "f32": 3, "i1": 4, "i8": 4, "i16": 5, "u32": 6, "u64": 7}
 _NATIVE_FLOAT_BITS = 3
 _NATIVE_POINTER = 0
+#: Bytes the native launch passes for a parameter of each kind (a pointer is 8).
+_NATIVE_BYTES = {_NATIVE_POINTER: 8, 1: 4, 2: 8, 3: 4, 4: 1, 5: 2, 6: 4, 7: 8}
+#: Bytes of a PTX parameter of each fundamental type.
+_PTX_BYTES = {"8": 1, "16": 2, "32": 4, "64": 8}
+#: One parameter of a PTX entry: its type (``.u64``, ``.f32``, ``.b8``...), whether it is a pointer, and an
+#: array size (a host TMA descriptor's ``.b8 x[128]``).
+_PTX_PARAM = re.compile(r"\.param\s+(?:\.align\s+\d+\s+)?\.[a-z](\d+)(\s+\.ptr)?[^,)\[]*(\[\d+\])?")
+
+
+def native_abi(compiled: Any) -> bool:
+    """Whether a compiled kernel takes exactly the parameters a native launch passes: one per argument of its
+    signature that is not a constexpr (a pointer, or a scalar of :data:`NATIVE_KINDS` in its width), then two
+    pointers, the global and the profile scratch buffers. Read from the kernel's PTX entry, so it holds for
+    whatever Triton compiled it (3.6 to 3.9 alike: ``benchmarks/compile_sm90.py`` checks the tabled variants);
+    ``False`` where the PTX or the signature is missing or differs.
+    """
+    asm = getattr(compiled, "asm", None)
+    ptx = asm.get("ptx") if hasattr(asm, "get") else None
+    signature = getattr(getattr(compiled, "src", None), "signature", None)
+    if not isinstance(ptx, str) or not isinstance(signature, dict):
+        return False
+    entry = ptx.find(".entry")
+    start, end = ptx.find("(", entry), ptx.find(")", entry)
+    if entry < 0 or not entry < start < end:
+        return False
+    found = [
+        (_PTX_BYTES.get(bits, 0), bool(pointer), bool(array))
+        for bits, pointer, array in _PTX_PARAM.findall(ptx[start:end + 1])
+    ]
+    expected = []
+    for kind_name in signature.values():
+        if kind_name == "constexpr":
+            continue
+        pointer = isinstance(kind_name, str) and kind_name.startswith("*")
+        kind = _NATIVE_POINTER if pointer else NATIVE_KINDS.get(kind_name)
+        if kind is None:
+            return False
+        expected.append((_NATIVE_BYTES[kind], kind == _NATIVE_POINTER, False))
+    expected += [(8, True, False)] * 2  # the scratch buffers
+    return found == expected
 
 
 class NativeLaunch(NamedTuple):
@@ -208,7 +249,7 @@ class FixedLaunch:
     stream and Triton's launch hooks are read from ``runtime`` at each call.
     """
 
-    __slots__ = ("compiled", "device_index", "grid", "middle", "native", "needs_scratch", "runtime", "tail")
+    __slots__ = ("abi", "compiled", "device_index", "grid", "middle", "native", "needs_scratch", "runtime", "tail")
 
     def __init__(
         self, compiled: Any, device_index: int, grid: tuple[int, ...], tail: tuple, runtime: Runtime = RUNTIME
@@ -220,6 +261,7 @@ class FixedLaunch:
         self.tail = tail
         self.needs_scratch = _needs_scratch(compiled)
         self.native = _native_launch(compiled)
+        self.abi: bool | None = None  # native_abi(compiled), read at the first native_launch
         # What CudaLauncher.__call__ would pass on between the stream and the kernel's arguments: no
         # scratch buffers, no launch metadata, no hooks (built once: this runs on every launch).
         self.middle = None
@@ -249,18 +291,25 @@ class FixedLaunch:
     def native_launch(self, leading_codes: tuple[int, ...]) -> NativeLaunch | None:
         """This launch as a :class:`NativeLaunch`, the leading arguments given by ``leading_codes`` (one code
         per leading argument, each a pointer), or ``None`` where a launch in C++ could differ from
-        :meth:`__call__`'s: a launcher this module does not know, scratch memory, a cooperative,
-        programmatic-dependent or clustered launch, or a parameter type outside :data:`NATIVE_KINDS`.
+        :meth:`__call__`'s: scratch memory, a cooperative, programmatic-dependent or clustered launch, a
+        parameter type outside :data:`NATIVE_KINDS`, or a kernel whose parameters are not the ones a native
+        launch passes (:func:`native_abi`, read from its PTX: so it serves any Triton release that compiles
+        kernels so, not only those whose launcher's forwarding this module knows).
 
         ``None`` too while Triton's launch hooks are installed: the native launcher, which reads them on every
         call as :meth:`__call__` does, would hand every call of the layout back anyway.
         """
-        if self.native is None or self.needs_scratch or self.runtime.hooks() != (None, None):
+        if self.needs_scratch or self.runtime.hooks() != (None, None):
             return None
-        _, cooperative, pdl = self.native
         compiled = self.compiled
         metadata = compiled.metadata
-        if cooperative or pdl or getattr(metadata, "num_ctas", 1) != 1:
+        if getattr(metadata, "launch_cooperative_grid", False) or getattr(metadata, "launch_pdl", False):
+            return None
+        if getattr(metadata, "num_ctas", 1) != 1:
+            return None
+        if self.abi is None:
+            self.abi = native_abi(compiled)
+        if not self.abi:
             return None
         signature = getattr(getattr(compiled, "src", None), "signature", None)
         if not isinstance(signature, dict) or len(signature) != len(leading_codes) + len(self.tail):
