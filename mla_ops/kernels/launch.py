@@ -291,10 +291,13 @@ class FixedLaunch:
     def native_launch(self, leading_codes: tuple[int, ...]) -> NativeLaunch | None:
         """This launch as a :class:`NativeLaunch`, the leading arguments given by ``leading_codes`` (one code
         per leading argument, each a pointer), or ``None`` where a launch in C++ could differ from
-        :meth:`__call__`'s: scratch memory, a cooperative, programmatic-dependent or clustered launch, a
-        parameter type outside :data:`NATIVE_KINDS`, or a kernel whose parameters are not the ones a native
-        launch passes (:func:`native_abi`, read from its PTX: so it serves any Triton release that compiles
+        :meth:`__call__`'s: scratch memory (global or profile), a cooperative, programmatic-dependent or clustered
+        launch, a parameter type outside :data:`NATIVE_KINDS`, or a kernel whose parameters are not the ones a
+        native launch passes (:func:`native_abi`, read from its PTX: so it serves any Triton release that compiles
         kernels so, not only those whose launcher's forwarding this module knows).
+
+        The C++ table keeps the kernel's function handle, which Triton 3.8 on unloads when the compiled kernel is
+        collected; the compiled kernel stays referenced by this launch's :class:`CachedLaunch` for the process.
 
         ``None`` too while Triton's launch hooks are installed: the native launcher, which reads them on every
         call as :meth:`__call__` does, would hand every call of the layout back anyway.
@@ -305,7 +308,8 @@ class FixedLaunch:
         metadata = compiled.metadata
         if getattr(metadata, "launch_cooperative_grid", False) or getattr(metadata, "launch_pdl", False):
             return None
-        if getattr(metadata, "num_ctas", 1) != 1:
+        # A profile scratch buffer (Triton's profiler instrumentation) would be passed null: the kernel writes it.
+        if getattr(metadata, "num_ctas", 1) != 1 or getattr(metadata, "profile_scratch_size", 0):
             return None
         if self.abi is None:
             self.abi = native_abi(compiled)
