@@ -62,7 +62,7 @@ class Variant:
     warp_specialized: bool = False
     tma_ops: int = 0
     descriptors: tuple[str, ...] = ()
-    native: bool = False  # its parameters are a native launch's (mla_ops.kernels.launch.native_abi)
+    native: bool | None = None  # its parameters are a native launch's (mla_ops.kernels.launch.native_abi)
 
     def problems(self, wants_ws: bool) -> list[str]:
         """Why this variant is not fit to launch; empty when it is. ``wants_ws``: it states partitions of its
@@ -76,7 +76,7 @@ class Variant:
             found.append(f"wgmma serialised ({self.serialized})")
         if wants_ws and not self.warp_specialized:
             found.append("warp specialisation requested but not applied")
-        if not self.native and not self.scratch_bytes:  # kernels with scratch never launch natively
+        if self.native is False and not self.scratch_bytes:  # kernels with scratch never launch natively
             found.append("its parameters are not those a native launch passes")
         return found
 

@@ -1093,6 +1093,10 @@ def test_compile_sm90_reads_registers_spills_and_serialised_wgmma_from_ptxas():
     assert CS.parse_ptxas_log(clean) == (255, 0, None)
     variant = CS.Variant("128,64,8,3", causal=False, registers=255, spill_bytes=0, serialized="C7515")
     assert variant.problems(wants_ws=False) == ["wgmma serialised (C7515)"]
+    variant = CS.Variant("128,64,8,3", causal=False, registers=255, spill_bytes=0, scratch_bytes=0, native=False)
+    assert variant.problems(wants_ws=False) == ["its parameters are not those a native launch passes"]
+    variant.scratch_bytes = 640  # a kernel with scratch is never launched natively: nothing to require
+    assert variant.problems(wants_ws=False) == []
 
 
 @pytest.mark.skipif(
