@@ -751,6 +751,26 @@ def test_gluon_launch_arguments_on_host_stand_ins():
     assert (constexprs["D_A"], constexprs["D_B"], constexprs["D_V"], constexprs["BN"]) == (128, 64, 128, 128)
 
 
+def test_gluon_relaunch_adds_a_fresh_zeroed_work_counter():
+    """A remembered Gluon layout is called with the seven addresses, as the tl.dot kernel's is; CountedRelaunch hands
+    its FixedLaunch an eighth, a zeroed int32 counter alive for the launch, new each call, and never launches in C++."""
+    import ctypes
+
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
+    from mla_ops.kernels.attention_sm90 import CountedRelaunch
+
+    seen = []
+
+    def fixed(leading):
+        seen.append((leading, ctypes.c_int32.from_address(leading[-1]).value))
+
+    relaunch = CountedRelaunch(fixed, torch.device("cpu"))
+    for _ in range(2):
+        relaunch((1, 2, 3, 4, 5, 6, 7))
+    assert [(leading[:7], len(leading), value) for leading, value in seen] == [((1, 2, 3, 4, 5, 6, 7), 8, 0)] * 2
+    assert relaunch.native_launch((0, 1, 2, 3, 4, 5, 6)) is None
+
+
 def test_shrink_steps_down_to_smallest():
     config, seen = AttentionConfig(128, 128, 8, 3), []
     while config is not None:

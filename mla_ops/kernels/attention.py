@@ -40,6 +40,7 @@ from .launch import (
     LaunchCache,
     LaunchPlan,
     NativeLaunch,
+    Relaunch,
     pointer_alignment,
     remember,
 )
@@ -205,21 +206,13 @@ def attention_triton(
     if known is not None and device.index == current_cuda_device():  # launches go to the current device
         out, lse = torch.empty_like(known.out_template), torch.empty_like(known.lse_template)
         # Concatenation, not unpacking: with bf16's empty tuple it costs nothing where a starred form builds a list.
-        addresses = (p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k) + p_descales  # noqa: RUF005
-        if known.counted:
-            _launch_counted(known, addresses, device)
-        else:
-            known.launch(addresses)
+        known.launch((p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k) + p_descales)  # noqa: RUF005
         return out, lse
     out = empty((num_tokens, num_heads, dv), out_dtype, device)
     lse = empty((num_heads, num_tokens), torch.float32, device)
     if known is not None:  # q's device is not the current one
-        addresses = (p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k) + p_descales  # noqa: RUF005
         with on_device(device):
-            if known.counted:
-                _launch_counted(known, addresses, device)
-            else:
-                known.launch(addresses)
+            known.launch((p_q, p_k, p_v, out.data_ptr(), lse.data_ptr(), p_cu_q, p_cu_k) + p_descales)  # noqa: RUF005
         return out, lse
 
     key = None
@@ -248,7 +241,7 @@ def attention_triton(
         call = VarlenCall(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
         with on_device(device):
             fixed = launches.launch_sm90(call, out, lse, config)
-        _remember(layout, fixed, out, lse, True)
+        _remember(layout, fixed, out, lse)
         return out, lse
     call = VarlenCall(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
     while True:
@@ -256,7 +249,7 @@ def attention_triton(
             # Triton launches on the current device and its current stream, not on q's device.
             with on_device(device):
                 fixed = launches.launch((call, out, lse, config, scales))
-            _remember(layout, fixed, out, lse, False)
+            _remember(layout, fixed, out, lse)
             return out, lse
         except OutOfResources as exc:
             # The table is tuned for one GPU; on a smaller one, step down instead of failing. An
@@ -271,24 +264,16 @@ def attention_triton(
             config = launches.table_configs[key] = smaller
 
 
-def _launch_counted(known: KnownLayout, addresses: tuple[int, ...], device: torch.device) -> None:
-    """Relaunch ``known`` (the Gluon kernel's) on ``addresses`` and a fresh zeroed work counter."""
-    # The counter is held until the launch is queued: freed earlier, its block could become the kernel's
-    # scratch, which the launch allocates.
-    counter = torch.zeros(1, dtype=torch.int32, device=device)
-    known.launch((*addresses, counter.data_ptr()))
-
-
-def _remember(layout: tuple, fixed: FixedLaunch | None, out: torch.Tensor, lse: torch.Tensor, counted: bool) -> None:
+def _remember(layout: tuple, fixed: Relaunch | None, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Keep ``fixed``, the launch that made ``out`` and ``lse``, for the later calls of ``layout``; nothing where the
     launch went through the JIT function (``fixed`` is ``None``: a variant's first launch) or the outputs cannot
-    be templated. ``counted``: the launch takes a fresh work counter (the Gluon kernel's)."""
+    be templated."""
     if fixed is None:
         return
     out_template = template(out.shape, out.dtype, out.device)
     lse_template = template(lse.shape, torch.float32, lse.device)
     if out_template is not None and lse_template is not None:
-        remember(LAUNCHES.known, layout, KnownLayout(fixed, out_template, lse_template, False, counted))
+        remember(LAUNCHES.known, layout, KnownLayout(fixed, out_template, lse_template, False))
 
 
 def batch_invariant_config(
@@ -458,15 +443,16 @@ class AttentionLaunches(LaunchCache):
 
     def launch_sm90(
         self, call: VarlenCall, out: torch.Tensor, lse: torch.Tensor, config: AttentionConfig
-    ) -> FixedLaunch | None:
+    ) -> Relaunch | None:
         """Launch the Gluon kernel (:mod:`mla_ops.kernels.attention_sm90`, which must cover the call) with
-        ``config``'s tile and stages; returns as :meth:`launch` does. Its relaunches take a fresh work counter
-        after the seven addresses (:class:`KnownLayout`'s ``counted``)."""
+        ``config``'s tile and stages; returns as :meth:`launch` does, the launch called with the seven addresses as
+        the ``tl.dot`` kernel's is (:class:`~mla_ops.kernels.attention_sm90.CountedRelaunch` adds the work counter)."""
         module = _sm90_module()
         if self.sm90_launcher is None:
             self.sm90_launcher = CachedLaunch(module._attn_fwd_sm90)
         plan = module.sm90_launch(call, out, lse, config.block_n, config.num_stages)
-        return self.sm90_launcher.launch(plan, call.q.device)
+        fixed = self.sm90_launcher.launch(plan, call.q.device)
+        return None if fixed is None else module.CountedRelaunch(fixed, call.q.device)
 
 
 #: This process's launch state of :func:`attention_triton`.

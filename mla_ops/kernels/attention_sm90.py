@@ -19,11 +19,18 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from ..backends.base import VarlenCall
 from ..runtime.alloc import empty
 from .configs import head_dim_split
-from .launch import LaunchPlan, TorchScratch, pointer_alignment
+from .launch import FixedLaunch, LaunchPlan, NativeLaunch, TorchScratch, pointer_alignment
 from .programs import program_layout
 from .triton_compat import COMPILE_OPTIONS, lean_registers, thread_barrier, tma_load
 
-__all__ = ["SM90_LEADING", "attention_sm90", "sm90_launch", "sm90_shared_memory", "sm90_unsupported_reason"]
+__all__ = [
+    "SM90_LEADING",
+    "CountedRelaunch",
+    "attention_sm90",
+    "sm90_launch",
+    "sm90_shared_memory",
+    "sm90_unsupported_reason",
+]
 
 #: Query rows per consumer warpgroup; a program has two, so its block is 128 rows.
 _HALF = gl.constexpr(64)
@@ -608,9 +615,9 @@ def sm90_launch(
     One program per multiprocessor (``num_sms``, by default q's device's count), at most one per work
     item, takes work items until none is left; the items are counted through a zeroed int32 allocated
     here (a ``torch.zeros`` on q's device and current stream, so inside CUDA-graph capture a memset node
-    of the graph), the eighth of the plan's leading arguments: a relaunch passes a fresh one. The tensors may
-    be CPU stand-ins with the GPU tensors' shapes, strides and alignment (for compiling ahead of time:
-    ``benchmarks/compile_sm90.py``, which then gives ``num_sms``).
+    of the graph), the eighth of the plan's leading arguments: a relaunch passes a fresh one
+    (:class:`CountedRelaunch`). The tensors may be CPU stand-ins with the GPU tensors' shapes, strides and
+    alignment (for compiling ahead of time: ``benchmarks/compile_sm90.py``, which then gives ``num_sms``).
     """
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = call
     num_tokens, num_heads, dqk = q.shape
@@ -645,6 +652,27 @@ def sm90_launch(
     key = (q.device.index, dtype, strides, alignment, tuple(constexprs.values()))
     options = dict(num_warps=4, maxnreg=_MAXNREG)
     return LaunchPlan(key, (num_workers + num_pad_programs,), args, constexprs, options, SM90_LEADING)
+
+
+class CountedRelaunch:
+    """A layout's :class:`~mla_ops.kernels.launch.FixedLaunch` of this kernel, relaunched as the ``tl.dot`` kernel's
+    are, with the seven addresses (a :class:`~mla_ops.kernels.launch.Relaunch`): it adds a fresh zeroed work counter
+    on ``device``, the plan's eighth leading argument. Never launched in C++ (it needs global scratch too)."""
+
+    __slots__ = ("device", "fixed")
+
+    def __init__(self, fixed: FixedLaunch, device: torch.device) -> None:
+        self.fixed = fixed
+        self.device = device
+
+    def __call__(self, leading: tuple) -> None:
+        # The counter is held until the launch is queued: freed earlier, its block could become the kernel's
+        # scratch, which the launch allocates.
+        counter = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.fixed((*leading, counter.data_ptr()))
+
+    def native_launch(self, leading_codes: tuple[int, ...]) -> NativeLaunch | None:
+        return None
 
 
 def attention_sm90(

@@ -18,7 +18,7 @@ import re
 import struct
 import textwrap
 from collections.abc import Callable, Hashable
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
@@ -48,6 +48,7 @@ __all__ = [
     "LaunchCache",
     "LaunchPlan",
     "NativeLaunch",
+    "Relaunch",
     "Runtime",
     "remember",
 ]
@@ -343,28 +344,28 @@ class FixedLaunch:
         )
 
 
+class Relaunch(Protocol):
+    """What a kernel function keeps of a layout's launch (:class:`FixedLaunch` is one): called with the call's
+    leading arguments, it launches again; :meth:`native_launch` describes it for the C++ launcher, or is ``None``."""
+
+    def __call__(self, leading: tuple) -> None: ...
+
+    def native_launch(self, leading_codes: tuple[int, ...]) -> NativeLaunch | None: ...
+
+
 class KnownLayout:
     """What a kernel function keeps of a layout it launched before, for its next call of that layout: the
     :class:`FixedLaunch`, templates of its two outputs (``torch.empty_like`` of each gives a fresh output,
-    see :func:`mla_ops.runtime.alloc.template`), whether the caller's input check has accepted the layout,
-    and whether the launch takes a fresh zeroed int32 work counter after the call's addresses (``counted``:
-    the persistent Gluon kernel's)."""
+    see :func:`mla_ops.runtime.alloc.template`) and whether the caller's input check has accepted the layout.
+    The launch is a :class:`FixedLaunch`, or another :class:`Relaunch` that a kernel function calls alike."""
 
-    __slots__ = ("checked", "counted", "launch", "lse_template", "out_template")
+    __slots__ = ("checked", "launch", "lse_template", "out_template")
 
-    def __init__(
-        self,
-        launch: FixedLaunch,
-        out_template: torch.Tensor,
-        lse_template: torch.Tensor,
-        checked: bool,
-        counted: bool = False,
-    ) -> None:
+    def __init__(self, launch: Relaunch, out_template: torch.Tensor, lse_template: torch.Tensor, checked: bool):
         self.launch = launch
         self.out_template = out_template
         self.lse_template = lse_template
         self.checked = checked
-        self.counted = counted
 
 
 def remember(table: dict, layout: Hashable, entry: FixedLaunch | KnownLayout) -> None:
