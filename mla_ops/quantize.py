@@ -68,12 +68,14 @@ def quantize_fp8(x: torch.Tensor, per_head: bool = True) -> tuple[torch.Tensor, 
     # Times the reciprocal rather than a division: PyTorch's CUDA division by a scalar multiplies by its reciprocal,
     # so a division would give CUDA and CPU factors an ulp apart (measured on the H200); this is one on every device.
     descale = torch.where(amax > 0, amax * (1.0 / FP8_MAX), 1.0)
+    scale = 1.0 / descale
     out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     if x.is_cuda and x.stride(2) == 1 and not torch.compiler.is_compiling():
         kernel = _cuda_kernel()
         if kernel is not None:
-            return kernel(x, (1.0 / descale).reshape(-1).expand(num_heads), out), descale
-    scale = (1.0 / descale).reshape(-1, 1) if per_head else 1.0 / descale
+            return kernel(x, scale.reshape(-1).expand(num_heads), out), descale
+    if per_head:
+        scale = scale.reshape(-1, 1)
     # Under torch.compile the conversion is one fused kernel; eagerly each step materialises its float32 rows, so
     # steps of bounded size keep that intermediate small (a 128k-token q would otherwise need 13 GB).
     rows = num_tokens if torch.compiler.is_compiling() else max(1, _STEP_ELEMENTS // (num_heads * head_dim))

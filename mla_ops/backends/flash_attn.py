@@ -291,6 +291,8 @@ class _Adapter:
     """A loaded implementation: the function to call and how to call it."""
 
     kind: _Kind
+    #: Whether it runs fp8 inputs with their descale factors (only FlashAttention-4's forward does).
+    takes_descales: bool = False
 
     def __init__(self, function: Callable[..., Any], version: str | None) -> None:
         self.function = function
@@ -401,8 +403,7 @@ class _FA4Adapter(_Adapter):
         super().__init__(function, version)
         self.jit = jit
         self.entry = forward if forward is not None else function
-        #: Whether it can run fp8 inputs: only its forward takes their descale factors (4.0.0b36's public
-        #: ``flash_attn_varlen_func`` takes none).
+        # Only its forward takes the descale factors (4.0.0b36's public flash_attn_varlen_func takes none).
         self.takes_descales = forward is not None and _takes(forward, _FA4_DESCALES)
 
     def describe(self) -> str:
@@ -734,7 +735,7 @@ class FlashAttnBackend(PrefillBackend):
             return []  # the rules already say why, or there is no device to pick a link for
         adapter, skipped = self.choose(capability, config.head_dim_qk, config.head_dim_v)
         if adapter is not None:
-            if config.dtype == FP8_DTYPE and not getattr(adapter, "takes_descales", False):
+            if config.dtype == FP8_DTYPE and not adapter.takes_descales:
                 return [f"{_FP8_NEEDS}; installed: {adapter.describe()}"]
             return []
         return [
@@ -751,7 +752,7 @@ class FlashAttnBackend(PrefillBackend):
         except Exception as exc:
             return f"unknown (probing FlashAttention failed: {exc!r})"
         chosen = adapter.describe() if adapter is not None else "none usable"
-        if config.dtype == FP8_DTYPE and getattr(adapter, "takes_descales", False):
+        if config.dtype == FP8_DTYPE and adapter is not None and adapter.takes_descales:
             chosen = f"{chosen}; {FP8_UNTESTED}"
         return f"{chosen} [skipped: {'; '.join(skipped)}]" if skipped else chosen
 
@@ -830,7 +831,7 @@ class FlashAttnBackend(PrefillBackend):
         if q.shape[0] == 0 or cu_seqlens_q.shape[0] == 1 or k.shape[0] == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
             return _no_keys(q, v.shape[-1], scales.out_dtype)
         adapter = self._adapter_for(q, v)
-        if not getattr(adapter, "takes_descales", False):
+        if not adapter.takes_descales:
             raise ValueError(
                 f"FLASH_ATTN cannot run fp8 inputs here: {_FP8_NEEDS}; installed: {adapter.describe()}. Select "
                 "another backend with MLA_OPS_PREFILL_BACKEND (TRITON runs fp8 on SM89 and newer)"
