@@ -34,7 +34,7 @@ ENV_VAR = "MLA_OPS_PREFILL_BACKEND"
 B = PrefillBackendEnum
 
 # Orders follow measurements where we have them; README's performance section cites the figures and a
-# benchmark that disagrees changes the order. SM90: benchmarks/results/h200/results.md (2026-12-01):
+# benchmark that disagrees changes the order. SM90: benchmarks/results/h200/results.md at commit 8fe6e83 (2026-12-01):
 # FLASHINFER (fa3) was fastest on 14 of the 25 attention shapes and FLASH_ATTN through FlashAttention-4
 # on the other 11; FLASH_ATTN through FlashAttention-4 beat TRITON on 21 of 25. Through a
 # FlashAttention-2 that pads v (PyTorch's bundled kernel) FLASH_ATTN ran at about half TRITON's speed
@@ -59,8 +59,8 @@ _WIDE_HEAD_DIMS = (256, 256)
 
 #: Where each family's order comes from, as ``info`` prints it.
 _EVIDENCE_SM90 = (
-    "measured by this project on an H200 (benchmarks/results/h200/results.md, 2026-12-01): FLASHINFER (fa3) "
-    "fastest on 14 of 25 attention shapes, FLASH_ATTN (FlashAttention-4) on the other 11"
+    "measured by this project on an H200 (benchmarks/results/h200/results.md at commit 8fe6e83, 2026-12-01): "
+    "FLASHINFER (fa3) fastest on 14 of 25 attention shapes, FLASH_ATTN (FlashAttention-4) on the other 11"
 )
 _EVIDENCE_SM80 = "not measured by this project: FlashAttention-2 is the usual leader on Ampere/Ada"
 _EVIDENCE_SM100 = (

@@ -148,7 +148,7 @@ Selection rules for compute capability 9.0 and SelectorConfig(dtype=torch.bfloat
   3      TRITON      yes
   -      REFERENCE   yes (explicit override only)
   (FLASH_ATTN ranks after TRITON where the FlashAttention it runs pads v: FlashAttention-2)
-  order from: measured by this project on an H200 (benchmarks/results/h200/results.md, 2026-12-01): FLASHINFER (fa3) fastest on 14 of 25 attention shapes, FLASH_ATTN (FlashAttention-4) on the other 11
+  order from: measured by this project on an H200 (benchmarks/results/h200/results.md at commit 8fe6e83, 2026-12-01): FLASHINFER (fa3) fastest on 14 of 25 attention shapes, FLASH_ATTN (FlashAttention-4) on the other 11
   automatic choice when every library is installed: FLASHINFER""",
         )
 

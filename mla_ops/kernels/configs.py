@@ -161,7 +161,7 @@ class MergeConfig:
 #: Hopper (SM90, H100/H200: 227 KiB shared memory per block). 8 warps = two warpgroups on a
 #: 128-row query block. For (192, 128) one K/V stage of 64 keys is 40 KiB next to a 48 KiB Q tile.
 # (192, 128) from benchmarks/tune_triton.py on an H200 (2026-12-02, torch 2.11, triton 3.6,
-# benchmarks/results/h200/tune_ovl.log): causal 128,64,8,3 (453/494/388 TFLOP/s on 4x4096 H16,
+# benchmarks/results/h200/tune_ovl.log at commit 8fe6e83): causal 128,64,8,3 (453/494/388 TFLOP/s on 4x4096 H16,
 # 2x8192 H128, mixed H128; its 'ovl' twin 440/482/369, the TMA ones 415-427/458-483/340-350); chunk
 # 128,64,8,3,ovl (495/496 TFLOP/s on 1k over 8k at H16/H128, against 467/494 for the former entry
 # 128,64,8,4,tma and 414/429 for 128,64,8,3, whose wgmma ptxas serialises on this path).
@@ -189,7 +189,7 @@ _ARCH_TABLES: dict[int, dict[tuple, AttentionConfig]] = {9: SM90_ATTENTION}
 #: where the Gluon kernel's host-built descriptors cost less than they save. (192, 128): 128-key tiles in
 #: 2 buffers per ring, each tile's softmax under the previous tile's P @ V ('ovl'), persistent programs
 #: that take work items from a counter ('pers'). benchmarks/tune_triton.py on an H200 (2026-12-03 09:20
-#: UTC, torch 2.11, triton 3.6, benchmarks/results/h200/tune_gluon_pers.log), TFLOP/s on causal 4x4096
+#: UTC, torch 2.11, triton 3.6, benchmarks/results/h200/tune_gluon_pers.log at commit 8fe6e83), TFLOP/s on causal 4x4096
 #: H16, 2x8192 H128, the mixed batch, 1k over 8k at H16 / H128: 644 / 652 / 506 / 454 / 726, against
 #: 665 / 712 / 601 / 706 / 709 for FlashInfer's fa3 in the same run; a program per work item (the former
 #: entry, 'ovl') 573 / 659 / 469 / 516 / 658; persistent with ping-pong turns ('ovl,pp,pers') 604 / 672 /
