@@ -531,23 +531,12 @@ def measure_host_issue(
     if why is not None:
         notes.append(f"raw call unavailable: {why}")
     if name == "TRITON" and device.type == "cuda":
-        notes.append(_triton_kernel(p, device, dtype))
+        from mla_ops.kernels.attention import large_batch_config
+
+        large = large_batch_config(p.q, p.k, p.v, p.scale, False)
+        notes.append("the tl.dot kernel" if large is None else "the Gluon kernel")
     out["note"] = "; ".join(notes)
     return out
-
-
-def _triton_kernel(p: P.Problem, device: torch.device, dtype: torch.dtype) -> str:
-    """Which of TRITON's kernels its table runs for ``p``'s context chunk on ``device``: the large-batch table's Gluon
-    kernel from ``TMA_MIN_KEY_ROWS`` key rows times heads where it covers the inputs, else the ``tl.dot`` kernel."""
-    from mla_ops.kernels import attention
-    from mla_ops.kernels.configs import large_batch_attention_config
-
-    q, k, v = p.q, p.k, p.v
-    if k.shape[0] * q.shape[1] >= attention.TMA_MIN_KEY_ROWS:
-        large = large_batch_attention_config(device, q.shape[-1], v.shape[-1], False, dtype)
-        if large is not None and attention.gluon_unsupported_reason(q, k, v, p.scale, large) is None:
-            return "the Gluon kernel"
-    return "the tl.dot kernel"
 
 
 def print_row(result: dict[str, Any]) -> None:

@@ -58,6 +58,7 @@ __all__ = [
     "batch_invariant_config",
     "head_dim_split",
     "known_native_launch",
+    "large_batch_config",
     "launch_plan",
 ]
 
@@ -111,6 +112,26 @@ def gluon_unsupported_reason(
         return f"Triton {triton.__version__} has no Gluon (triton.experimental.gluon)"
     reason = module.sm90_unsupported_reason(q, k, v, softmax_scale, config.block_n, config.num_stages)
     return None if reason is None else f"it does not cover {reason}"
+
+
+def large_batch_config(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool
+) -> AttentionConfig | None:
+    """The large-batch table's configuration that :func:`attention_triton` launches for these inputs by default, or
+    ``None`` where its main table's serves them: from :data:`TMA_MIN_KEY_ROWS` key rows times heads, where one is
+    tabled for q's device (:func:`~mla_ops.kernels.configs.large_batch_attention_config`, kept per device, dims,
+    path and dtype in ``LAUNCHES.large_configs``) and the Gluon kernel covers the inputs."""
+    if k.shape[0] * q.shape[1] < TMA_MIN_KEY_ROWS:
+        return None
+    device, dqk, dv, dtype = q.device, q.shape[2], v.shape[-1], q.dtype
+    key = (device, dqk, dv, causal, dtype)
+    large_configs = LAUNCHES.large_configs
+    if key not in large_configs:
+        large_configs[key] = large_batch_attention_config(device, dqk, dv, causal, dtype)
+    large = large_configs[key]
+    if large is None or gluon_unsupported_reason(q, k, v, softmax_scale, large) is not None:
+        return None
+    return large
 
 
 def attention_triton(
@@ -223,13 +244,9 @@ def attention_triton(
             config = launches.table_configs.get(key)
             if config is None:
                 config = launches.table_configs[key] = attention_config(device, dqk, dv, causal, dtype)
-            if k.shape[0] * num_heads >= TMA_MIN_KEY_ROWS:
-                large_configs = launches.large_configs
-                if key not in large_configs:
-                    large_configs[key] = large_batch_attention_config(device, dqk, dv, causal, dtype)
-                large = large_configs[key]
-                if large is not None and gluon_unsupported_reason(q, k, v, softmax_scale, large) is None:
-                    config = large
+            large = large_batch_config(q, k, v, softmax_scale, causal)
+            if large is not None:
+                config = large
     if config.gluon:
         if key is None:  # requested explicitly: refused with the reason, never replaced
             reason = gluon_unsupported_reason(q, k, v, softmax_scale, config)
