@@ -753,22 +753,30 @@ def test_gluon_launch_arguments_on_host_stand_ins():
 
 def test_gluon_relaunch_adds_a_fresh_zeroed_work_counter():
     """A remembered Gluon layout is called with the seven addresses, as the tl.dot kernel's is; CountedRelaunch hands
-    its FixedLaunch an eighth, a zeroed int32 counter alive for the launch, new each call, and never launches in C++."""
+    its FixedLaunch an eighth, a zeroed int32 counter alive for the launch, new each call; its native launch codes
+    that counter as NATIVE_COUNTER_CODE, a fresh zeroed int32 the C++ launcher allocates per launch."""
     import ctypes
 
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
     from mla_ops.kernels.attention_sm90 import CountedRelaunch
+    from mla_ops.kernels.launch import NATIVE_COUNTER_CODE
 
-    seen = []
+    seen, codes = [], []
 
-    def fixed(leading):
-        seen.append((leading, ctypes.c_int32.from_address(leading[-1]).value))
+    class Fixed:
+        def __call__(self, leading):
+            seen.append((leading, ctypes.c_int32.from_address(leading[-1]).value))
 
-    relaunch = CountedRelaunch(fixed, torch.device("cpu"))
+        def native_launch(self, leading_codes):
+            codes.append(leading_codes)
+            return "native"
+
+    relaunch = CountedRelaunch(Fixed(), torch.device("cpu"))
     for _ in range(2):
         relaunch((1, 2, 3, 4, 5, 6, 7))
     assert [(leading[:7], len(leading), value) for leading, value in seen] == [((1, 2, 3, 4, 5, 6, 7), 8, 0)] * 2
-    assert relaunch.native_launch((0, 1, 2, 3, 4, 5, 6)) is None
+    assert relaunch.native_launch((0, 1, 2, 3, 4, 5, 6)) == "native"
+    assert codes == [(0, 1, 2, 3, 4, 5, 6, NATIVE_COUNTER_CODE)] and NATIVE_COUNTER_CODE == 7
 
 
 def test_shrink_steps_down_to_smallest():
@@ -1097,9 +1105,17 @@ def test_native_launch_describes_the_parameters_triton_passes():
         other = launch.FixedLaunch(SimpleNamespace(**{**vars(compiled), "metadata": metadata}), 0, (3, 2),
                                    (7, 1, 0.5, -(2**40), 64), runtime)  # fmt: skip
         assert other.native_launch((5, 2)) is None, refusal
-    other = launch.FixedLaunch(compiled, 0, (3, 2), (7, 1, 0.5, -(2**40), 64), runtime)
-    other.needs_scratch = True
-    assert other.native_launch((5, 2)) is None
+    # Global scratch (device-built TMA descriptors): the whole grid's, which the C++ launcher allocates per launch,
+    # where the caching allocator's 512-byte alignment covers the kernel's.
+    for align, want in ((128, 3 * 2 * 1 * 640), (1024, None)):
+        metadata = SimpleNamespace(num_warps=4, num_ctas=1, shared=1024, global_scratch_size=640,
+                                   global_scratch_align=align)  # fmt: skip
+        other = launch.FixedLaunch(SimpleNamespace(**{**vars(compiled), "metadata": metadata}), 0, (3, 2),
+                                   (7, 1, 0.5, -(2**40), 64), runtime)  # fmt: skip
+        assert other.needs_scratch
+        got_scratch = other.native_launch((5, 2))
+        assert (got_scratch and got_scratch.scratch_bytes) == want, align
+    assert got.scratch_bytes == 0
     other = launch.FixedLaunch(SimpleNamespace(**{**vars(compiled), "asm": {"ptx": _ptx_entry(_PTR, _PTR)}}), 0,
                                (3, 2), (7, 1, 0.5, -(2**40), 64), runtime)  # fmt: skip
     assert other.native_launch((5, 2)) is None, "parameters other than a native launch's"

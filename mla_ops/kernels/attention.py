@@ -354,7 +354,7 @@ def known_native_launch(call: VarlenCall) -> NativeLaunch | None:
     ``call``'s arguments (:class:`~mla_ops.backends.base.VarlenCall`, the order of :func:`attention_triton`'s),
     in the form a launcher in C++ takes (:meth:`FixedLaunch.native_launch`, the tensors
     coded as :data:`NATIVE_TENSOR_CODES`); ``None`` where no launch of the layout is known (none made yet)
-    or it cannot be made natively (the Gluon kernel's: it needs global scratch and a work counter)."""
+    or it cannot be made natively."""
     layout, _, _ = _layout(*call, None)
     known = LAUNCHES.known.get(layout)
     return None if known is None else known.launch.native_launch(NATIVE_TENSOR_CODES)

@@ -19,7 +19,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from ..backends.base import VarlenCall
 from ..runtime.alloc import empty
 from .configs import head_dim_split
-from .launch import FixedLaunch, LaunchPlan, NativeLaunch, TorchScratch, pointer_alignment
+from .launch import NATIVE_COUNTER_CODE, FixedLaunch, LaunchPlan, NativeLaunch, TorchScratch, pointer_alignment
 from .programs import program_layout
 from .triton_compat import COMPILE_OPTIONS, lean_registers, thread_barrier, tma_load
 
@@ -657,7 +657,8 @@ def sm90_launch(
 class CountedRelaunch:
     """A layout's :class:`~mla_ops.kernels.launch.FixedLaunch` of this kernel, relaunched as the ``tl.dot`` kernel's
     are, with the seven addresses (a :class:`~mla_ops.kernels.launch.Relaunch`): it adds a fresh zeroed work counter
-    on ``device``, the plan's eighth leading argument. Never launched in C++ (it needs global scratch too)."""
+    on ``device``, the plan's eighth leading argument. In C++ too: its native launch codes the counter as a fresh
+    zeroed int32 (``NATIVE_COUNTER_CODE``) and passes the kernel's global scratch (``NativeLaunch.scratch_bytes``)."""
 
     __slots__ = ("device", "fixed")
 
@@ -672,7 +673,7 @@ class CountedRelaunch:
         self.fixed((*leading, counter.data_ptr()))
 
     def native_launch(self, leading_codes: tuple[int, ...]) -> NativeLaunch | None:
-        return None
+        return self.fixed.native_launch((*leading_codes, NATIVE_COUNTER_CODE))
 
 
 def attention_sm90(

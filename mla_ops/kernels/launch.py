@@ -41,6 +41,7 @@ except ImportError:  # pragma: no cover - a CPU-only build of torch
     _current_stream = None
 
 __all__ = [
+    "NATIVE_COUNTER_CODE",
     "RUNTIME",
     "CachedLaunch",
     "FixedLaunch",
@@ -224,14 +225,22 @@ def native_abi(compiled: Any) -> bool:
     return found == expected
 
 
+#: A leading argument's code in a :class:`NativeLaunch` for a fresh zeroed int32 per launch (the Gluon kernel's work
+#: counter), after the attention kernels' seven tensor codes (``TensorCode`` in the C++ launcher).
+NATIVE_COUNTER_CODE = 7
+
+
 class NativeLaunch(NamedTuple):
     """A :class:`FixedLaunch` as the driver's ``cuLaunchKernel`` takes it, for a launcher in C++.
 
     ``kinds[i]`` and ``values[i]`` describe the kernel's ``i``-th parameter (the constexprs left out, as
     Triton's launcher leaves them out): kind 0 is a pointer whose value is the caller's code for the
     tensor to pass; the others are :data:`NATIVE_KINDS`, with the value itself (a float as its 32 bits).
-    The kernel takes two more parameters after these, its global and profile scratch buffers, which a
-    native launch passes as null (a kernel that needs either has no native launch).
+    The kernel takes two more parameters after these, its global and profile scratch buffers. The profile
+    buffer is passed as null (a kernel that needs one has no native launch); the global one, where
+    ``scratch_bytes`` is not 0 (kernels that build TMA descriptors on the device), is allocated per launch
+    from PyTorch's caching allocator on the launch's stream and zeroed, as :class:`TorchScratch` supplies it
+    to Triton's launcher, 512-byte aligned (``scratch_align`` at most that).
     """
 
     function: int  # the CUfunction handle
@@ -240,6 +249,7 @@ class NativeLaunch(NamedTuple):
     shared_bytes: int
     kinds: tuple[int, ...]
     values: tuple[int, ...]
+    scratch_bytes: int = 0  # the whole grid's global scratch: programs x num_ctas x the kernel's per-program size
 
 
 class FixedLaunch:
@@ -292,10 +302,12 @@ class FixedLaunch:
     def native_launch(self, leading_codes: tuple[int, ...]) -> NativeLaunch | None:
         """This launch as a :class:`NativeLaunch`, the leading arguments given by ``leading_codes`` (one code
         per leading argument, each a pointer), or ``None`` where a launch in C++ could differ from
-        :meth:`__call__`'s: scratch memory (global or profile), a cooperative, programmatic-dependent or clustered
-        launch, a parameter type outside :data:`NATIVE_KINDS`, or a kernel whose parameters are not the ones a
-        native launch passes (:func:`native_abi`, read from its PTX: so it serves any Triton release that compiles
-        kernels so, not only those whose launcher's forwarding this module knows).
+        :meth:`__call__`'s: profile scratch memory, global scratch aligned beyond the caching allocator's 512
+        bytes, a cooperative, programmatic-dependent or clustered launch, a parameter type outside
+        :data:`NATIVE_KINDS`, or a kernel whose parameters are not the ones a native launch passes
+        (:func:`native_abi`, read from its PTX: so it serves any Triton release that compiles kernels so, not only
+        those whose launcher's forwarding this module knows). Global scratch is described by its size
+        (``NativeLaunch.scratch_bytes``), which the C++ launcher allocates per launch.
 
         The C++ table keeps the kernel's function handle, which Triton 3.8 on unloads when the compiled kernel is
         collected; the compiled kernel stays referenced by this launch's :class:`CachedLaunch` for the process.
@@ -303,10 +315,18 @@ class FixedLaunch:
         ``None`` too while Triton's launch hooks are installed: the native launcher, which reads them on every
         call as :meth:`__call__` does, would hand every call of the layout back anyway.
         """
-        if self.needs_scratch or self.runtime.hooks() != (None, None):
+        if self.runtime.hooks() != (None, None):
             return None
         compiled = self.compiled
         metadata = compiled.metadata
+        scratch_bytes = 0
+        if self.needs_scratch:
+            # As Triton's launcher sizes it: per program and CTA, for the whole grid; the caching allocator's
+            # blocks are 512-byte aligned, which must cover the kernel's alignment.
+            if getattr(metadata, "global_scratch_align", 1) > _TORCH_BLOCK_ALIGNMENT:
+                return None
+            grid_0, grid_1, grid_2 = self.grid
+            scratch_bytes = grid_0 * grid_1 * grid_2 * getattr(metadata, "num_ctas", 1) * metadata.global_scratch_size
         if getattr(metadata, "launch_cooperative_grid", False) or getattr(metadata, "launch_pdl", False):
             return None
         # A profile scratch buffer (Triton's profiler instrumentation) would be passed null: the kernel writes it.
@@ -340,8 +360,9 @@ class FixedLaunch:
             kinds.append(kind)
             values.append(int(value))
         return NativeLaunch(
-            int(compiled.function), self.grid, 32 * metadata.num_warps, metadata.shared, tuple(kinds), tuple(values)
-        )
+            int(compiled.function), self.grid, 32 * metadata.num_warps, metadata.shared, tuple(kinds), tuple(values),
+            scratch_bytes,
+        )  # fmt: skip
 
 
 class Relaunch(Protocol):

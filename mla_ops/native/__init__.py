@@ -434,7 +434,7 @@ def remember_attention(op: int, call: VarlenCall) -> bool:
 
     torch.ops.mla_native.remember_attention(
         op, *call[:8], launch.function, list(launch.grid), launch.block, launch.shared_bytes, list(launch.kinds),
-        list(launch.values), os.environ.get(CONFIG_ENV_VAR),
+        list(launch.values), os.environ.get(CONFIG_ENV_VAR), launch.scratch_bytes,
     )  # fmt: skip
     return True
 

@@ -1,6 +1,7 @@
 // The CUDA kernels of mla::prefill and mla::prefill_context_chunk, in C++: a call whose inputs have the
 // layout of an earlier call that ran the TRITON backend repeats that call's launch of the compiled Triton
-// kernel (two outputs and one cuLaunchKernel, no Python frame); every other call runs the ops' Python
+// kernel (two outputs and one cuLaunchKernel, no Python frame; for the Hopper Gluon kernel also one zeroed
+// workspace, its work counter and global scratch); every other call runs the ops' Python
 // kernels (mla::_prefill_python, mla::_prefill_context_chunk_python), as it would without this file.
 //
 // mla_ops.native builds this file with the native merge and loads it; mla_ops.ops, after a TRITON call
@@ -53,8 +54,13 @@ namespace {
 using Outputs = std::tuple<at::Tensor, at::Tensor>;
 
 // The tensors a launch passes by address, in the order of the codes that mla_ops.kernels.attention
-// gives them (NATIVE_TENSOR_CODES there).
-enum TensorCode : int64_t { kQ = 0, kK, kV, kOut, kLse, kCuQ, kCuK, kTensorCodes };
+// gives them (NATIVE_TENSOR_CODES there), and kCounter: a fresh zeroed int32 per launch, the Hopper Gluon
+// kernel's work counter (mla_ops.kernels.launch.NATIVE_COUNTER_CODE).
+enum TensorCode : int64_t { kQ = 0, kK, kV, kOut, kLse, kCuQ, kCuK, kCounter, kTensorCodes };
+
+// Where the zeroed per-launch workspace puts Triton's global scratch: after the counter, on the caching
+// allocator's 512-byte alignment (mla_ops.kernels.launch: a native launch needs no more).
+constexpr int64_t kScratchOffset = 512;
 
 // How a kernel parameter is stored (mla_ops.kernels.launch.NATIVE_KINDS): a tensor's address, or a
 // value of one of Triton's scalar types.
@@ -129,6 +135,8 @@ struct Launch {
   int64_t head_dim_v;
   c10::DeviceIndex device;
   std::optional<std::string> config;  // MLA_OPS_TRITON_CONFIG's text when it was launched
+  int64_t scratch_bytes = 0;  // the kernel's global scratch for the whole grid (0: none, passed null)
+  bool counted = false;  // whether a parameter is kCounter
 };
 
 std::mutex table_mutex;
@@ -144,24 +152,37 @@ std::shared_ptr<const Launch> find(const Key& key) {
 using LaunchKernel = CUresult (*)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                   CUstream, void**, void**);
 using ErrorString = CUresult (*)(CUresult, const char**);
+using MemsetAsync = CUresult (*)(CUdeviceptr, unsigned char, size_t, CUstream);
 
 // The driver's cuLaunchKernel, found in libcuda as Triton's own launcher finds it (no link-time
 // dependency on the driver library).
 struct Driver {
   LaunchKernel launch = nullptr;
   ErrorString error_string = nullptr;
+  MemsetAsync memset = nullptr;  // cuMemsetD8Async: the Gluon kernel's zeroed workspace
   Driver() {
     void* library = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
     if (library == nullptr) library = dlopen("libcuda.so.1", RTLD_LAZY);
     if (library == nullptr) return;
     launch = reinterpret_cast<LaunchKernel>(dlsym(library, "cuLaunchKernel"));
     error_string = reinterpret_cast<ErrorString>(dlsym(library, "cuGetErrorString"));
+    memset = reinterpret_cast<MemsetAsync>(dlsym(library, "cuMemsetD8Async"));
   }
 };
 
 const Driver& driver() {
   static const Driver instance;
   return instance;
+}
+
+// A driver call's failure as the package's error: what failed, the driver's text, and the way around it.
+void check_driver(CUresult result, const char* what) {
+  if (result == CUDA_SUCCESS) return;
+  const char* text = "unknown error";
+  if (driver().error_string != nullptr) driver().error_string(result, &text);
+  TORCH_CHECK(false, "mla_ops: ", what, " failed (", text,
+              "); set MLA_OPS_NATIVE_LAUNCH=0 to launch it through Triton instead, and please report this "
+              "with the inputs' shapes, strides and dtypes");
 }
 
 // Whether Triton's launch hooks are installed: mla_ops.kernels.launch._hooks's test, on the same objects.
@@ -232,31 +253,40 @@ Outputs run(const Launch& launch, const at::Tensor& q, const at::Tensor& k, cons
   at::Tensor out =
       at::detail::empty_cuda({num_tokens, num_heads, launch.head_dim_v}, q.scalar_type(), device, std::nullopt);
   at::Tensor lse = at::detail::empty_cuda({num_heads, num_tokens}, at::kFloat, device, std::nullopt);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  // The Gluon kernel's work counter and global scratch: one zeroed block per launch from the caching allocator
+  // on this stream (a graph's pool and a memset node during capture), as the Python launch allocates them; it is
+  // freed after the launch is queued, which the stream orders before any reuse.
+  at::Tensor workspace;
+  const void* counter = nullptr;
+  CUdeviceptr scratch = 0;
+  if (launch.counted || launch.scratch_bytes > 0) {
+    const int64_t bytes = kScratchOffset + launch.scratch_bytes;
+    workspace = at::detail::empty_cuda({bytes}, at::kByte, device, std::nullopt);
+    counter = workspace.const_data_ptr();
+    check_driver(driver().memset(reinterpret_cast<CUdeviceptr>(counter), 0, static_cast<size_t>(bytes), stream),
+                 "zeroing the TRITON attention kernel's workspace");
+    if (launch.scratch_bytes > 0) scratch = reinterpret_cast<CUdeviceptr>(counter) + kScratchOffset;
+  }
   const std::array<const void*, kTensorCodes> tensors{q.const_data_ptr(),   k.const_data_ptr(),
                                                        v.const_data_ptr(),   out.const_data_ptr(),
                                                        lse.const_data_ptr(), cu_q.const_data_ptr(),
-                                                       cu_k.const_data_ptr()};
+                                                       cu_k.const_data_ptr(), counter};
   const size_t count = launch.params.size();
   std::array<uint64_t, kMaxParams> words;
   std::copy(launch.params.begin(), launch.params.end(), words.begin());
   for (const auto& [param, code] : launch.addresses) words[param] = reinterpret_cast<uintptr_t>(tensors[code]);
-  // Triton's kernels take two more parameters, the global and the profile scratch buffers: none here
-  // (a kernel that needs one is never remembered).
+  // Triton's kernels take two more parameters, the global and the profile scratch buffers: the workspace's
+  // scratch where the kernel has global scratch, else null; the profile one always null (a kernel that needs
+  // one is never remembered).
   CUdeviceptr no_scratch = 0;
   std::array<void*, kMaxParams + 2> params;
   for (size_t i = 0; i < count; ++i) params[i] = &words[i];
-  params[count] = &no_scratch;
+  params[count] = &scratch;
   params[count + 1] = &no_scratch;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  const CUresult result = driver().launch(launch.function, launch.grid[0], launch.grid[1], launch.grid[2],
-                                          launch.block, 1, 1, launch.shared_bytes, stream, params.data(), nullptr);
-  if (result != CUDA_SUCCESS) {
-    const char* text = "unknown error";
-    if (driver().error_string != nullptr) driver().error_string(result, &text);
-    TORCH_CHECK(false, "mla_ops: launching the TRITON attention kernel failed (", text,
-                "); set MLA_OPS_NATIVE_LAUNCH=0 to launch it through Triton instead, and please report this "
-                "with the inputs' shapes, strides and dtypes");
-  }
+  check_driver(driver().launch(launch.function, launch.grid[0], launch.grid[1], launch.grid[2], launch.block, 1, 1,
+                               launch.shared_bytes, stream, params.data(), nullptr),
+               "launching the TRITON attention kernel");
   return {std::move(out), std::move(lse)};
 }
 
@@ -349,14 +379,16 @@ void unregister_kernels() {
 void remember_attention(int64_t op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q, int64_t max_k, double scale,
                         int64_t function, at::IntArrayRef grid, int64_t block, int64_t shared_bytes,
-                        at::IntArrayRef kinds, at::IntArrayRef values, std::optional<c10::string_view> config) {
+                        at::IntArrayRef kinds, at::IntArrayRef values, std::optional<c10::string_view> config,
+                        int64_t scratch_bytes) {
   TORCH_CHECK(op == 0 || op == 1, "remember_attention: op is 0 (prefill) or 1 (prefill_context_chunk), got ", op);
   TORCH_CHECK(grid.size() == 3 && kinds.size() == values.size() && kinds.size() <= kMaxParams,
               "remember_attention: a grid of 3 and as many values as kinds (at most ", kMaxParams, ") are needed");
   TORCH_CHECK(q.is_cuda() && q.dim() == 3 && v.dim() == 3, "remember_attention: q and v are CUDA [T, H, D] tensors");
   const std::optional<Key> key = layout_of(op, q, k, v, cu_q, cu_k, max_q, max_k, scale);
   TORCH_CHECK(key.has_value(), "remember_attention: q, k, v are 3-D and the offsets 1-D");
-  TORCH_CHECK(driver().launch != nullptr, "remember_attention: cuLaunchKernel not found in libcuda.so.1");
+  TORCH_CHECK(driver().launch != nullptr && driver().memset != nullptr,
+              "remember_attention: cuLaunchKernel or cuMemsetD8Async not found in libcuda.so.1");
   auto launch = std::make_shared<Launch>();
   launch->function = reinterpret_cast<CUfunction>(static_cast<uintptr_t>(function));
   for (int d = 0; d < 3; ++d) launch->grid[d] = static_cast<unsigned>(grid[d]);
@@ -370,6 +402,7 @@ void remember_attention(int64_t op, const at::Tensor& q, const at::Tensor& k, co
       case kPointer:
         TORCH_CHECK(value >= 0 && value < kTensorCodes, "remember_attention: unknown tensor code ", value);
         launch->addresses.emplace_back(i, value);
+        if (value == kCounter) launch->counted = true;
         break;
       case kI32:
       case kU32:
@@ -390,6 +423,8 @@ void remember_attention(int64_t op, const at::Tensor& q, const at::Tensor& k, co
         TORCH_CHECK(false, "remember_attention: unknown parameter kind ", kinds[i]);
     }
   }
+  TORCH_CHECK(scratch_bytes >= 0, "remember_attention: scratch_bytes is not negative, got ", scratch_bytes);
+  launch->scratch_bytes = scratch_bytes;
   launch->head_dim_v = v.size(2);
   launch->device = q.device().index();
   if (config.has_value()) launch->config = std::string(config->data(), config->size());
@@ -428,7 +463,7 @@ TORCH_LIBRARY_FRAGMENT(mla_native, m) {
   m.def(
       "remember_attention(int op, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, float softmax_scale, int function, int[] grid, int block, "
-      "int shared_bytes, int[] kinds, int[] values, str? config) -> ()",
+      "int shared_bytes, int[] kinds, int[] values, str? config, int scratch_bytes=0) -> ()",
       &mla_native::remember_attention);
   m.def("forget_attention() -> ()", &mla_native::forget_attention);
   m.def("remembered_attention_layouts() -> int", &mla_native::remembered_attention_layouts);
