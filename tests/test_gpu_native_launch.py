@@ -107,6 +107,59 @@ def test_context_chunk_second_call_is_launched_natively_and_equal(dtype):
     assert torch.isneginf(second[1][:, 16:]).all() and (second[0][16:] == 0).all()  # the empty chunk slice
 
 
+def _gluon_or_skip():
+    """Skips where large batches do not run the Hopper kernel written in Gluon (off SM90, or under a Triton the
+    kernel is not adapted to)."""
+    if torch.cuda.get_device_capability(DEVICE) != (9, 0):
+        pytest.skip(f"the Gluon kernel runs on SM90 (Hopper) GPUs only, not on {torch.cuda.get_device_name(DEVICE)}")
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
+    import triton
+
+    from mla_ops.kernels.triton_compat import gluon_triton_reason
+
+    reason = gluon_triton_reason(triton.__version__)
+    if reason is not None:
+        pytest.skip(f"the Gluon kernel: {reason}")
+
+
+@pytest.mark.parametrize("path", ["prefill", "chunk"])
+def test_gluon_layout_is_launched_natively_and_equal(path):
+    """A large batch (at least TMA_MIN_KEY_ROWS key rows times heads: the Gluon kernel) is remembered as the tl.dot
+    kernel's layouts are, and its C++ launch, with a zeroed work counter and global scratch of its own per launch,
+    returns what the Python launch returns, bit for bit, on the same and on new data; and in a replayed graph."""
+    _gluon_or_skip()
+
+    def inputs(seed):
+        if path == "chunk":
+            return _chunk([300, 17], [4097, 0], seed=seed)
+        q, k, v, cu, max_q, scale = _new_tokens([3000, 1200, 17], padding=5, seed=seed)
+        return q, k, v, cu, cu, max_q, max_q, scale
+
+    def op(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        if path == "chunk":
+            return torch.ops.mla.prefill_context_chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+        return torch.ops.mla.prefill(q, k, v, cu_q, max_q, scale)
+
+    args, fresh, causal = inputs(1), inputs(7), path == "prefill"
+    assert args[1].shape[0] * args[1].shape[1] >= attention.TMA_MIN_KEY_ROWS
+    before = native.remembered_attention_layouts()
+    first = op(*args)
+    second = op(*args)
+    assert native.remembered_attention_layouts() == before + 1, "the Gluon layout is remembered"
+    _same(second, first)
+    _same(second, _triton_direct(*args, causal))
+    _same(op(*fresh), _triton_direct(*fresh, causal))  # new addresses, the same layout
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = op(*args)
+    for static, new in zip(args[:3], fresh[:3]):
+        static.copy_(new)  # v's copy writes through the view into its kv
+    graph.replay()
+    torch.cuda.synchronize()
+    _same((out, lse), _triton_direct(*args, causal))
+
+
 def test_layouts_are_told_apart():
     """One layout remembered does not launch another: each differs in one fact the C++ key holds."""
     q, k, v, cu, max_q, scale = _new_tokens([16])
