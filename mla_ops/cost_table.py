@@ -128,12 +128,16 @@ ConfigKey = tuple[str, int, int]
 
 @dataclass
 class CostTable:
-    """One GPU's measurements: ``host_us[backend]``, the host time of one call (µs), and per
-    ``(dtype name, Dqk, Dv)`` and :class:`SizeClass`, ``device_us[backend]``, the device time of one call.
+    """One GPU's measurements: ``host_us[backend]``, the median host time of one call (µs) over every measured
+    class, and per ``(dtype name, Dqk, Dv)`` and :class:`SizeClass`, ``device_us[backend]``, the device time of
+    one call, and ``class_host_us[backend]``, the host time of one call of that class.
 
     The predicted time of a call is its backend's host cost plus its device time on the call's class
-    (:meth:`predict`); a class without a measurement takes the nearest measured class's time, scaled by
-    :meth:`SizeClass.work` and never below the backend's fastest measured call.
+    (:meth:`predict`); a class without a measurement takes the nearest measured class's times, the device time
+    scaled by :meth:`SizeClass.work` and never below the backend's fastest measured call. The host cost is the
+    class's own where the table has it, since one backend's host time differs by class (a small TRITON call
+    launches one ``tl.dot`` kernel, a large one on SM90 its Gluon kernel): a single median per backend
+    misranks the small, host-bound calls. Tables without it use ``host_us``.
     """
 
     capability: DeviceCapability
@@ -144,6 +148,7 @@ class CostTable:
     device_us: dict[ConfigKey, dict[SizeClass, dict[str, float]]]
     source: str = "memory"
     created: str = ""
+    class_host_us: dict[ConfigKey, dict[SizeClass, dict[str, float]]] = field(default_factory=dict)
     _floors: dict[tuple[ConfigKey, bool, str], float] = field(default_factory=dict, repr=False)
 
     def covers(self, key: ConfigKey) -> bool:
@@ -163,7 +168,7 @@ class CostTable:
             return None
         exact = classes.get(size, {}).get(backend)
         if exact is not None:
-            return host + exact
+            return self._host(backend, key, size, host) + exact
         nearest, best = None, None
         for measured, times in classes.items():
             if measured.causal != size.causal or backend not in times:
@@ -177,7 +182,10 @@ class CostTable:
         work, near_work = size.work(), nearest.work()
         if near_work > 0:
             device *= work / near_work
-        return host + max(device, self._floor(key, size.causal, backend))
+        return self._host(backend, key, nearest, host) + max(device, self._floor(key, size.causal, backend))
+
+    def _host(self, backend: str, key: ConfigKey, size: SizeClass, median: float) -> float:
+        return self.class_host_us.get(key, {}).get(size, {}).get(backend, median)
 
     def _floor(self, key: ConfigKey, causal: bool, backend: str) -> float:
         floor = self._floors.get((key, causal, backend))
@@ -221,6 +229,9 @@ class CostTable:
                         "device_us": {b: round(t, 3) for b, t in sorted(times.items())},
                     }
                 )
+                hosts = self.class_host_us.get((dtype, dqk, dv), {}).get(size)
+                if hosts:
+                    entries[-1]["host_us"] = {b: round(t, 3) for b, t in sorted(hosts.items())}
         return {
             "schema": SCHEMA,
             "gpu": self.gpu,
@@ -260,10 +271,11 @@ def parse(data: Any, source: str = "memory") -> CostTable:
          "command": "python -m mla_ops tune ...", "created": "2026-12-05T10:00:00Z",
          "host_us": {"FLASHINFER": 31.0, "FLASH_ATTN": 19.5, "TRITON": 6.2},
          "entries": [{"dtype": "bfloat16", "dims": [192, 128], "path": "new", "class": [13, 13, 5, 3, 12, 12],
-                      "sizes": "new Tq 4096-8191 ...", "device_us": {"FLASHINFER": 210.4, "TRITON": 230.9}}]}
+                      "sizes": "new Tq 4096-8191 ...", "device_us": {"FLASHINFER": 210.4, "TRITON": 230.9},
+                      "host_us": {"FLASHINFER": 61.2, "TRITON": 21.7}}]}
 
     ``class`` holds the bit lengths of ``Tq, Tk, H, B, max_seqlen_q, max_seqlen_k`` (:class:`SizeClass`);
-    ``sizes`` is for readers only.
+    ``sizes`` is for readers only; an entry's ``host_us`` (the class's host times) is optional.
     """
     if not isinstance(data, Mapping):
         raise CostTableError(f"the file holds {type(data).__name__}, not a JSON object")
@@ -285,6 +297,7 @@ def parse(data: Any, source: str = "memory") -> CostTable:
     if not isinstance(entries, list):
         raise CostTableError("entries must be a list")
     device_us: dict[ConfigKey, dict[SizeClass, dict[str, float]]] = {}
+    class_host_us: dict[ConfigKey, dict[SizeClass, dict[str, float]]] = {}
     for i, entry in enumerate(entries):
         where = f"entries[{i}]"
         if not isinstance(entry, Mapping):
@@ -301,7 +314,10 @@ def parse(data: Any, source: str = "memory") -> CostTable:
         times = _backend_times(entry.get("device_us"), f"{where}.device_us")
         size = SizeClass(PATHS[path], *bits)
         device_us.setdefault((dtype, dims[0], dims[1]), {}).setdefault(size, {}).update(times)
-    return CostTable(capability, gpu, dict(versions), command, host_us, device_us, source, created)
+        if "host_us" in entry:
+            hosts = _backend_times(entry["host_us"], f"{where}.host_us")
+            class_host_us.setdefault((dtype, dims[0], dims[1]), {}).setdefault(size, {}).update(hosts)
+    return CostTable(capability, gpu, dict(versions), command, host_us, device_us, source, created, class_host_us)
 
 
 def load(path: Path) -> CostTable:
@@ -332,7 +348,8 @@ def write(table: CostTable, path: Path) -> None:
 
 
 def measured_host_cost(samples: Iterable[float]) -> float:
-    """A backend's host cost from its per-call host times (µs) on every measured shape: their median."""
+    """A host cost from per-call host times (µs): their median (a backend's over every measured shape, or over
+    the shapes of one class)."""
     return statistics.median(samples)
 
 

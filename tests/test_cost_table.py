@@ -153,6 +153,38 @@ def test_predictions_on_measured_and_unmeasured_classes() -> None:
     assert table.choose(["REFERENCE"], KEY, [LARGE]) is None
 
 
+def test_a_class_with_its_own_host_costs_is_predicted_with_them(tmp_path) -> None:
+    """Per-class host costs win over the backend's median, on the class and on unmeasured classes that take it
+    as their nearest: with medians that rank FLASHINFER first on a tiny call (TRITON's median host cost 100 µs),
+    the tiny class's own host costs (TRITON 6 µs) rank TRITON first; a class without them keeps the medians.
+    They survive the file format."""
+    data = standins.cost_table(MEASURED, host_us={"FLASHINFER": 30.0, "FLASH_ATTN": 15.0, "TRITON": 100.0})
+    data["entries"][0]["host_us"] = {"FLASHINFER": 50.0, "TRITON": 6.0}
+    assert data["entries"][0]["class"] == list(TINY[1:])
+    table = cost_table.parse(data)
+    tiny_device = {b: standins.standin_device_us(b, TINY) for b in ("FLASHINFER", "TRITON")}
+    assert table.predict("TRITON", KEY, TINY) == pytest.approx(6.0 + tiny_device["TRITON"])
+    assert table.predict("FLASHINFER", KEY, TINY) == pytest.approx(50.0 + tiny_device["FLASHINFER"])
+    assert table.predict("FLASH_ATTN", KEY, TINY) == pytest.approx(
+        15.0 + standins.standin_device_us("FLASH_ATTN", TINY)
+    )
+    assert table.choose(["FLASHINFER", "TRITON"], KEY, [TINY]) == "TRITON"
+    without = cost_table.parse(standins.cost_table(MEASURED, host_us=data["host_us"]))
+    assert without.choose(["FLASHINFER", "TRITON"], KEY, [TINY]) == "FLASHINFER"
+    # An unmeasured class nearest to TINY borrows its host costs; MIDDLE has none, so it keeps the median.
+    near = SizeClass.of(True, 32, 32, 16, 1, 32, 32)
+    assert table.predict("TRITON", KEY, near) == pytest.approx(
+        6.0 + max(tiny_device["TRITON"] * near.work() / TINY.work(), tiny_device["TRITON"])
+    )
+    assert table.predict("TRITON", KEY, MIDDLE) == pytest.approx(100.0 + standins.standin_device_us("TRITON", MIDDLE))
+    path = tmp_path / "sm90.json"
+    cost_table.write(table, path)
+    again = cost_table.load(path)
+    assert again.to_json() == table.to_json() and again.class_host_us == table.class_host_us
+    assert json.loads(path.read_text())["entries"][0]["host_us"] == {"FLASHINFER": 50.0, "TRITON": 6.0}
+    assert "host_us" not in json.loads(path.read_text())["entries"][1]
+
+
 BAD = {
     "not JSON": ("{", "it is not JSON"),
     "a list": ("[]", "not a JSON object"),
@@ -161,6 +193,21 @@ BAD = {
     "an unknown backend": ({"host_us": {"CUDNN": 3.0}}, "host_us names no backend: 'CUDNN'"),
     "a negative time": ({"host_us": {"TRITON": -1}}, "host_us['TRITON'] must be a finite number of microseconds"),
     "bad entries": ({"entries": [{"dtype": "float32"}]}, "entries[0].dtype must be 'bfloat16' or 'float16'"),
+    "a bad class host cost": (
+        {
+            "entries": [
+                {
+                    "dtype": "bfloat16",
+                    "dims": [192, 128],
+                    "path": "new",
+                    "class": [5] * 6,
+                    "device_us": {},
+                    "host_us": {"TRITON": "fast"},
+                }
+            ]
+        },
+        "entries[0].host_us['TRITON'] must be a finite number of microseconds",
+    ),
 }
 
 

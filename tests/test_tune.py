@@ -73,6 +73,7 @@ def test_tune_writes_the_table_that_the_selector_then_uses(user_tables, sizing_t
     assert data["host_us"] == standins.STANDIN_HOST_US
     shapes = tune.default_shapes([2], quick=True)
     assert len(data["entries"]) == len(shapes)
+    assert all(entry["host_us"] == standins.STANDIN_HOST_US for entry in data["entries"])  # each class's own
     assert {name for name, _ in sizing_timer.measured} == {"FLASHINFER", "FLASH_ATTN", "TRITON"}
     assert len(sizing_timer.measured) == 3 * len(shapes) and {ms for _, ms in sizing_timer.measured} == {2.0}
     out = capsys.readouterr()

@@ -221,7 +221,7 @@ def size_class_table(capability: DeviceCapability | None, config: SelectorConfig
     versions = ", ".join(f"{d} {v}" for d, v in table.versions.items() if v != "not installed")
     lines.append(f"  measured on {table.gpu} ({table.created or 'undated'}) with {versions}")
     lines.append(f"  by: {table.command or 'unknown command'}")
-    lines.append("  host µs per call: " + ", ".join(f"{b} {t:.1f}" for b, t in sorted(table.host_us.items())))
+    lines.append("  median host µs per call: " + ", ".join(f"{b} {t:.1f}" for b, t in sorted(table.host_us.items())))
     if _invariant_mode():
         lines.append("  not used: the batch-invariant mode runs one backend for every size")
         return "\n".join(lines)

@@ -3,8 +3,8 @@
 For each shape of a grid (bench_prefill.py's shapes and small, host-bound ones, at the heads asked for), each
 valid backend runs the op under an override: warm-up calls first (FlashInfer and FlashAttention-4 compile on
 first use), then one loop of calls timed on the host (the host cost) and one behind a GPU sleep, timed with CUDA
-events (the device time, with the host's issue hidden). Each shape's size class gets the backends' device times,
-each backend the median of its host times (:class:`mla_ops.cost_table.CostTable`); the table is written
+events (the device time, with the host's issue hidden). Each shape's size class gets the backends' device and host
+times, each backend the median of its host times too (:class:`mla_ops.cost_table.CostTable`); the table is written
 atomically to ``$MLA_OPS_CACHE_DIR/tables/sm<NN>.json`` (else ``$XDG_CACHE_HOME/mla_ops/tables/...``, else
 ``~/.cache/mla_ops/tables/...``) or ``--output``. The measuring loop takes its device, capability and timer
 from a :class:`Machine`, so that tests run it against stand-ins on CPU.
@@ -261,6 +261,7 @@ def measure(
     bar = Progress(total, progress, estimate)
     hosts: dict[str, list[float]] = {}
     device_us: dict[cost_table.ConfigKey, dict[SizeClass, dict[str, float]]] = {}
+    class_hosts: dict[cost_table.ConfigKey, dict[SizeClass, dict[str, list[float]]]] = {}
     done = 0
     bar.update(done, "")
     for config, member in jobs:
@@ -271,14 +272,21 @@ def measure(
                 host, device = machine.timer(fn, rep_ms, shape)
                 del fn
                 hosts.setdefault(member.name, []).append(host)
-                device_us.setdefault(key, {}).setdefault(shape.size_class(), {})[member.name] = device
+                size = shape.size_class()
+                device_us.setdefault(key, {}).setdefault(size, {})[member.name] = device
+                class_hosts.setdefault(key, {}).setdefault(size, {}).setdefault(member.name, []).append(host)
                 done += 1
                 bar.update(done, f"{member.name} {shape.label()}")
     host_us = {name: cost_table.measured_host_cost(samples) for name, samples in hosts.items()}
+    class_host_us = {
+        key: {size: {name: cost_table.measured_host_cost(s) for name, s in by.items()} for size, by in sizes.items()}
+        for key, sizes in class_hosts.items()
+    }
     created = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return CostTable(
-        machine.capability, machine.name, cost_table.library_versions(), command, host_us, device_us, created=created
-    )
+        machine.capability, machine.name, cost_table.library_versions(), command, host_us, device_us,
+        created=created, class_host_us=class_host_us,
+    )  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
