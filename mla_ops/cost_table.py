@@ -132,9 +132,11 @@ class CostTable:
     class, and per ``(dtype name, Dqk, Dv)`` and :class:`SizeClass`, ``device_us[backend]``, the device time of
     one call, and ``class_host_us[backend]``, the host time of one call of that class.
 
-    The predicted time of a call is its backend's host cost plus its device time on the call's class
-    (:meth:`predict`); a class without a measurement takes the nearest measured class's times, the device time
-    scaled by :meth:`SizeClass.work` and never below the backend's fastest measured call. The host cost is the
+    The predicted time of a call is the larger of its backend's host cost and its device time on the call's
+    class (:meth:`predict`): the host issues a call while the device runs the previous ones, so in a stream of
+    calls the slower side sets the pace, and a sum charges a device-bound call for host time it hides. A class
+    without a measurement takes the nearest measured class's times, the device time scaled by
+    :meth:`SizeClass.work` and never below the backend's fastest measured call. The host cost is the
     class's own where the table has it, since one backend's host time differs by class (a small TRITON call
     launches one ``tl.dot`` kernel, a large one on SM90 its Gluon kernel): a single median per backend
     misranks the small, host-bound calls. Tables without it use ``host_us``.
@@ -168,7 +170,7 @@ class CostTable:
             return None
         exact = classes.get(size, {}).get(backend)
         if exact is not None:
-            return self._host(backend, key, size, host) + exact
+            return max(self._host(backend, key, size, host), exact)
         nearest, best = None, None
         for measured, times in classes.items():
             if measured.causal != size.causal or backend not in times:
@@ -182,7 +184,7 @@ class CostTable:
         work, near_work = size.work(), nearest.work()
         if near_work > 0:
             device *= work / near_work
-        return self._host(backend, key, nearest, host) + max(device, self._floor(key, size.causal, backend))
+        return max(self._host(backend, key, nearest, host), device, self._floor(key, size.causal, backend))
 
     def _host(self, backend: str, key: ConfigKey, size: SizeClass, median: float) -> float:
         return self.class_host_us.get(key, {}).get(size, {}).get(backend, median)

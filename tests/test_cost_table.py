@@ -31,8 +31,8 @@ MEASURED = [TINY, MIDDLE, LARGE, CHUNK_TINY, CHUNK_LARGE]
 
 
 def _fastest(size: SizeClass, candidates=("FLASHINFER", "FLASH_ATTN", "TRITON")) -> str:
-    """The stand-in GPU's fastest backend on a measured class: least host cost plus device time."""
-    return min(candidates, key=lambda b: standins.STANDIN_HOST_US[b] + standins.standin_device_us(b, size))
+    """The stand-in GPU's fastest backend on a measured class: least of the larger of host cost and device time."""
+    return min(candidates, key=lambda b: max(standins.STANDIN_HOST_US[b], standins.standin_device_us(b, size)))
 
 
 @pytest.fixture
@@ -133,16 +133,22 @@ def test_a_table_survives_its_file_format(tmp_path) -> None:
 
 def test_predictions_on_measured_and_unmeasured_classes() -> None:
     table = cost_table.parse(standins.cost_table(MEASURED))
+    # The larger of the host cost and the device time: the host issues a call while the device runs the last.
     for size in MEASURED:
-        assert table.predict("TRITON", KEY, size) == pytest.approx(5.0 + standins.standin_device_us("TRITON", size))
+        device = standins.standin_device_us("TRITON", size)
+        assert table.predict("TRITON", KEY, size) == pytest.approx(max(5.0, device))
+    host_bound = standins.standin_device_us("FLASHINFER", TINY)
+    assert host_bound < 30.0 and table.predict("FLASHINFER", KEY, TINY) == pytest.approx(30.0)
+    device_bound = standins.standin_device_us("FLASHINFER", LARGE)
+    assert device_bound > 30.0 and table.predict("FLASHINFER", KEY, LARGE) == pytest.approx(device_bound)
     # An unmeasured class: the nearest measured one of its path, scaled by the work, never below the fastest call.
     bigger = SizeClass.of(True, 32768, 32768, 16, 4, 8192, 8192)
     ratio = bigger.work() / LARGE.work()
     assert ratio > 1
     device = standins.standin_device_us("FLASHINFER", LARGE) * ratio
-    assert table.predict("FLASHINFER", KEY, bigger) == pytest.approx(30.0 + device)
+    assert table.predict("FLASHINFER", KEY, bigger) == pytest.approx(max(30.0, device))
     empty = SizeClass.of(True, 0, 0, 16, 1, 0, 0)
-    assert table.predict("TRITON", KEY, empty) == pytest.approx(5.0 + standins.standin_device_us("TRITON", TINY))
+    assert table.predict("TRITON", KEY, empty) == pytest.approx(max(5.0, standins.standin_device_us("TRITON", TINY)))
     # Nothing measured for the backend, or for the configuration: no prediction.
     assert (
         cost_table.parse(standins.cost_table(MEASURED, backends=("TRITON",))).predict("FLASHINFER", KEY, TINY) is None
@@ -163,10 +169,10 @@ def test_a_class_with_its_own_host_costs_is_predicted_with_them(tmp_path) -> Non
     assert data["entries"][0]["class"] == list(TINY[1:])
     table = cost_table.parse(data)
     tiny_device = {b: standins.standin_device_us(b, TINY) for b in ("FLASHINFER", "TRITON")}
-    assert table.predict("TRITON", KEY, TINY) == pytest.approx(6.0 + tiny_device["TRITON"])
-    assert table.predict("FLASHINFER", KEY, TINY) == pytest.approx(50.0 + tiny_device["FLASHINFER"])
+    assert table.predict("TRITON", KEY, TINY) == pytest.approx(max(6.0, tiny_device["TRITON"]))
+    assert table.predict("FLASHINFER", KEY, TINY) == pytest.approx(max(50.0, tiny_device["FLASHINFER"]))
     assert table.predict("FLASH_ATTN", KEY, TINY) == pytest.approx(
-        15.0 + standins.standin_device_us("FLASH_ATTN", TINY)
+        max(15.0, standins.standin_device_us("FLASH_ATTN", TINY))
     )
     assert table.choose(["FLASHINFER", "TRITON"], KEY, [TINY]) == "TRITON"
     without = cost_table.parse(standins.cost_table(MEASURED, host_us=data["host_us"]))
@@ -174,9 +180,10 @@ def test_a_class_with_its_own_host_costs_is_predicted_with_them(tmp_path) -> Non
     # An unmeasured class nearest to TINY borrows its host costs; MIDDLE has none, so it keeps the median.
     near = SizeClass.of(True, 32, 32, 16, 1, 32, 32)
     assert table.predict("TRITON", KEY, near) == pytest.approx(
-        6.0 + max(tiny_device["TRITON"] * near.work() / TINY.work(), tiny_device["TRITON"])
+        max(6.0, tiny_device["TRITON"] * near.work() / TINY.work(), tiny_device["TRITON"])
     )
-    assert table.predict("TRITON", KEY, MIDDLE) == pytest.approx(100.0 + standins.standin_device_us("TRITON", MIDDLE))
+    middle_device = standins.standin_device_us("TRITON", MIDDLE)
+    assert table.predict("TRITON", KEY, MIDDLE) == pytest.approx(max(100.0, middle_device))
     path = tmp_path / "sm90.json"
     cost_table.write(table, path)
     again = cost_table.load(path)

@@ -232,7 +232,7 @@ def size_class_table(capability: DeviceCapability | None, config: SelectorConfig
     candidates = rule_candidates(capability, config)
     measured = sorted(table.measured(key), key=[b.name for b in PrefillBackendEnum].index)
     lines.append(
-        f"  predicted µs per call (host + device){'':<22} " + " ".join(f"{b:>11}" for b in measured) + "  choice"
+        f"  predicted µs per call (max of host, device){'':<15} " + " ".join(f"{b:>11}" for b in measured) + "  choice"
     )
     for size in sorted(table.device_us[key], key=lambda c: (not c.causal, tuple(c))):
         predicted = [table.predict(b, key, size) for b in measured]
