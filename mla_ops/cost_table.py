@@ -39,6 +39,19 @@ PATHS = {"new": True, "chunk": False}
 #: The distributions whose versions a table records; a user's table measured under others is stale.
 VERSIONED = ("mla_ops", "torch", "triton", "flashinfer-python", "flash-attn-4", "flash-attn", "flash-attn-3")
 
+#: The distributions whose kernels each backend runs. A committed table's times of a backend hold only where the
+#: same ones are installed: FLASH_ATTN runs FlashAttention-4, -3, -2 or PyTorch's bundled copy, whichever is here.
+BACKEND_LIBRARIES = {
+    "FLASHINFER": ("flashinfer-python",),
+    "FLASH_ATTN": ("flash-attn-4", "flash-attn-3", "flash-attn"),
+    "TRITON": ("triton",),
+}
+#: What runs a backend's kernels where none of its :data:`BACKEND_LIBRARIES` is installed (the others cannot run).
+BUNDLED = {"FLASH_ATTN": "PyTorch's bundled FlashAttention-2"}
+
+#: The version :func:`library_versions` gives a distribution that is not installed.
+NOT_INSTALLED = "not installed"
+
 #: What to run to measure a fresh table, as the warnings say it.
 TUNE_COMMAND = "python -m mla_ops tune"
 
@@ -115,7 +128,7 @@ def library_versions() -> dict[str, str]:
         try:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
-            versions[dist] = "not installed"
+            versions[dist] = NOT_INSTALLED
     versions["mla_ops"] = __version__
     versions["torch"] = torch.__version__
     versions["cuda"] = str(torch.version.cuda)
@@ -152,6 +165,31 @@ class CostTable:
     created: str = ""
     class_host_us: dict[ConfigKey, dict[SizeClass, dict[str, float]]] = field(default_factory=dict)
     _floors: dict[tuple[ConfigKey, bool, str], float] = field(default_factory=dict, repr=False)
+
+    def without(self, backends: Iterable[str]) -> CostTable:
+        """A copy that predicts nothing for ``backends`` (they are no candidates where it ranks)."""
+        drop = set(backends)
+        host_us = {b: t for b, t in self.host_us.items() if b not in drop}
+        return CostTable(
+            self.capability, self.gpu, self.versions, self.command, host_us, self.device_us, self.source,
+            self.created, self.class_host_us,
+        )  # fmt: skip
+
+    def foreign_backends(self, installed: Mapping[str, str]) -> dict[str, str]:
+        """The measured backends that would run other kernels here, each with why: another set of their
+        :data:`BACKEND_LIBRARIES` is installed than the table's (FLASH_ATTN measured on FlashAttention-4 says
+        nothing of FlashAttention-2). A backend none of whose libraries is installed cannot run here, so it is
+        left out only where something else runs it (:data:`BUNDLED`)."""
+        foreign = {}
+        for backend in sorted(self.host_us):
+            dists = BACKEND_LIBRARIES.get(backend, ())
+            had = [d for d in dists if self.versions.get(d, NOT_INSTALLED) != NOT_INSTALLED]
+            has = [d for d in dists if installed.get(d, NOT_INSTALLED) != NOT_INSTALLED]
+            if had == has or (not has and backend not in BUNDLED):
+                continue
+            there = ", ".join(had) or BUNDLED.get(backend, "none of " + ", ".join(dists))
+            foreign[backend] = f"measured with {there}, here {', '.join(has) or BUNDLED[backend]}"
+        return foreign
 
     def covers(self, key: ConfigKey) -> bool:
         """Whether the table measured ``(dtype name, Dqk, Dv)`` at all."""
@@ -449,6 +487,12 @@ def _committed(capability: DeviceCapability) -> tuple[CostTable | None, str]:
     except CostTableError as exc:
         _warn_once(path, str(exc), "the fixed order of backends")
         return None, f"none: fixed order (the committed table {path} is not used: {exc})"
+    # The committed table comes from another machine: a backend whose kernels come from other libraries here
+    # keeps no times (it is no candidate); the others' library versions may differ, as on any user's machine.
+    foreign = table.foreign_backends(library_versions())
+    if foreign:
+        left_out = "; ".join(f"{b} left out: {why}" for b, why in foreign.items())
+        return table.without(foreign), f"committed: {path} ({left_out})"
     return table, f"committed: {path}"
 
 

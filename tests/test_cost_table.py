@@ -250,6 +250,35 @@ def test_this_machines_table_wins_over_the_committed_one(tables, all_installed) 
     assert sel.select_backend(SM90, CONFIG, size=TINY).name == "TRITON"
 
 
+def test_a_committed_tables_backend_on_other_libraries_is_no_candidate(tables, all_installed) -> None:
+    """The committed table comes from another machine: FLASH_ATTN measured on FlashAttention-4 keeps no times where
+    another FlashAttention (or none, PyTorch's bundled copy) is installed, and the source says so; the others'
+    versions may differ, and a machine with the same libraries keeps every backend."""
+    here = cost_table.library_versions()
+    absent = cost_table.NOT_INSTALLED
+    measured = dict(here, **{"flash-attn-4": "4.0.0b36", "flash-attn": absent, "flash-attn-3": absent})
+    _write(tables[1], standins.cost_table(MEASURED, versions=dict(measured, triton="0.0.1")))
+    fa4_here = here["flash-attn-4"] != absent and here["flash-attn"] == here["flash-attn-3"] == absent
+    table, source = cost_table.table_source(SM90)
+    assert table is not None and table.predict("TRITON", KEY, TINY) is not None  # another Triton: still used
+    if fa4_here:
+        assert table.predict("FLASH_ATTN", KEY, TINY) is not None and "left out" not in source
+    else:
+        assert table.predict("FLASH_ATTN", KEY, TINY) is None
+        assert "FLASH_ATTN left out: measured with flash-attn-4, here" in source
+        assert sel.select_backend(SM90, CONFIG, size=LARGE).name == "FLASHINFER"
+    foreign = cost_table.parse(standins.cost_table(MEASURED, versions=measured)).foreign_backends(
+        dict(measured, **{"flash-attn-4": absent, "flash-attn": "2.8.3"})
+    )
+    assert foreign == {"FLASH_ATTN": "measured with flash-attn-4, here flash-attn"}
+    # Without any FlashAttention PyTorch's copy runs FLASH_ATTN; without FlashInfer, FLASHINFER cannot run at all.
+    none = dict(measured, **{"flash-attn-4": absent, "flashinfer-python": absent})
+    assert cost_table.parse(standins.cost_table(MEASURED, versions=measured)).foreign_backends(none) == {
+        "FLASH_ATTN": "measured with flash-attn-4, here PyTorch's bundled FlashAttention-2"
+    }
+    assert cost_table.parse(standins.cost_table(MEASURED, versions=measured)).foreign_backends(measured) == {}
+
+
 @pytest.mark.parametrize(
     ("data", "problem"),
     [
