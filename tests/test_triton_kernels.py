@@ -779,6 +779,27 @@ def test_gluon_relaunch_adds_a_fresh_zeroed_work_counter():
     assert codes == [(0, 1, 2, 3, 4, 5, 6, NATIVE_COUNTER_CODE)] and NATIVE_COUNTER_CODE == 7
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["triton", "torch"])
+@pytest.mark.parametrize("num_tokens", [1, 37, 130])
+def test_transposed_values(monkeypatch, kernel, num_tokens):
+    """The fp8 Gluon kernel's transposed values, from the Triton kernel (here in the interpreter) and from PyTorch's
+    copy (CPU stand-ins outside it): every byte of a strided ``v`` (NaN's among them) in place."""
+    from mla_ops.kernels import transpose
+
+    if kernel and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("kernel launches on CPU tensors need TRITON_INTERPRET=1 (set by conftest when CUDA is absent)")
+    if not kernel:
+        monkeypatch.setattr(transpose, "_interpreting", lambda: False)
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randint(0, 256, (num_tokens, 3, 192 + 128), dtype=torch.uint8, generator=gen)
+    kv[0, 1, 200] = 0x7F  # e4m3's NaN is copied as it is
+    v = kv.view(torch.float8_e4m3fn)[..., 192:]
+    got = transpose.transposed_values(v)
+    padded = -(-num_tokens // transpose.KEY_ALIGNMENT) * transpose.KEY_ALIGNMENT
+    assert got.shape == (3, 128, padded) and got.dtype == torch.float8_e4m3fn
+    assert torch.equal(got.view(torch.uint8)[..., :num_tokens], kv[..., 192:].permute(1, 2, 0))
+
+
 def test_shrink_steps_down_to_smallest():
     config, seen = AttentionConfig(128, 128, 8, 3), []
     while config is not None:
