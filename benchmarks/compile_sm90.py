@@ -6,7 +6,9 @@ arguments, constexprs and options that ``attention_triton`` would launch it with
 (:func:`mla_ops.kernels.attention.launch_plan`, or :func:`mla_ops.kernels.attention_sm90.sm90_launch`
 for a ``gluon`` configuration, over CPU stand-ins with the GPU tensors' shapes, strides and alignment).
 By default it compiles what the SM90 tables launch for ``--dims``: each entry for the path its key names
-(causal: new tokens; chunk: a context chunk). For each variant it prints whether it compiled, the
+(causal: new tokens; chunk: a context chunk); with ``--dtype float8_e4m3fn``, what fp8 calls launch (the main
+table's entries) and the Gluon kernel's fp8 variant (``SM90_GLUON_FP8_ATTENTION``, not routed yet). For each
+variant it prints whether it compiled, the
 registers per thread and spilled bytes (from ``ptxas -v``), the shared memory per program, the global
 scratch bytes per program (where the kernel builds TMA descriptors on the device, ``(device)`` in the
 last column), the warps per program (the Gluon kernel's partitions add a producer warp group), and what
@@ -20,6 +22,7 @@ and the exit status is 1 if any failed.
 Usage::
 
     python benchmarks/compile_sm90.py                     # what the SM90 tables launch for (192, 128)
+    python benchmarks/compile_sm90.py --dtype float8_e4m3fn  # fp8: the tl.dot variants and the Gluon fp8 one
     python benchmarks/compile_sm90.py --configs "128,64,8,3;128,64,8,3,ovl" --path chunk --dims 192,128
 """
 
@@ -145,8 +148,9 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool, dtype_name: st
             from mla_ops.kernels.attention_sm90 import _attn_fwd_sm90 as kernel
             from mla_ops.kernels.attention_sm90 import sm90_launch
 
-            plan = sm90_launch(call, out, lse, config.block_n, config.num_stages, num_sms=132)
-            variant.descriptors = ("q(device)", "k(device)", "v(device)")
+            plan = sm90_launch(call, out, lse, config.block_n, config.num_stages, num_sms=132, scales=scales)
+            # fp8: the device-side value descriptors are over the launcher's transposed copy of v.
+            variant.descriptors = ("q(device)", "k(device)", "vT(device)" if scales is not None else "v(device)")
         else:
             from mla_ops.kernels.attention import launch_plan
             from mla_ops.kernels.attention_kernel import attn_fwd_kernel as kernel
@@ -181,11 +185,13 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool, dtype_name: st
 
 def table_variants(dqk: int, dv: int, fp8: bool = False) -> list[tuple[str, bool]]:
     """``(configuration, causal)`` of every variant the SM90 tables launch for ``(dqk, dv)``: each entry
-    with the path its key names, without repeats. ``fp8``: the fp8 calls' (the large-batch table's Gluon kernel has
-    no fp8 path, so they launch the main table's entries at every size)."""
-    from mla_ops.kernels.configs import SM90_ATTENTION, SM90_LARGE_BATCH_ATTENTION
+    with the path its key names, without repeats. ``fp8``: the fp8 calls' (they launch the main table's entries at
+    every size), and the Gluon kernel's fp8 variant (``SM90_GLUON_FP8_ATTENTION``, compiled but neither run on a GPU
+    nor routed yet)."""
+    from mla_ops.kernels.configs import SM90_ATTENTION, SM90_GLUON_FP8_ATTENTION, SM90_LARGE_BATCH_ATTENTION
 
-    tables = (*SM90_ATTENTION.items(), *(() if fp8 else SM90_LARGE_BATCH_ATTENTION.items()))
+    large = SM90_GLUON_FP8_ATTENTION if fp8 else SM90_LARGE_BATCH_ATTENTION
+    tables = (*SM90_ATTENTION.items(), *large.items())
     return list(dict.fromkeys((str(config), bool(key[2])) for key, config in tables if key[:2] == (dqk, dv)))
 
 
@@ -197,7 +203,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--dims", default="192,128", help="Dqk,Dv (default 192,128)")
     parser.add_argument(
         "--dtype", choices=("bfloat16", "float16", "float8_e4m3fn"), default="bfloat16",
-        help="the inputs' dtype (default bfloat16); float8_e4m3fn compiles the fp8 ops' variants",
+        help="the inputs' dtype (default bfloat16); float8_e4m3fn compiles the fp8 ops' variants and the Gluon\n"
+        "kernel's fp8 variant",
     )  # fmt: skip
     parser.add_argument(
         "--path", choices=("both", "causal", "chunk"), default="both",

@@ -127,7 +127,7 @@ def sweep_attention(
     texts = args.candidates.split(";") if args.candidates else (QUICK_CANDIDATES if args.quick else built_in)
     candidates = [AttentionConfig.parse(t, "--candidates") for t in texts]
     if fp8 and any(c.gluon for c in candidates):
-        log("the Gluon kernel has no fp8 path: its candidates are left out")
+        log("the Gluon kernel's fp8 variant is not routed yet: its candidates are left out")
         candidates = [c for c in candidates if not c.gluon]
     cap = torch.cuda.get_device_capability(device)
     for causal in (True, False):

@@ -654,8 +654,8 @@ def test_gluon_names_resolve_under_the_installed_triton():
 def test_compile_sm90_compiles_the_tabled_variants_under_the_installed_triton(dtype):
     """benchmarks/compile_sm90.py (no GPU needed) compiles every variant the SM90 tables launch for sm_90a with
     this Triton: no compile error, no spill, no serialised wgmma, the Gluon kernel warp-specialised; for fp8 inputs,
-    the main table's entries, which fp8 calls launch at every size. benchmarks/compile_matrix.sh runs it under each
-    supported release."""
+    the main table's entries, which fp8 calls launch at every size, and the Gluon kernel's fp8 variant (not routed
+    yet). benchmarks/compile_matrix.sh runs it under each supported release."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
@@ -667,8 +667,9 @@ def test_compile_sm90_compiles_the_tabled_variants_under_the_installed_triton(dt
     if proc.returncode == 2 and "needs Triton with its NVIDIA backend and ptxas" in proc.stderr:
         pytest.skip(f"this Triton cannot compile for sm_90a here: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-    tables = (configs.SM90_ATTENTION,) if dtype == "float8_e4m3fn" else (configs.SM90_ATTENTION,
-                                                                          configs.SM90_LARGE_BATCH_ATTENTION)
+    fp8 = dtype == "float8_e4m3fn"
+    large = configs.SM90_GLUON_FP8_ATTENTION if fp8 else configs.SM90_LARGE_BATCH_ATTENTION
+    tables = (configs.SM90_ATTENTION, large)
     tabled = {(str(c), k[2]) for t in tables for k, c in t.items() if k[:2] == (192, 128)}
     summary = proc.stdout.strip().splitlines()[-1]
     inputs = ", fp8 (e4m3)" if dtype == "float8_e4m3fn" else ""
@@ -704,6 +705,13 @@ def test_gluon_kernel_scope():
     assert reason(scale=-0.1) == "a negative softmax scale"
     assert "overflow shared memory" in reason(block_n=128, stages=3)
     assert sm90_shared_memory(192, 128, 128, 2) <= 227 * 1024 < sm90_shared_memory(192, 128, 128, 3)
+    # fp8: half the bytes per tile plus the probabilities' buffers; the values are copied transposed before the
+    # launch, so their strides need no alignment; each head part is a wgmma K of 32 e4m3 values at least.
+    fp8 = torch.float8_e4m3fn
+    assert reason(dtype=fp8, stages=4, strided=True) == "tensors that are not all on one CUDA device"
+    assert "overflow shared memory" in reason(dtype=fp8, stages=5)
+    assert sm90_shared_memory(192, 128, 128, 4, 1) <= 227 * 1024 < sm90_shared_memory(192, 128, 128, 5, 1)
+    assert "b >= 5" in reason(144, 128, dtype=fp8) and reason(144, 128) == "tensors that are not all on one CUDA device"
 
 
 def test_gluon_launch_arguments_on_host_stand_ins():
@@ -749,6 +757,55 @@ def test_gluon_launch_arguments_on_host_stand_ins():
     assert constexprs["Q_LAYOUT_A"] is not constexprs["K_LAYOUT_A"]
     assert constexprs["Q_LAYOUT_A"] == gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)  # 128 channels
     assert (constexprs["D_A"], constexprs["D_B"], constexprs["D_V"], constexprs["BN"]) == (128, 64, 128, 128)
+    assert constexprs["FP8"] is False and constexprs["P_LAYOUT"] is None
+    descale_names = ["QDescale", "KDescale", "VDescale", "stride_qd", "stride_kd", "stride_vd"]
+    assert [args[n] for n in descale_names] == [None] * 6  # bf16: no descale factors nor strides, compiled out
+
+
+def test_gluon_fp8_launch_arguments_on_host_stand_ins():
+    """``sm90_launch`` with fp8 scales: the values go in transposed (``[H, Dv, Tk_pad]``, keys contiguous, padded to
+    16 keys) with their channel and head strides; the descale factors follow the counter among the leading
+    arguments (their strides, 0 for one factor, after the softmax scale); the ``FP8`` constexpr, the ``[Dv, keys]``
+    value tiles' layout and the probabilities' buffer layout; Q's and K's descriptors are still the kernel's own,
+    over extents passed as for bf16."""
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
+    from triton.experimental.gluon import language as gl
+
+    from mla_ops.backends.base import Fp8Scales
+    from mla_ops.kernels import attention_sm90
+
+    q, k, v = (x.to(torch.float8_e4m3fn) for x in make_qkv(300, 4, 192, 128, torch.float32, strided_v=True))
+    out, lse = torch.empty(300, 4, 128, dtype=torch.bfloat16), torch.empty(4, 300)
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    q_descale, v_descale = torch.rand(4) + 0.5, torch.tensor([0.25]).expand(4)
+    scales = Fp8Scales(q_descale, q_descale, v_descale, torch.bfloat16)
+    call = VarlenCall(q, k, v, cu, cu, 200, 200, 0.1, True)
+    plan = attention_sm90.sm90_launch(call, out, lse, 128, 4, num_sms=132, scales=scales)
+    leading = attention_sm90.SM90_LEADING_FP8
+    assert plan.leading == leading == 11
+    names = [p.name for p in attention_sm90._attn_fwd_sm90.params if not p.is_constexpr]
+    assert len(names) == len(plan.args) and names[:leading][-4:] == ["Counter", "QDescale", "KDescale", "VDescale"]
+    assert not any(isinstance(a, torch.Tensor) for a in plan.args[leading:]), "only scalars follow"
+    args = dict(zip(names, plan.args))
+    assert all(args[n] is t for n, t in zip(["Q", "K", "Out", "Lse", "cu_seqlens_q"], [q, k, out, lse, cu]))
+    values = args["V"]
+    assert values.shape == (4, 128, 304) and values.dtype == torch.float8_e4m3fn and values.is_contiguous()
+    assert torch.equal(values[..., :300].view(torch.uint8), v.permute(1, 2, 0).view(torch.uint8))
+    assert (args["stride_vt"], args["stride_vh"]) == (304, 128 * 304)  # channel and head strides
+    assert all(args[n] is d for n, d in zip(["QDescale", "KDescale", "VDescale"], scales[:3]))
+    assert (args["stride_qd"], args["stride_kd"], args["stride_vd"]) == (1, 1, 0)
+    assert (args["num_tokens_q"], args["q_cols"], args["k_rows"], args["k_cols"]) == (300, 4 * 192, 300, 4 * 192)
+    constexprs = plan.constexprs
+    assert constexprs["FP8"] is True
+    assert constexprs["P_LAYOUT"] == gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv)
+    assert constexprs["V_LAYOUT"] == gl.NVMMASharedLayout.get_default_for([128, 128], gl.float8e4nv)  # [Dv, keys]
+    assert constexprs["Q_LAYOUT_A"] == gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv)
+    assert (constexprs["D_A"], constexprs["D_B"], constexprs["D_V"], constexprs["BN"]) == (128, 64, 128, 128)
+    bf16 = attention_sm90.sm90_launch(
+        VarlenCall(*(x.to(torch.bfloat16) for x in (q, k, v)), cu, cu, 200, 200, 0.1, True), out, lse, 128, 4,
+        num_sms=132,
+    )  # fmt: skip
+    assert bf16.key != plan.key
 
 
 def test_gluon_relaunch_adds_a_fresh_zeroed_work_counter():

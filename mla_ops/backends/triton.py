@@ -117,8 +117,8 @@ class TritonBackend(PrefillBackend):
         return kernel(*call)  # attention_triton takes VarlenCall's fields in its order
 
     def attention_fp8(self, call: VarlenCall, scales: Fp8Scales) -> tuple[torch.Tensor, torch.Tensor]:
-        # fp8 calls run the tl.dot kernel at every size (the Gluon kernel has no fp8 path), which the batch-invariant
-        # mode needs as well.
+        # fp8 calls run the tl.dot kernel at every size (the Gluon kernel's fp8 variant is not routed until a GPU
+        # has validated it), which the batch-invariant mode needs as well.
         from ..kernels.attention import attention_triton
 
         return attention_triton(*call, scales=scales)

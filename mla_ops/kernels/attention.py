@@ -101,7 +101,7 @@ def gluon_unsupported_reason(
     if not q.is_cuda:
         return "it runs on CUDA devices only (not in Triton's interpreter)"
     if q.dtype == torch.float8_e4m3fn:
-        return "it has no fp8 path (fp8 calls run the tl.dot kernel)"
+        return "its fp8 variant has not been validated on a GPU yet (fp8 calls run the tl.dot kernel)"
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return f"it runs on SM90 (Hopper) GPUs only, not on {torch.cuda.get_device_name(q.device)}"
     reason = gluon_triton_reason(triton.__version__)

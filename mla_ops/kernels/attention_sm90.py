@@ -3,7 +3,8 @@
 A TMA producer warp and two consumer warpgroups per program, optionally overlapping each tile's softmax with
 the previous tile's P @ V (``ovl``) and in persistent programs (``pers``), with the same contract and program
 numbering as :mod:`mla_ops.kernels.attention_kernel`. :func:`sm90_unsupported_reason` says which inputs it does not
-cover. Design: docs/design/triton-kernels.md (The Gluon kernel).
+cover. Design: docs/design/triton-kernels.md (The Gluon kernel). With ``FP8`` it takes e4m3 inputs (``scales`` of
+:func:`attention_sm90`), compiled but not routed yet: docs/design/fp8.md (The Gluon kernel's fp8 variant).
 """
 
 from __future__ import annotations
@@ -14,17 +15,25 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
-from ..backends.base import VarlenCall
+from ..backends.base import Fp8Scales, VarlenCall
 from ..runtime.alloc import empty
 from .configs import head_dim_split
 from .launch import NATIVE_COUNTER_CODE, FixedLaunch, LaunchPlan, NativeLaunch, TorchScratch, pointer_alignment
 from .programs import program_layout
+from .transpose import transposed_values
 from .triton_compat import COMPILE_OPTIONS, lean_registers, thread_barrier, tma_load
 
 __all__ = [
     "SM90_LEADING",
+    "SM90_LEADING_FP8",
     "CountedRelaunch",
     "attention_sm90",
     "sm90_launch",
@@ -61,10 +70,16 @@ _thread_barrier = thread_barrier()
 _LEAN = gl.constexpr(lean_registers(triton.__version__))
 
 #: How many leading kernel arguments change from call to call: q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k (as
-#: the ``tl.dot`` kernel's) and the work counter.
+#: the ``tl.dot`` kernel's) and the work counter; for an fp8 call also the three descale factors after them (as the
+#: ``tl.dot`` kernel's fp8 calls add them after its seven).
 SM90_LEADING = 8
+SM90_LEADING_FP8 = 11
 
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
+#: fp8: the probabilities are ``2**_P_SHIFT`` times the true ones until the end (the shift is folded into the running
+#: max), so that small ones, rounded to e4m3 for ``P @ V``, stay normal numbers: e4m3's smallest normal is 2**-6 and
+#: the largest shifted probability, 2**8, is below its largest value, 448 (as the ``tl.dot`` kernel's ``P_SHIFT``).
+_P_SHIFT = gl.constexpr(8.0)
 
 
 @gluon.jit
@@ -148,28 +163,36 @@ def _load_keys(ka_desc, kb_desc, k_smem_a, k_smem_b, k_ready, k_empty, g, row, c
 
 
 @gluon.jit
-def _load_values(v_desc, v_smem, v_ready, v_empty, g, row):
-    """Tile ``g`` of the value ring: rows ``row`` on of ``v_desc`` (one sequence's and head's values)."""
-    BN: gl.constexpr = v_smem.type.shape[1]
-    D_V: gl.constexpr = v_smem.type.shape[2]
+def _load_values(v_desc, v_smem, v_ready, v_empty, g, row, FP8: gl.constexpr):
+    """Tile ``g`` of the value ring: rows ``row`` on of ``v_desc`` (one sequence's and head's values); ``FP8``: columns
+    ``row`` on of ``v_desc`` over the transposed values (a ``[D_V, BN]`` tile)."""
     STAGES: gl.constexpr = v_smem.type.shape[0]
+    TILE_BYTES: gl.constexpr = v_smem.type.shape[1] * v_smem.type.shape[2] * v_smem.dtype.primitive_bitwidth // 8
     stage = g % STAGES
     mbarrier.wait(v_empty.index(stage), ((g // STAGES) & 1) ^ 1)
-    mbarrier.expect(v_ready.index(stage), BN * D_V * 2)  # 16-bit values
-    _tma_load(v_desc, [row, 0], v_ready.index(stage), v_smem.index(stage))
+    mbarrier.expect(v_ready.index(stage), TILE_BYTES)
+    if FP8:
+        _tma_load(v_desc, [0, row], v_ready.index(stage), v_smem.index(stage))
+    else:
+        _tma_load(v_desc, [row, 0], v_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit
 def _produce_item(
     qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty,
     k_ready, k_empty, v_ready, v_empty, item_smem, seq_smem, w, b, t, n, h, q_row, k_start, len_k, num_tiles, stride_qh,
-    stride_kh, stride_vt, stride_vh, V_LAYOUT: gl.constexpr,
+    stride_kh, stride_vt, stride_vh, V_LAYOUT: gl.constexpr, FP8: gl.constexpr,
 ):  # fmt: skip
     """One work item's loads, the program's ``n``-th (``w``), its tiles ``t`` onwards of the rings: Q, then
-    every key tile's K (both parts) and V, each into its own ring."""
+    every key tile's K (both parts) and V, each into its own ring. ``FP8``: ``V`` is the transposed values
+    ``[H, D_V, Tk_pad]`` (:func:`mla_ops.kernels.transpose.transposed_values`), ``stride_vh`` its head stride and
+    ``stride_vt`` its channel stride."""
     BN: gl.constexpr = ka_desc.block_type.shape[0]
     D_A: gl.constexpr = ka_desc.block_type.shape[1]
-    D_V: gl.constexpr = v_smem.type.shape[2]
+    if FP8:
+        D_V: gl.constexpr = v_smem.type.shape[1]
+    else:
+        D_V: gl.constexpr = v_smem.type.shape[2]
     STAGES: gl.constexpr = k_smem_a.type.shape[0]
     col_k = h * stride_kh
     if num_tiles > 0:  # the first keys before Q, which waits for the previous item's last scores
@@ -190,18 +213,29 @@ def _produce_item(
             g = t - 1 - s
             if g >= 0:
                 mbarrier.wait(v_ready.index(g % STAGES), (g // STAGES) & 1)
-        # Values through a descriptor over this sequence's and head's rows only: rows past them read as
-        # 0, never as a neighbour's NaN.
-        v_desc = tma.make_tensor_descriptor(
-            V + k_start.to(gl.int64) * stride_vt + h * stride_vh, shape=[gl.maximum(len_k, 1), D_V],
-            strides=[stride_vt, 1], block_shape=[BN, D_V], layout=V_LAYOUT,
-        )  # fmt: skip
-        _load_values(v_desc, v_smem, v_ready, v_empty, t, 0)
+        if FP8:
+            # The head's transposed values up to this sequence's last key, loaded from its first: keys past it
+            # read as 0, never as a neighbour's NaN. (A descriptor from the sequence's first key, as below, would
+            # start on an address TMA refuses unless that key's offset is a multiple of 16 bytes.)
+            v_desc = tma.make_tensor_descriptor(
+                V + h.to(gl.int64) * stride_vh, shape=[D_V, gl.maximum(k_start + len_k, 1)],
+                strides=[stride_vt, 1], block_shape=[D_V, BN], layout=V_LAYOUT,
+            )  # fmt: skip
+            v_col = k_start
+        else:
+            # Values through a descriptor over this sequence's and head's rows only: rows past them read as
+            # 0, never as a neighbour's NaN.
+            v_desc = tma.make_tensor_descriptor(
+                V + k_start.to(gl.int64) * stride_vt + h * stride_vh, shape=[gl.maximum(len_k, 1), D_V],
+                strides=[stride_vt, 1], block_shape=[BN, D_V], layout=V_LAYOUT,
+            )  # fmt: skip
+            v_col = 0
+        _load_values(v_desc, v_smem, v_ready, v_empty, t, v_col, FP8)
         for i in range(1, num_tiles):
             # Keys and values have rings of their own because they are let go at different times: a tile's
             # keys once its scores are in, its values once P @ V is (a step later where the two overlap).
             _load_keys(ka_desc, kb_desc, k_smem_a, k_smem_b, k_ready, k_empty, t + i, k_start + i * BN, col_k)
-            _load_values(v_desc, v_smem, v_ready, v_empty, t + i, i * BN)
+            _load_values(v_desc, v_smem, v_ready, v_empty, t + i, v_col + i * BN, FP8)
 
 
 @gluon.jit
@@ -221,7 +255,7 @@ def _producer(
     item_smem, seq_smem, Counter, cu_seqlens_q, cu_seqlens_k, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
     stride_vh, num_tokens_q, q_cols, k_rows, k_cols, num_seqs, num_heads, num_slots, heads_per_group, worker,
     num_workers,
-    V_LAYOUT: gl.constexpr, CAUSAL: gl.constexpr,
+    V_LAYOUT: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr,
 ):  # fmt: skip
     """The producer warp: every work item its program takes, ``worker`` first, then the next one not yet
     taken by any program (``Counter``, zero at launch, counts those taken), until none is left. It hands
@@ -251,7 +285,7 @@ def _producer(
             _produce_item(
                 qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar,
                 q_empty, k_ready, k_empty, v_ready, v_empty, item_smem, seq_smem, w, b, t, n, h, q_start + m0, k_start,
-                len_k, num_tiles, stride_qh, stride_kh, stride_vt, stride_vh, V_LAYOUT,
+                len_k, num_tiles, stride_qh, stride_kh, stride_vt, stride_vh, V_LAYOUT, FP8,
             )  # fmt: skip
             t += num_tiles
             n += 1
@@ -272,9 +306,10 @@ def _issue_scores(q_a, q_b, k_a, k_b, s_init):
 
 @gluon.jit
 def _softmax(s, m_i, l_i, keys, start, len_k, q_pos, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-             SCALE_NONNEG: gl.constexpr):  # fmt: skip
+             SCALE_NONNEG: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
     """One tile's online-softmax step on its raw scores ``s``: ``(p, alpha, m_new, l_new)``, ``p`` the
-    tile's probabilities (fp32, base 2) and ``alpha`` the factor that rescales the running output.
+    tile's probabilities (fp32, base 2; ``FP8``: ``2**_P_SHIFT`` times them, and so is ``l_new``) and ``alpha``
+    the factor that rescales the running output.
 
     ``MASKED`` tiles hide keys past ``len_k`` and, causal, those after each row's diagonal (``keys`` the
     tile's key positions, ``q_pos`` the rows' positions among the keys); a row with no visible key yet
@@ -295,7 +330,10 @@ def _softmax(s, m_i, l_i, keys, start, len_k, q_pos, qk_scale, MASKED: gl.conste
         s = gl.where(visible, s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: exp2(-inf - 0), not NaN
-        p = gl.exp2(s - m_use[:, None])
+        if FP8:
+            p = gl.exp2(s - (m_use - _P_SHIFT)[:, None])
+        else:
+            p = gl.exp2(s - m_use[:, None])
         alpha = gl.exp2(m_i - m_use)
     else:
         if SCALE_NONNEG:
@@ -303,7 +341,10 @@ def _softmax(s, m_i, l_i, keys, start, len_k, q_pos, qk_scale, MASKED: gl.conste
             m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         else:
             m_new = gl.maximum(m_i, gl.max(s * qk_scale, 1))
-        p = gl.exp2(s * qk_scale - m_new[:, None])
+        if FP8:
+            p = gl.exp2(s * qk_scale - (m_new - _P_SHIFT)[:, None])
+        else:
+            p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
@@ -321,15 +362,32 @@ def _operand(p, dtype: gl.constexpr, o_layout: gl.constexpr):
 
 
 @gluon.jit
+def _stage_probabilities(p_smem, p):
+    """fp8: probabilities ``p`` (fp32 ``[64, BN]``, the scores' layout) rounded to e4m3 into ``p_smem``, the
+    shared-memory A operand of ``P @ V``.
+
+    Not the register operand the 16-bit path takes: a register operand has to be kept alive until its product
+    retires by passing it to ``warpgroup_mma_wait``, whose lowering takes only 16- to 64-bit values ("Unexpected
+    bitwidth in WGMMAWaitGroupOp: 8"), and a shared-memory operand needs nothing kept alive."""
+    p_smem.store(p.to(p_smem.dtype))
+    fence_async_shared()  # the stores (generic proxy) before wgmma's reads (async proxy)
+
+
+@gluon.jit
 def _step(
     i, t0, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty, s_init,
     p, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale,
-    MASKED: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr,
+    MASKED: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr, FP8: gl.constexpr,
 ):  # fmt: skip
     """Tile ``i`` of the item (``t0 + i`` of the rings) with the previous tile's ``P @ V`` in flight
     (FlashAttention-3's intra-warpgroup overlap): issue ``S_i = Q K_i^T`` and ``O += P_{i-1} V_{i-1}``, wait
     for ``S_i`` alone, run its softmax while the tensor cores finish ``P_{i-1} V_{i-1}``, then rescale ``O``.
-    ``p`` holds ``P_{i-1}`` as the product's operand; returns ``(P_i, m, l, O)``."""
+    ``p`` holds ``P_{i-1}`` as the product's operand; returns ``(P_i, m, l, O)``.
+
+    ``FP8``: ``p`` is the warpgroup's two shared-memory buffers of probabilities ``[2, 64, BN]`` (returned as
+    they are): tile ``g`` of the rings stages its ``P`` in buffer ``g % 2``, so ``P_i`` is stored while
+    ``P_{i-1} V_{i-1}`` still reads the other, and ``V``'s tiles are ``[D_V, BN]`` (transposed, keys contiguous),
+    which the product takes as its K-major B operand (the only one fp8 wgmma takes)."""
     BN: gl.constexpr = k_smem_a.type.shape[1]
     STAGES: gl.constexpr = k_smem_a.type.shape[0]
     g = t0 + i
@@ -338,30 +396,54 @@ def _step(
     mbarrier.wait(k_ready.index(stage), (g // STAGES) & 1)
     mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
     s_tok = _issue_scores(q_a, q_b, k_smem_a.index(stage), k_smem_b.index(stage), s_init)
-    acc_tok = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+    if FP8:
+        acc_tok = warpgroup_mma(p.index((g - 1) % 2), v_smem.index(prev).permute((1, 0)), acc, is_async=True)
+    else:
+        acc_tok = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s_tok,))  # products retire in order: both parts of S_i are done
     mbarrier.arrive(k_empty.index(stage), count=1)
-    p_i, alpha, m_i, l_i = _softmax(s, m_i, l_i, keys0, i * BN, len_k, q_pos, qk_scale, MASKED, CAUSAL, SCALE_NONNEG)
+    p_i, alpha, m_i, l_i = _softmax(
+        s, m_i, l_i, keys0, i * BN, len_k, q_pos, qk_scale, MASKED, CAUSAL, SCALE_NONNEG, FP8
+    )  # fmt: skip
     o_layout: gl.constexpr = acc.type.layout
-    p_i = _operand(p_i, v_smem.dtype, o_layout)
-    acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
+    if FP8:
+        _stage_probabilities(p.index(g % 2), p_i)
+        acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+        p_i = p
+    else:
+        p_i = _operand(p_i, v_smem.dtype, o_layout)
+        acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
     mbarrier.arrive(v_empty.index(prev), count=1)
     return p_i, m_i, l_i, _rescale(acc, alpha)
 
 
 @gluon.jit
 def _consume_item(
-    q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, Out,
-    Lse, t0, n, h, q_start, len_q, len_k, m0, num_tiles, stride_ot, stride_oh, stride_lse_h, qk_scale,
-    WG: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr,
+    q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, p_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, Out,
+    Lse, QDescale, KDescale, VDescale, t0, n, h, q_start, len_q, len_k, m0, num_tiles, stride_ot, stride_oh,
+    stride_lse_h, qk_scale, stride_qd, stride_kd, stride_vd, WG: gl.constexpr, CAUSAL: gl.constexpr,
+    SCALE_NONNEG: gl.constexpr, FP8: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroup ``WG`` on one work item, the program's ``n``-th with a Q, whose tiles are
-    ``t0`` onwards of the rings: query rows ``m0 + 64 * WG`` onwards, over every tile of the item."""
+    ``t0`` onwards of the rings: query rows ``m0 + 64 * WG`` onwards, over every tile of the item.
+
+    ``FP8``: e4m3 inputs whose descale factors of head ``h`` are ``QDescale[h * stride_qd]`` (q's; k's and v's
+    alike, fp32); ``p_smem`` ``[2, 64, BN]`` e4m3 is the warpgroup's own pair of probability buffers
+    (:func:`_step`). Otherwise those are ``None``."""
     BN: gl.constexpr = k_smem_a.type.shape[1]
-    D_V: gl.constexpr = v_smem.type.shape[2]
+    if FP8:
+        D_V: gl.constexpr = v_smem.type.shape[1]
+    else:
+        D_V: gl.constexpr = v_smem.type.shape[2]
     STAGES: gl.constexpr = k_smem_a.type.shape[0]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_V, 16])
+    # wgmma's K per instruction: 32 bytes of each operand row (16 for 16-bit inputs, 32 for e4m3).
+    K_MMA: gl.constexpr = 256 // v_smem.dtype.primitive_bitwidth
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, K_MMA]
+    )  # fmt: skip
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_V, K_MMA]
+    )  # fmt: skip
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
@@ -384,8 +466,13 @@ def _consume_item(
     l_i = gl.zeros([_HALF], gl.float32, row_layout)
     acc = gl.zeros([_HALF, D_V], gl.float32, o_layout)
     s_init = gl.zeros([_HALF, BN], gl.float32, s_layout)
+    if FP8:  # dequantised scores: this head's factors of q and k scale them with the softmax scale
+        qk_scale = qk_scale * gl.load(QDescale + h * stride_qd) * gl.load(KDescale + h * stride_kd)
     mbarrier.wait(q_bar, n & 1)
-    p = _operand(s_init, v_smem.dtype, o_layout)
+    if FP8:
+        p = p_smem
+    else:
+        p = _operand(s_init, v_smem.dtype, o_layout)
     if mine > 0:  # the first tile alone: its scores and softmax, no product in flight yet
         s0 = t0 % STAGES
         mbarrier.wait(k_ready.index(s0), (t0 // STAGES) & 1)
@@ -393,17 +480,20 @@ def _consume_item(
         s = warpgroup_mma_wait(0, deps=(s_tok,))
         mbarrier.arrive(k_empty.index(s0), count=1)
         # The output is still zero: nothing to rescale.
-        p0, _, m_i, l_i = _softmax(s, m_i, l_i, keys0, 0, len_k, q_pos, qk_scale, True, CAUSAL, SCALE_NONNEG)
-        p = _operand(p0, v_smem.dtype, o_layout)
+        p0, _, m_i, l_i = _softmax(s, m_i, l_i, keys0, 0, len_k, q_pos, qk_scale, True, CAUSAL, SCALE_NONNEG, FP8)
+        if FP8:  # the previous item's last P @ V, the buffers' last reader, has retired
+            _stage_probabilities(p.index(t0 % 2), p0)
+        else:
+            p = _operand(p0, v_smem.dtype, o_layout)
     for i in range(1, full):  # tiles every row of this warpgroup sees whole: no mask
         p, m_i, l_i, acc = _step(
             i, t0, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty, s_init,
-            p, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale, False, CAUSAL, SCALE_NONNEG,
+            p, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale, False, CAUSAL, SCALE_NONNEG, FP8,
         )  # fmt: skip
     for i in range(gl.maximum(full, 1), mine):  # tiles with the causal diagonal or the sequence's end
         p, m_i, l_i, acc = _step(
             i, t0, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty, s_init,
-            p, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale, True, CAUSAL, SCALE_NONNEG,
+            p, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale, True, CAUSAL, SCALE_NONNEG, FP8,
         )  # fmt: skip
     # Every score of the item is in: the producer may load the next item's Q under what is left.
     mbarrier.arrive(q_empty, count=1)
@@ -414,8 +504,13 @@ def _consume_item(
     if has_last:  # the last tile's P @ V
         last = t0 + mine - 1
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-        acc_tok = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
-        acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
+        if FP8:
+            v_t = v_smem.index(last % STAGES).permute((1, 0))
+            acc_tok = warpgroup_mma(p.index(last % 2), v_t, acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+        else:
+            acc_tok = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
+            acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
         mbarrier.arrive(v_empty.index(last % STAGES), count=1)
     for i in range(mine, num_tiles):  # tiles only the other warpgroup's rows see: hand them back
         g = t0 + i
@@ -427,8 +522,12 @@ def _consume_item(
 
     # Rows that saw no key have l = 0: out = 0 and lse = -inf instead of 0/0. m and log2(l) are base 2.
     no_key = l_i == 0.0
-    lse = gl.where(no_key, float("-inf"), (m_i + gl.log2(gl.where(no_key, 1.0, l_i))) * _LN2)
-    inv_l = gl.convert_layout(1.0 / gl.where(no_key, 1.0, l_i), o_rows)
+    if FP8:  # l is 2**_P_SHIFT times the sum; v's factor scales each row once instead of each value tile
+        lse = gl.where(no_key, float("-inf"), (m_i + gl.log2(gl.where(no_key, 1.0, l_i)) - _P_SHIFT) * _LN2)
+        inv_l = gl.convert_layout(1.0 / gl.where(no_key, 1.0, l_i) * gl.load(VDescale + h * stride_vd), o_rows)
+    else:
+        lse = gl.where(no_key, float("-inf"), (m_i + gl.log2(gl.where(no_key, 1.0, l_i))) * _LN2)
+        inv_l = gl.convert_layout(1.0 / gl.where(no_key, 1.0, l_i), o_rows)
     out = (acc * inv_l[:, None]).to(Out.dtype.element_ty)
     rows_o = first + gl.arange(0, _HALF, o_rows)
     cols = gl.arange(0, D_V, gl.SliceLayout(0, o_layout))
@@ -439,12 +538,13 @@ def _consume_item(
 
 @gluon.jit
 def _consumer(
-    q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-    item_smem, seq_smem, Out, Lse, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group,
-    stride_ot, stride_oh, stride_lse_h, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr,
+    q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, p_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
+    item_smem, seq_smem, Out, Lse, QDescale, KDescale, VDescale, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads,
+    num_slots, heads_per_group, stride_ot, stride_oh, stride_lse_h, qk_scale, stride_qd, stride_kd, stride_vd,
+    WG: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr, FP8: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroup ``WG`` on each work item the producer hands over, in its order, until it hands over
-    ``-1``."""
+    ``-1`` (``FP8`` and its arguments: :func:`_consume_item`)."""
     BN: gl.constexpr = k_smem_a.type.shape[1]
     t = num_seqs * 0  # tiles of the rings consumed so far
     n = num_seqs * 0  # items so far
@@ -460,9 +560,9 @@ def _consumer(
             BN, 4,
         )  # fmt: skip
         _consume_item(
-            q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-            Out, Lse, t, n, h, q_start, len_q, len_k, m0, num_tiles, stride_ot, stride_oh, stride_lse_h,
-            qk_scale, WG, CAUSAL, SCALE_NONNEG,
+            q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, p_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
+            v_empty, Out, Lse, QDescale, KDescale, VDescale, t, n, h, q_start, len_q, len_k, m0, num_tiles, stride_ot,
+            stride_oh, stride_lse_h, qk_scale, stride_qd, stride_kd, stride_vd, WG, CAUSAL, SCALE_NONNEG, FP8,
         )  # fmt: skip
         t += num_tiles
         n += 1
@@ -491,14 +591,20 @@ def _fill_padding_lse(Lse, cu_seqlens_q, num_seqs, num_tokens, num_heads, stride
     ]
 )  # fmt: skip
 def _attn_fwd_sm90(
-    Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, Counter,
+    Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, Counter, QDescale, KDescale, VDescale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse_h,
     num_tokens_q, q_cols, k_rows, k_cols, num_heads, num_seqs, num_slots, heads_per_group, num_workers,
-    num_pad_programs, qk_scale,
+    num_pad_programs, qk_scale, stride_qd, stride_kd, stride_vd,
     D_A: gl.constexpr, D_B: gl.constexpr, D_V: gl.constexpr, BN: gl.constexpr, Q_LAYOUT_A: gl.constexpr,
     Q_LAYOUT_B: gl.constexpr, K_LAYOUT_A: gl.constexpr, K_LAYOUT_B: gl.constexpr, V_LAYOUT: gl.constexpr,
-    CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr, STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
+    P_LAYOUT: gl.constexpr,
 ):  # fmt: skip
+    """The kernel (arguments: :func:`sm90_launch`). ``FP8``: e4m3 ``Q``, ``K`` and transposed values ``V``
+    ``[H, D_V, Tk_pad]`` with their descale factors (``QDescale`` ... with strides ``stride_qd`` ..., 0 for one factor
+    for every head), ``V_LAYOUT`` that of ``[D_V, BN]`` tiles and ``P_LAYOUT`` the shared-memory layout of the
+    probabilities' buffers; otherwise the factors, their strides and ``P_LAYOUT`` are ``None`` and compile out,
+    leaving the 16-bit kernel as it was."""
     pid = gl.program_id(0)
     if pid >= num_workers:
         _fill_padding_lse(Lse, cu_seqlens_q, num_seqs, num_tokens_q, num_heads, stride_lse_h, pid - num_workers,
@@ -510,7 +616,15 @@ def _attn_fwd_sm90(
         q_smem_b = gl.allocate_shared_memory(dtype, [2, _HALF, D_B], Q_LAYOUT_B)
         k_smem_a = gl.allocate_shared_memory(dtype, [STAGES, BN, D_A], K_LAYOUT_A)
         k_smem_b = gl.allocate_shared_memory(dtype, [STAGES, BN, D_B], K_LAYOUT_B)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, D_V], V_LAYOUT)
+        if FP8:
+            # Transposed value tiles (keys contiguous), and each consumer's pair of probability buffers.
+            v_smem = gl.allocate_shared_memory(dtype, [STAGES, D_V, BN], V_LAYOUT)
+            p_smem_0 = gl.allocate_shared_memory(dtype, [2, _HALF, BN], P_LAYOUT)
+            p_smem_1 = gl.allocate_shared_memory(dtype, [2, _HALF, BN], P_LAYOUT)
+        else:
+            v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, D_V], V_LAYOUT)
+            p_smem_0: gl.constexpr = None  # (a constexpr: the partitions' arguments must have types)
+            p_smem_1: gl.constexpr = None
         item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         if _LEAN:
             seq_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -531,19 +645,21 @@ def _attn_fwd_sm90(
             mbarrier.init(v_empty.index(i), count=2)
         gl.warp_specialize(
             [
-                (_consumer, (q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready, k_empty,
-                             v_ready, v_empty, item_smem, seq_smem, Out, Lse, cu_seqlens_q, cu_seqlens_k, num_seqs,
-                             num_heads, num_slots, heads_per_group, stride_ot, stride_oh, stride_lse_h, qk_scale, 0,
-                             CAUSAL, SCALE_NONNEG)),
-                (_consumer, (q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready, k_empty,
-                             v_ready, v_empty, item_smem, seq_smem, Out, Lse, cu_seqlens_q, cu_seqlens_k, num_seqs,
-                             num_heads, num_slots, heads_per_group, stride_ot, stride_oh, stride_lse_h, qk_scale, 1,
-                             CAUSAL, SCALE_NONNEG)),
+                (_consumer, (q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, p_smem_0, q_bar, q_empty, k_ready,
+                             k_empty, v_ready, v_empty, item_smem, seq_smem, Out, Lse, QDescale, KDescale, VDescale,
+                             cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group, stride_ot,
+                             stride_oh, stride_lse_h, qk_scale, stride_qd, stride_kd, stride_vd, 0, CAUSAL,
+                             SCALE_NONNEG, FP8)),
+                (_consumer, (q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, p_smem_1, q_bar, q_empty, k_ready,
+                             k_empty, v_ready, v_empty, item_smem, seq_smem, Out, Lse, QDescale, KDescale, VDescale,
+                             cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group, stride_ot,
+                             stride_oh, stride_lse_h, qk_scale, stride_qd, stride_kd, stride_vd, 1, CAUSAL,
+                             SCALE_NONNEG, FP8)),
                 (_producer, (Q, K, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready,
                              k_empty, v_ready, v_empty, item_smem, seq_smem, Counter, cu_seqlens_q, cu_seqlens_k,
                              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_tokens_q,
                              q_cols, k_rows, k_cols, num_seqs, num_heads, num_slots, heads_per_group, pid,
-                             num_workers, V_LAYOUT, CAUSAL)),
+                             num_workers, V_LAYOUT, CAUSAL, FP8)),
             ],
             [4, 1],
             [_CONSUMER_REGS, _PRODUCER_REGS],
@@ -555,8 +671,10 @@ def _attn_fwd_sm90(
 
 def sm90_shared_memory(dqk: int, dv: int, block_n: int, stages: int, elem_bytes: int = 2) -> int:
     """Bytes of shared memory one program takes: the block's Q and ``stages`` K/V buffers, plus the barriers
-    and the work item's number and sequence (the sequence only where :data:`_LEAN`; counted always)."""
-    return elem_bytes * (BLOCK_M * dqk + stages * block_n * (dqk + dv)) + 8 * (2 + 4 * stages) + 32
+    and the work item's number and sequence (the sequence only where :data:`_LEAN`; counted always).
+    ``elem_bytes`` 1 (e4m3) adds each consumer's two buffers of probabilities (``[64, block_n]`` e4m3 each)."""
+    probabilities = 2 * BLOCK_M * block_n if elem_bytes == 1 else 0
+    return elem_bytes * (BLOCK_M * dqk + stages * block_n * (dqk + dv)) + probabilities + 8 * (2 + 4 * stages) + 32
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -567,22 +685,30 @@ def _aligned(t: torch.Tensor) -> bool:
 def sm90_unsupported_reason(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, block_n: int, stages: int
 ) -> str | None:
-    """Why :func:`attention_sm90` cannot take these inputs (a phrase for a message), or ``None``."""
+    """Why :func:`attention_sm90` cannot take these inputs (a phrase for a message), or ``None``. For
+    ``float8_e4m3fn`` inputs: why its fp8 variant cannot (the op's routing does not launch that variant yet:
+    :func:`mla_ops.kernels.attention.gluon_unsupported_reason`)."""
     dqk, dv = q.shape[-1], v.shape[-1]
     d_a, d_b = head_dim_split(dqk)
     if q.dtype not in _GL_DTYPES:
-        return f"dtype {q.dtype} (it computes in bfloat16 or float16)"
+        return f"dtype {q.dtype} (it computes in bfloat16, float16 or float8_e4m3fn)"
+    fp8 = q.dtype == torch.float8_e4m3fn
     # Both parts load as whole TMA blocks (no padding: a padded part would read the next head) and each
-    # is a wgmma K dimension, a multiple of 16 for 16-bit operands.
-    if d_a + d_b != dqk or d_b < 16 or dv & (dv - 1) or dv > 256:
-        return f"head sizes (Dqk, Dv) = ({dqk}, {dv}) (it needs Dqk = 2^a + 2^b with a > b >= 4 and Dv = 2^c <= 256)"
-    if sm90_shared_memory(dqk, dv, block_n, stages) > _SM90_SHARED_BYTES:
+    # is a wgmma K dimension, a multiple of 32 bytes: 16 16-bit values, 32 e4m3 ones.
+    min_log = 5 if fp8 else 4
+    if d_a + d_b != dqk or d_b < (1 << min_log) or dv & (dv - 1) or dv > 256:
+        return (
+            f"head sizes (Dqk, Dv) = ({dqk}, {dv}) "
+            f"(it needs Dqk = 2^a + 2^b with a > b >= {min_log} and Dv = 2^c <= 256)"
+        )
+    if sm90_shared_memory(dqk, dv, block_n, stages, q.element_size()) > _SM90_SHARED_BYTES:
         return f"head sizes ({dqk}, {dv}) with {stages} stages of {block_n} keys, which overflow shared memory"
     if softmax_scale < 0:
         return "a negative softmax scale"
     if not (q.is_cuda and k.device == q.device and v.device == q.device):
         return "tensors that are not all on one CUDA device"
-    if not (_aligned(q) and _aligned(k) and _aligned(v)):
+    # fp8 values are copied transposed before the launch (sm90_launch): only that copy is loaded through TMA.
+    if not (_aligned(q) and _aligned(k) and (fp8 or _aligned(v))):
         return "tensors whose data, token or head strides are not 16-byte aligned (TMA needs them)"
     return None
 
@@ -606,7 +732,13 @@ def _multiprocessors(index: int) -> int:
 
 
 def sm90_launch(
-    call: VarlenCall, out: torch.Tensor, lse: torch.Tensor, block_n: int, stages: int, num_sms: int | None = None
+    call: VarlenCall,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block_n: int,
+    stages: int,
+    num_sms: int | None = None,
+    scales: Fp8Scales | None = None,
 ) -> LaunchPlan:
     """One launch of the kernel on ``call``'s inputs (:class:`~mla_ops.backends.base.VarlenCall`) into ``out`` and
     ``lse``: ``_attn_fwd_sm90[plan.grid](*plan.args, **plan.constexprs, **plan.options)``
@@ -616,8 +748,17 @@ def sm90_launch(
     item, takes work items until none is left; the items are counted through a zeroed int32 allocated
     here (a ``torch.zeros`` on q's device and current stream, so inside CUDA-graph capture a memset node
     of the graph), the eighth of the plan's leading arguments: a relaunch passes a fresh one
-    (:class:`CountedRelaunch`). The tensors may be CPU stand-ins with the GPU tensors' shapes, strides and
-    alignment (for compiling ahead of time: ``benchmarks/compile_sm90.py``, which then gives ``num_sms``).
+    (:class:`CountedRelaunch`). The tensors may be CPU stand-ins with the GPU tensors' shapes, strides and alignment (for compiling ahead of time:
+    ``benchmarks/compile_sm90.py``, which then gives ``num_sms``).
+
+    ``scales`` (:class:`~mla_ops.backends.base.Fp8Scales`): ``float8_e4m3fn`` inputs and their descale factors
+    (float32 ``[H]``, stride 0 for one factor), the fp8 variant. Its values are first copied transposed, to
+    ``[H, Dv, Tk_pad]`` with each channel's keys contiguous (:func:`mla_ops.kernels.transpose.transposed_values`, on
+    q's device and current stream): fp8 wgmma takes its B operand only K-major, and in ``P @ V`` K is the keys.
+    The copy is the plan's third argument (held by ``plan.args`` until the launch has been issued; the stream
+    orders it before the kernel), and the three descale factors follow the counter among the leading arguments
+    (``plan.leading`` is :data:`SM90_LEADING_FP8`); bf16/fp16 launches pass ``None`` for those, which Triton compiles
+    out, as the ``tl.dot`` kernel's do (:func:`mla_ops.kernels.attention.launch_plan`).
     """
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = call
     num_tokens, num_heads, dqk = q.shape
@@ -627,31 +768,45 @@ def sm90_launch(
     num_slots, heads_per_group, num_pad_programs = program_layout(
         num_tokens, num_heads, num_seqs, max_seqlen_q, max_seqlen_k, (dqk + dv) * q.element_size(), BLOCK_M
     )
-    # One program of 208 KiB of shared memory fits a multiprocessor: as many programs as those.
+    # One program fits a multiprocessor (its 12 warps at 168 registers take the register file; the bf16 table's
+    # also 208 KiB of shared memory, fp8's 216.5): as many programs as those.
     num_workers = min(num_heads * num_slots, num_sms or _multiprocessors(q.device.index))
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     dtype = q.dtype
+    if scales is None:
+        values, v_shape, p_layout, leading = v, (block_n, dv), None, SM90_LEADING
+        # bf16/fp16: no descale factors and no strides of theirs: None, which Triton compiles out, so these
+        # variants have the kernel parameters and code they had before the fp8 variant existed.
+        descales, descale_strides = (None, None, None), (None, None, None)
+    else:
+        values = transposed_values(v)
+        # [Dv, keys] tiles of the transposed values, and each consumer's [64, keys] tiles of probabilities.
+        v_shape, p_layout, leading = (dv, block_n), _shared_layout(_HALF.value, block_n, dtype), SM90_LEADING_FP8
+        descales = tuple(scales[:3])
+        descale_strides = tuple(d.stride(0) for d in descales)
     constexprs = dict(
         D_A=d_a, D_B=d_b, D_V=dv, BN=block_n, Q_LAYOUT_A=_shared_layout(BLOCK_M // 2, d_a, dtype),
         Q_LAYOUT_B=_shared_layout(BLOCK_M // 2, d_b, dtype), K_LAYOUT_A=_shared_layout(block_n, d_a, dtype),
-        K_LAYOUT_B=_shared_layout(block_n, d_b, dtype), V_LAYOUT=_shared_layout(block_n, dv, dtype),
-        CAUSAL=bool(causal), SCALE_NONNEG=softmax_scale >= 0, STAGES=stages,
+        K_LAYOUT_B=_shared_layout(block_n, d_b, dtype), V_LAYOUT=_shared_layout(*v_shape, dtype),
+        CAUSAL=bool(causal), SCALE_NONNEG=softmax_scale >= 0, STAGES=stages, FP8=scales is not None,
+        P_LAYOUT=p_layout,
     )  # fmt: skip
+    # fp8: the transposed values' channel and head strides are the kernel's (stride_vt, stride_vh).
+    v_strides = (v.stride(0), v.stride(1)) if scales is None else (values.stride(1), values.stride(0))
     strides = (
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        lse.stride(0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), *v_strides, out.stride(0), out.stride(1), lse.stride(0),
     )  # fmt: skip
     args = (
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, counter, *strides,
+        q, k, values, out, lse, cu_seqlens_q, cu_seqlens_k, counter, *descales, *strides,
         num_tokens, _columns(q), max(k.shape[0], 1), _columns(k), num_heads, num_seqs, num_slots, heads_per_group,
         num_workers, num_pad_programs,
-        float(softmax_scale) * _LOG2E,
+        float(softmax_scale) * _LOG2E, *descale_strides,
     )  # fmt: skip
     # Triton specialises the strides by value and the pointers by alignment; the other integers it does not.
-    alignment = pointer_alignment(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, counter)
-    key = (q.device.index, dtype, strides, alignment, tuple(constexprs.values()))
+    alignment = pointer_alignment(q, k, values, out, lse, cu_seqlens_q, cu_seqlens_k, counter, *descales)
+    key = (q.device.index, dtype, out.dtype, strides, descale_strides, alignment, tuple(constexprs.values()))
     options = dict(num_warps=4, maxnreg=_MAXNREG)
-    return LaunchPlan(key, (num_workers + num_pad_programs,), args, constexprs, options, SM90_LEADING)
+    return LaunchPlan(key, (num_workers + num_pad_programs,), args, constexprs, options, leading)
 
 
 class CountedRelaunch:
@@ -683,26 +838,32 @@ def attention_sm90(
     *,
     block_n: int = 128,
     stages: int = 2,
+    scales: Fp8Scales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged attention forward on Hopper of ``call`` (:class:`~mla_ops.backends.base.VarlenCall`); results as
     :func:`mla_ops.kernels.attention.attention_triton`'s (which launches this kernel, through its own
     relaunch cache, for the inputs and configurations it covers: :func:`sm90_unsupported_reason` is
     ``None``), with the device of ``q`` current.
 
-    ``out`` (``[Tq, H, Dv]`` contiguous, q's dtype) and ``lse`` (float32 ``[H, Tq]`` contiguous) are
-    written if given, else allocated. ``block_n`` keys per tile and ``stages`` buffers in each of the K and
-    V rings. Launched through Triton's own dispatch, with the device-side descriptors' global scratch from
-    PyTorch's allocator.
+    ``out`` (``[Tq, H, Dv]`` contiguous, q's dtype, ``scales.out_dtype`` for fp8) and ``lse`` (float32 ``[H, Tq]``
+    contiguous) are written if given, else allocated. ``block_n`` keys per tile and ``stages`` buffers in each of
+    the K and V rings (fp8: ``SM90_GLUON_FP8_ATTENTION`` in :mod:`mla_ops.kernels.configs` is the configuration
+    compiled and tested).
+    ``scales`` (:class:`~mla_ops.backends.base.Fp8Scales`): ``float8_e4m3fn`` ``q``, ``k``, ``v`` and their descale
+    factors, the fp8 variant (:func:`sm90_launch`), which :func:`~mla_ops.kernels.attention.attention_triton` does
+    not route to yet: it has only been compiled, not run (tests/test_gpu_gluon_fp8.py is its first GPU check).
+    Launched through Triton's own dispatch, with the device-side descriptors' global scratch from PyTorch's
+    allocator.
     """
     q, v = call.q, call.v
     num_tokens, num_heads, dv = q.shape[0], q.shape[1], v.shape[-1]
     if out is None:
-        out = empty((num_tokens, num_heads, dv), q.dtype, q.device)
+        out = empty((num_tokens, num_heads, dv), q.dtype if scales is None else scales.out_dtype, q.device)
     if lse is None:
         lse = empty((num_heads, num_tokens), torch.float32, q.device)
     if num_tokens == 0 or num_heads == 0:
         return out, lse
-    plan = sm90_launch(call, out, lse, block_n, stages)
+    plan = sm90_launch(call, out, lse, block_n, stages, scales=scales)
     with TorchScratch():
         _attn_fwd_sm90[plan.grid](*plan.args, **plan.constexprs, **plan.options, **COMPILE_OPTIONS)
     return out, lse

@@ -202,6 +202,17 @@ SM90_LARGE_BATCH_ATTENTION: dict[tuple, AttentionConfig] = {
     (192, 128, False): AttentionConfig(128, 128, 4, 2, overlap_softmax=True, gluon=True, persistent=True),
 }
 
+#: The Gluon kernel's fp8 variant (mla_ops.kernels.attention_sm90 with ``scales``): compiled for sm_90a by
+#: benchmarks/compile_sm90.py --dtype float8_e4m3fn and checked by tests/test_gpu_gluon_fp8.py, but in no routing
+#: table: fp8 calls run the ``tl.dot`` kernel until a GPU has validated and timed it. 128-key tiles in 4 buffers per
+#: ring (216.5 KiB of the 227): an e4m3 tile is half a bf16 one's bytes and tensor-core time, so 4 buffers look
+#: as far ahead in time as the bf16 entry's 2 above (3 buffers, 176.5 KiB, and 64-key tiles in 4 or 6 also
+#: compile with 0 spills under Triton 3.6 to 3.9; untimed).
+SM90_GLUON_FP8_ATTENTION: dict[tuple, AttentionConfig] = {
+    (192, 128, True): AttentionConfig(128, 128, 4, 4, overlap_softmax=True, gluon=True, persistent=True),
+    (192, 128, False): AttentionConfig(128, 128, 4, 4, overlap_softmax=True, gluon=True, persistent=True),
+}
+
 #: Used for dimensions no table lists, scaled down by head size in :func:`default_attention_config`.
 _DEFAULT_LARGE_HEADS = AttentionConfig(128, 64, 8, 2)
 _DEFAULT_SMALL_HEADS = AttentionConfig(128, 64, 4, 2)
