@@ -1,0 +1,158 @@
+"""The Gluon kernel's fp8 variant on an SM90 GPU (``pytest -m gpu``), called directly through
+:func:`mla_ops.kernels.attention_sm90.attention_sm90` with ``scales``.
+
+That variant is compiled for sm_90a (``benchmarks/compile_sm90.py --dtype float8_e4m3fn``) but routed nowhere yet:
+``attention_triton`` runs every fp8 call on the ``tl.dot`` kernel until these tests have passed on a Hopper GPU. They
+hold it, on the same quantised inputs as the REFERENCE backend, to the fp8 accuracy contract (tests/fp8_contract.py)
+and REFERENCE's LSE: ragged causal lengths, a context chunk with an empty key slice and fewer keys than queries,
+per-head and per-tensor factors, DeepSeek-like outlier channels, padding rows; persistent programs carrying their
+rings and probability buffers from item to item; neighbours' NaN never reaching a sequence; a CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fp8_contract import Fp8Batch, contract_errors, fp8_batch
+
+from mla_ops.backends.base import Fp8Scales, VarlenCall
+from mla_ops.backends.reference import ReferenceBackend
+from mla_ops.kernels import configs
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+SCALE = 192**-0.5
+#: Largest LSE error accepted against REFERENCE on the same dequantised inputs, natural log: the scores are e4m3
+#: products summed by the tensor cores, where REFERENCE sums them in float32; a lost descale factor, or the
+#: probabilities' 2**8 shift left in (8 ln 2 = 5.5), is off by far more.
+LSE_TOL = 1e-2
+#: (query lengths, key lengths or None for new tokens): causal new tokens of one, thousands and odd lengths; a context
+#: chunk whose keys are longer than the queries, empty, and shorter than the queries.
+CASES = [([1, 3000, 17, 1100], None), ([1000, 17, 300], [4097, 0, 129])]
+
+
+@pytest.fixture
+def sm90():
+    """:mod:`mla_ops.kernels.attention_sm90`; skips off SM90, without Gluon, or under a Triton release the kernel is
+    not adapted to."""
+    if torch.cuda.get_device_capability(DEVICE) != (9, 0):
+        pytest.skip(f"the Gluon kernel runs on SM90 (Hopper) GPUs only, not on {torch.cuda.get_device_name(DEVICE)}")
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
+    import triton
+
+    from mla_ops.kernels.triton_compat import gluon_triton_reason
+
+    reason = gluon_triton_reason(triton.__version__)
+    if reason is not None:
+        pytest.skip(f"the Gluon kernel: {reason}")
+    from mla_ops.kernels import attention_sm90
+
+    return attention_sm90
+
+
+def _call_and_scales(batch: Fp8Batch, causal: bool) -> tuple[VarlenCall, Fp8Scales]:
+    """The kernel's inputs for ``batch``: a per-tensor factor as a stride-0 ``[H]`` view, as the fp8 ops pass it."""
+    heads = batch.q.shape[1]
+    scales = Fp8Scales(*(d.reshape(-1).expand(heads) for d in batch.descales), torch.bfloat16)
+    call = VarlenCall(
+        batch.q, batch.k, batch.v, batch.cu_seqlens_q, batch.cu_seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k,
+        SCALE, causal,
+    )  # fmt: skip
+    return call, scales
+
+
+def _run(sm90, batch: Fp8Batch, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 variant on ``batch``, in the configuration compile_sm90.py compiles (SM90_GLUON_FP8_ATTENTION)."""
+    config = configs.SM90_GLUON_FP8_ATTENTION[(192, 128, causal)]
+    reason = sm90.sm90_unsupported_reason(batch.q, batch.k, batch.v, SCALE, config.block_n, config.num_stages)
+    assert reason is None, reason
+    call, scales = _call_and_scales(batch, causal)
+    return sm90.attention_sm90(call, block_n=config.block_n, stages=config.num_stages, scales=scales)
+
+
+@pytest.mark.parametrize(("lengths", "key_lengths"), CASES, ids=["causal", "chunk"])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize(("per_head", "outliers"), [(True, True), (False, False)])
+def test_gluon_fp8_meets_the_contract(sm90, lengths, key_lengths, heads, per_head, outliers) -> None:
+    if heads == 128:
+        lengths = [n // 4 for n in lengths]  # the float64 references' memory and time, not the kernel's limit
+        key_lengths = None if key_lengths is None else [n // 4 for n in key_lengths]
+    causal = key_lengths is None
+    batch = fp8_batch(lengths, key_lengths, heads, padding=7, per_head=per_head, outliers=outliers, device=DEVICE)
+    out, lse = _run(sm90, batch, causal)
+    tokens = batch.q.shape[0]
+    assert out.dtype == torch.bfloat16 and out.shape == (tokens, heads, 128) and lse.shape == (heads, tokens)
+    error, bound = contract_errors(batch, out, causal, SCALE)
+    assert error <= bound, f"error {error:.4f} exceeds the contract's {bound:.4f}"
+    rows = int(batch.cu_seqlens_q[-1])
+    assert torch.isneginf(lse[:, rows:]).all(), "padding rows get lse = -inf"
+    assert torch.isfinite(out[:rows]).all()
+    _, want_lse = ReferenceBackend().attention_fp8(*_call_and_scales(batch, causal))
+    lse, want_lse = lse[:, :rows], want_lse[:, :rows]
+    no_key = torch.isneginf(want_lse)  # the query rows of an empty key slice
+    assert torch.equal(torch.isneginf(lse), no_key), "lse = -inf exactly where a row sees no key"
+    assert (out[:rows].transpose(0, 1)[no_key] == 0).all(), "out = 0 where a row sees no key"
+    lse_error = (lse[~no_key] - want_lse[~no_key]).abs().max().item()
+    assert lse_error <= LSE_TOL, f"lse error {lse_error:.5f} against REFERENCE"
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
+@pytest.mark.parametrize("programs", [1, 3, 7])
+def test_gluon_fp8_persistent_programs_carry_their_rings(sm90, monkeypatch, causal, programs) -> None:
+    """A few persistent programs, each taking dozens of work items in turn (whole and partial blocks, slots no block
+    fills, empty key sets): the rings' phases, the probability buffers' alternation and the value descriptor each
+    item rewrites carry from item to item, so the results equal those of one program per multiprocessor, bit for
+    bit (each item is computed alike whichever program takes it)."""
+    lengths = [300, 1, 0, 129, 1000, 64, 7]
+    key_lengths = None if causal else [513, 40, 9, 0, 1000, 128, 3]
+    batch = fp8_batch(lengths, key_lengths, 8, padding=9, seed=2, device=DEVICE)
+    want_out, want_lse = _run(sm90, batch, causal)
+    monkeypatch.setattr(sm90, "_multiprocessors", lambda index: programs)
+    out, lse = _run(sm90, batch, causal)
+    rows = int(batch.cu_seqlens_q[-1])
+    assert torch.equal(out[:rows], want_out[:rows]) and torch.equal(lse, want_lse)
+    error, bound = contract_errors(batch, out, causal, SCALE)
+    assert error <= bound, f"error {error:.4f} exceeds the contract's {bound:.4f}"
+
+
+@pytest.mark.parametrize(("lengths", "key_lengths"), CASES, ids=["causal", "chunk"])
+def test_gluon_fp8_isolates_sequences(sm90, lengths, key_lengths) -> None:
+    """e4m3 NaN (0x7F) in one sequence's keys and values, and in the rows past ``cu_seqlens_k[-1]``, changes no bit of
+    the other sequences' results: key tiles past a sequence are masked in the scores, and value tiles are loaded
+    through a descriptor that ends at the sequence's last key (zeros past it, where ``0 * NaN`` would be NaN)."""
+    causal = key_lengths is None
+    batch = fp8_batch(lengths, key_lengths, 16, padding=7, device=DEVICE)
+    want_out, want_lse = _run(sm90, batch, causal)
+    cu_q, cu_k = batch.cu_seqlens_q.tolist(), batch.cu_seqlens_k.tolist()
+    poisoned = 1
+    for start, end in ((cu_k[poisoned], cu_k[poisoned + 1]), (cu_k[-1], batch.k.shape[0])):
+        batch.k.view(torch.uint8)[start:end] = 0x7F
+        batch.v.view(torch.uint8)[start:end] = 0x7F
+    out, lse = _run(sm90, batch, causal)
+    for b in range(len(lengths)):
+        if b != poisoned:
+            rows = slice(cu_q[b], cu_q[b + 1])
+            assert torch.equal(out[rows], want_out[rows]) and torch.equal(lse[:, rows], want_lse[:, rows]), b
+
+
+def test_gluon_fp8_replays_in_a_cuda_graph(sm90) -> None:
+    """Captured once (the transposed copy of the values, the item counter's memset and the kernel, with its device-side
+    descriptors' scratch from the graph's pool), replayed on new data and factors in the same buffers."""
+    lengths, causal = [700, 3, 1500], True
+    batch = fp8_batch(lengths, None, 16, padding=5, seed=3, device=DEVICE)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _run(sm90, batch, causal)  # compile before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = _run(sm90, batch, causal)
+    fresh = fp8_batch(lengths, None, 16, padding=5, seed=4, device=DEVICE)
+    for static, new in zip((batch.q, batch.k, batch.v, *batch.descales), (fresh.q, fresh.k, fresh.v, *fresh.descales)):
+        static.copy_(new)
+    graph.replay()
+    want_out, want_lse = _run(sm90, batch, causal)
+    rows = sum(lengths)
+    assert torch.equal(out[:rows], want_out[:rows]) and torch.equal(lse, want_lse)
