@@ -117,10 +117,14 @@ class TritonBackend(PrefillBackend):
         return kernel(*call)  # attention_triton takes VarlenCall's fields in its order
 
     def attention_fp8(self, call: VarlenCall, scales: Fp8Scales) -> tuple[torch.Tensor, torch.Tensor]:
-        # fp8 calls run the tl.dot kernel at every size (the Gluon kernel's fp8 variant is not routed until a GPU
-        # has validated it), which the batch-invariant mode needs as well.
         from ..kernels.attention import attention_triton
 
+        if STATE.active and call.q.is_cuda:  # one configuration for every batch, as in attention()
+            from ..kernels.attention import batch_invariant_config
+
+            q = call.q
+            config = batch_invariant_config(q.device, q.shape[2], call.v.shape[2], call.causal, q.dtype)
+            return attention_triton(*call, config=config, scales=scales)
         return attention_triton(*call, scales=scales)
 
     def warmup(self, device: torch.device, config: SelectorConfig, num_heads: int) -> None:
@@ -187,8 +191,10 @@ class TritonBackend(PrefillBackend):
 
     def _warmup_fp8(self, device: torch.device, dqk: int, dv: int, num_heads: int, gen: torch.Generator) -> None:
         """:meth:`warmup` for fp8 inputs: both paths, contiguous and strided ``v``, per-head and per-tensor factors
-        (a per-tensor factor is a stride-0 view, which Triton compiles apart), bfloat16 and float16 outputs."""
-        from ..kernels.attention import attention_triton
+        (a per-tensor factor is a stride-0 view, which Triton compiles apart), bfloat16 and float16 outputs; and the
+        large-batch table's kernel (the Gluon kernel's fp8 variant on SM90) for each factor and output dtype."""
+        from ..kernels.attention import attention_triton, gluon_unsupported_reason
+        from ..kernels.configs import large_batch_attention_config
 
         def rand(*shape: int) -> torch.Tensor:
             return torch.randn(*shape, generator=gen).to(device=device, dtype=FP8_DTYPE)
@@ -198,11 +204,23 @@ class TritonBackend(PrefillBackend):
         q, k, kv = rand(20, num_heads, dqk), rand(20, num_heads, dqk), rand(20, num_heads, dqk + dv)
         per_head = torch.ones(num_heads, dtype=torch.float32, device=device)
         per_tensor = per_head[:1].expand(num_heads)
-        for v in (rand(20, num_heads, dv), kv[..., dqk:]):
+        scale = dqk**-0.5
+        large = []
+        for causal in (True, False):
+            config = large_batch_attention_config(device, dqk, dv, causal, FP8_DTYPE)
+            if config is not None and gluon_unsupported_reason(q, k, kv[..., dqk:], scale, config) is None:
+                large.append((causal, config))
+        for i, v in enumerate((rand(20, num_heads, dv), kv[..., dqk:])):
             for factor in (per_head, per_tensor):
                 for out_dtype in (torch.bfloat16, torch.float16):
                     scales = Fp8Scales(factor, factor, factor, out_dtype)
-                    attention_triton(q, k, v, cu, cu, 5, 5, dqk**-0.5, True, scales=scales)
-                    attention_triton(q, k[:4], v[:4], cu, cu_k, 5, 4, dqk**-0.5, False, scales=scales)
+                    attention_triton(q, k, v, cu, cu, 5, 5, scale, True, scales=scales)
+                    attention_triton(q, k[:4], v[:4], cu, cu_k, 5, 4, scale, False, scales=scales)
+                    # The Gluon kernel reads a contiguous transposed copy of either v: its variants differ only in
+                    # the factors and the output, while the copy's kernel is compiled for each v's strides.
+                    gluon = i == 0 or (factor is per_head and out_dtype == torch.bfloat16)
+                    for causal, explicit in large if gluon else ():
+                        cu_keys, max_k = (cu, 5) if causal else (cu_k, 4)
+                        attention_triton(q, k, v, cu, cu_keys, 5, max_k, scale, causal, config=explicit, scales=scales)
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -100,8 +100,6 @@ def gluon_unsupported_reason(
     """Why the Gluon kernel (``config.gluon``) cannot run on these inputs here, or ``None``."""
     if not q.is_cuda:
         return "it runs on CUDA devices only (not in Triton's interpreter)"
-    if q.dtype == torch.float8_e4m3fn:
-        return "its fp8 variant has not been validated on a GPU yet (fp8 calls run the tl.dot kernel)"
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return f"it runs on SM90 (Hopper) GPUs only, not on {torch.cuda.get_device_name(q.device)}"
     reason = gluon_triton_reason(triton.__version__)
@@ -172,8 +170,9 @@ def attention_triton(
             :func:`mla_ops.kernels.attention_sm90.attention_sm90`; given explicitly, it raises
             ``ValueError`` with the reason where that kernel cannot run.
         scales: for ``float8_e4m3fn`` ``q``, ``k``, ``v`` (on SM89 and newer, or in the interpreter): their
-            descale factors and the output's dtype (:class:`~mla_ops.backends.base.Fp8Scales`). fp8 calls
-            always run the ``tl.dot`` kernel.
+            descale factors and the output's dtype (:class:`~mla_ops.backends.base.Fp8Scales`). Large fp8 calls
+            run the Gluon kernel's fp8 variant on SM90 (the large-batch table's fp8 entry), the others the
+            ``tl.dot`` kernel.
 
     Returns:
         ``out`` ``[Tq, H, Dv]`` contiguous in q's dtype (``scales.out_dtype`` for fp8) and ``lse`` float32
@@ -257,7 +256,7 @@ def attention_triton(
                 )
         call = VarlenCall(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
         with on_device(device):
-            fixed = launches.launch_sm90(call, out, lse, config)
+            fixed = launches.launch_sm90(call, out, lse, config, scales)
         _remember(layout, fixed, out, lse)
         return out, lse
     call = VarlenCall(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
@@ -459,17 +458,26 @@ class AttentionLaunches(LaunchCache):
         return self.launcher.launch(launch_plan(*plan_args), plan_args[0].q.device)
 
     def launch_sm90(
-        self, call: VarlenCall, out: torch.Tensor, lse: torch.Tensor, config: AttentionConfig
+        self,
+        call: VarlenCall,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        config: AttentionConfig,
+        scales: Fp8Scales | None = None,
     ) -> Relaunch | None:
         """Launch the Gluon kernel (:mod:`mla_ops.kernels.attention_sm90`, which must cover the call) with
         ``config``'s tile and stages; returns as :meth:`launch` does, the launch called with the seven addresses as
-        the ``tl.dot`` kernel's is (:class:`~mla_ops.kernels.attention_sm90.CountedRelaunch` adds the work counter)."""
+        the ``tl.dot`` kernel's is (:class:`~mla_ops.kernels.attention_sm90.CountedRelaunch` adds the work counter).
+        An fp8 call (``scales``) returns ``None``: its values are copied transposed per call, so no launch of the
+        addresses alone can repeat it."""
         module = _sm90_module()
         if self.sm90_launcher is None:
             self.sm90_launcher = CachedLaunch(module._attn_fwd_sm90)
-        plan = module.sm90_launch(call, out, lse, config.block_n, config.num_stages)
+        plan = module.sm90_launch(call, out, lse, config.block_n, config.num_stages, scales=scales)
         fixed = self.sm90_launcher.launch(plan, call.q.device)
-        return None if fixed is None else module.CountedRelaunch(fixed, call.q.device)
+        if fixed is None or scales is not None:
+            return None
+        return module.CountedRelaunch(fixed, call.q.device)
 
 
 #: This process's launch state of :func:`attention_triton`.

@@ -748,8 +748,8 @@ def sm90_launch(
     item, takes work items until none is left; the items are counted through a zeroed int32 allocated
     here (a ``torch.zeros`` on q's device and current stream, so inside CUDA-graph capture a memset node
     of the graph), the eighth of the plan's leading arguments: a relaunch passes a fresh one
-    (:class:`CountedRelaunch`). The tensors may be CPU stand-ins with the GPU tensors' shapes, strides and alignment (for compiling ahead of time:
-    ``benchmarks/compile_sm90.py``, which then gives ``num_sms``).
+    (:class:`CountedRelaunch`). The tensors may be CPU stand-ins with the GPU tensors' shapes, strides and
+    alignment (for compiling ahead of time: ``benchmarks/compile_sm90.py``, which then gives ``num_sms``).
 
     ``scales`` (:class:`~mla_ops.backends.base.Fp8Scales`): ``float8_e4m3fn`` inputs and their descale factors
     (float32 ``[H]``, stride 0 for one factor), the fp8 variant. Its values are first copied transposed, to
@@ -850,8 +850,8 @@ def attention_sm90(
     the K and V rings (fp8: ``SM90_GLUON_FP8_ATTENTION`` in :mod:`mla_ops.kernels.configs` is the configuration
     compiled and tested).
     ``scales`` (:class:`~mla_ops.backends.base.Fp8Scales`): ``float8_e4m3fn`` ``q``, ``k``, ``v`` and their descale
-    factors, the fp8 variant (:func:`sm90_launch`), which :func:`~mla_ops.kernels.attention.attention_triton` does
-    not route to yet: it has only been compiled, not run (tests/test_gpu_gluon_fp8.py is its first GPU check).
+    factors, the fp8 variant (:func:`sm90_launch`), which :func:`~mla_ops.kernels.attention.attention_triton` routes
+    large fp8 calls to.
     Launched through Triton's own dispatch, with the device-side descriptors' global scratch from PyTorch's
     allocator.
     """
