@@ -763,8 +763,8 @@ def test_gluon_launch_arguments_on_host_stand_ins():
 
 
 def test_gluon_fp8_launch_arguments_on_host_stand_ins():
-    """``sm90_launch`` with fp8 scales: the values go in transposed (``[H, Dv, Tk_pad]``, keys contiguous, padded to
-    16 keys) with their channel and head strides; the descale factors follow the counter among the leading
+    """``sm90_launch`` with fp8 scales: the values go in transposed (``[H, Dv, BN + Tk_pad]``, keys contiguous from
+    column BN, padded to 16 keys) with their channel and head strides; the descale factors follow the counter among the leading
     arguments (their strides, 0 for one factor, after the softmax scale); the ``FP8`` constexpr, the ``[Dv, keys]``
     value tiles' layout and the probabilities' buffer layout; Q's and K's descriptors are still the kernel's own,
     over extents passed as for bf16."""
@@ -789,9 +789,9 @@ def test_gluon_fp8_launch_arguments_on_host_stand_ins():
     args = dict(zip(names, plan.args))
     assert all(args[n] is t for n, t in zip(["Q", "K", "Out", "Lse", "cu_seqlens_q"], [q, k, out, lse, cu]))
     values = args["V"]
-    assert values.shape == (4, 128, 304) and values.dtype == torch.float8_e4m3fn and values.is_contiguous()
-    assert torch.equal(values[..., :300].view(torch.uint8), v.permute(1, 2, 0).view(torch.uint8))
-    assert (args["stride_vt"], args["stride_vh"]) == (304, 128 * 304)  # channel and head strides
+    assert values.shape == (4, 128, 128 + 304) and values.dtype == torch.float8_e4m3fn and values.is_contiguous()
+    assert torch.equal(values[..., 128:428].view(torch.uint8), v.permute(1, 2, 0).view(torch.uint8))
+    assert (args["stride_vt"], args["stride_vh"]) == (432, 128 * 432)  # channel and head strides
     assert all(args[n] is d for n, d in zip(["QDescale", "KDescale", "VDescale"], scales[:3]))
     assert (args["stride_qd"], args["stride_kd"], args["stride_vd"]) == (1, 1, 0)
     assert (args["num_tokens_q"], args["q_cols"], args["k_rows"], args["k_cols"]) == (300, 4 * 192, 300, 4 * 192)
@@ -838,9 +838,11 @@ def test_gluon_relaunch_adds_a_fresh_zeroed_work_counter():
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["triton", "torch"])
 @pytest.mark.parametrize("num_tokens", [1, 37, 130])
-def test_transposed_values(monkeypatch, kernel, num_tokens):
+@pytest.mark.parametrize("lead", [0, 128])
+def test_transposed_values(monkeypatch, kernel, num_tokens, lead):
     """The fp8 Gluon kernel's transposed values, from the Triton kernel (here in the interpreter) and from PyTorch's
-    copy (CPU stand-ins outside it): every byte of a strided ``v`` (NaN's among them) in place."""
+    copy (CPU stand-ins outside it): every byte of a strided ``v`` (NaN's among them) in place, after ``lead``
+    columns."""
     from mla_ops.kernels import transpose
 
     if kernel and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
@@ -851,10 +853,18 @@ def test_transposed_values(monkeypatch, kernel, num_tokens):
     kv = torch.randint(0, 256, (num_tokens, 3, 192 + 128), dtype=torch.uint8, generator=gen)
     kv[0, 1, 200] = 0x7F  # e4m3's NaN is copied as it is
     v = kv.view(torch.float8_e4m3fn)[..., 192:]
-    got = transpose.transposed_values(v)
+    got = transpose.transposed_values(v, lead=lead)
     padded = -(-num_tokens // transpose.KEY_ALIGNMENT) * transpose.KEY_ALIGNMENT
-    assert got.shape == (3, 128, padded) and got.dtype == torch.float8_e4m3fn
-    assert torch.equal(got.view(torch.uint8)[..., :num_tokens], kv[..., 192:].permute(1, 2, 0))
+    assert got.shape == (3, 128, lead + padded) and got.dtype == torch.float8_e4m3fn
+    assert torch.equal(got.view(torch.uint8)[..., lead : lead + num_tokens], kv[..., 192:].permute(1, 2, 0))
+
+
+def test_transposed_values_refuses_an_unaligned_lead():
+    from mla_ops.kernels import transpose
+
+    v = torch.zeros(4, 2, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="lead must be a non-negative multiple of 16, got 8"):
+        transpose.transposed_values(v, lead=8)
 
 
 def test_shrink_steps_down_to_smallest():

@@ -185,8 +185,8 @@ def _produce_item(
 ):  # fmt: skip
     """One work item's loads, the program's ``n``-th (``w``), its tiles ``t`` onwards of the rings: Q, then
     every key tile's K (both parts) and V, each into its own ring. ``FP8``: ``V`` is the transposed values
-    ``[H, D_V, Tk_pad]`` (:func:`mla_ops.kernels.transpose.transposed_values`), ``stride_vh`` its head stride and
-    ``stride_vt`` its channel stride."""
+    ``[H, D_V, BN + Tk_pad]`` (:func:`mla_ops.kernels.transpose.transposed_values`, key ``t`` in column ``BN + t``),
+    ``stride_vh`` its head stride and ``stride_vt`` its channel stride."""
     BN: gl.constexpr = ka_desc.block_type.shape[0]
     D_A: gl.constexpr = ka_desc.block_type.shape[1]
     if FP8:
@@ -216,12 +216,14 @@ def _produce_item(
         if FP8:
             # The head's transposed values up to this sequence's last key, loaded from its first: keys past it
             # read as 0, never as a neighbour's NaN. (A descriptor from the sequence's first key, as below, would
-            # start on an address TMA refuses unless that key's offset is a multiple of 16 bytes.)
+            # start on an address TMA refuses unless that key's offset is a multiple of 16 bytes.) Key t is in
+            # column BN + t: a descriptor narrower than one block in its contiguous dimension is invalid, and
+            # the first sequences' would be (an illegal instruction on the H200).
             v_desc = tma.make_tensor_descriptor(
-                V + h.to(gl.int64) * stride_vh, shape=[D_V, gl.maximum(k_start + len_k, 1)],
+                V + h.to(gl.int64) * stride_vh, shape=[D_V, BN + k_start + len_k],
                 strides=[stride_vt, 1], block_shape=[D_V, BN], layout=V_LAYOUT,
             )  # fmt: skip
-            v_col = k_start
+            v_col = BN + k_start
         else:
             # Values through a descriptor over this sequence's and head's rows only: rows past them read as
             # 0, never as a neighbour's NaN.
@@ -601,8 +603,8 @@ def _attn_fwd_sm90(
     P_LAYOUT: gl.constexpr,
 ):  # fmt: skip
     """The kernel (arguments: :func:`sm90_launch`). ``FP8``: e4m3 ``Q``, ``K`` and transposed values ``V``
-    ``[H, D_V, Tk_pad]`` with their descale factors (``QDescale`` ... with strides ``stride_qd`` ..., 0 for one factor
-    for every head), ``V_LAYOUT`` that of ``[D_V, BN]`` tiles and ``P_LAYOUT`` the shared-memory layout of the
+    ``[H, D_V, BN + Tk_pad]`` with their descale factors (``QDescale`` ... with strides ``stride_qd`` ..., 0 for one
+    factor for every head), ``V_LAYOUT`` that of ``[D_V, BN]`` tiles and ``P_LAYOUT`` the shared-memory layout of the
     probabilities' buffers; otherwise the factors, their strides and ``P_LAYOUT`` are ``None`` and compile out,
     leaving the 16-bit kernel as it was."""
     pid = gl.program_id(0)
@@ -753,8 +755,9 @@ def sm90_launch(
 
     ``scales`` (:class:`~mla_ops.backends.base.Fp8Scales`): ``float8_e4m3fn`` inputs and their descale factors
     (float32 ``[H]``, stride 0 for one factor), the fp8 variant. Its values are first copied transposed, to
-    ``[H, Dv, Tk_pad]`` with each channel's keys contiguous (:func:`mla_ops.kernels.transpose.transposed_values`, on
-    q's device and current stream): fp8 wgmma takes its B operand only K-major, and in ``P @ V`` K is the keys.
+    ``[H, Dv, block_n + Tk_pad]`` with each channel's keys contiguous from column ``block_n`` on
+    (:func:`mla_ops.kernels.transpose.transposed_values`, on q's device and current stream): fp8 wgmma takes its
+    B operand only K-major, and in ``P @ V`` K is the keys.
     The copy is the plan's third argument (held by ``plan.args`` until the launch has been issued; the stream
     orders it before the kernel), and the three descale factors follow the counter among the leading arguments
     (``plan.leading`` is :data:`SM90_LEADING_FP8`); bf16/fp16 launches pass ``None`` for those, which Triton compiles
@@ -779,7 +782,7 @@ def sm90_launch(
         # variants have the kernel parameters and code they had before the fp8 variant existed.
         descales, descale_strides = (None, None, None), (None, None, None)
     else:
-        values = transposed_values(v)
+        values = transposed_values(v, lead=block_n)  # the kernel's value descriptors start a block early
         # [Dv, keys] tiles of the transposed values, and each consumer's [64, keys] tiles of probabilities.
         v_shape, p_layout, leading = (dv, block_n), _shared_layout(_HALF.value, block_n, dtype), SM90_LEADING_FP8
         descales = tuple(scales[:3])

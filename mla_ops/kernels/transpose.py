@@ -3,11 +3,11 @@
 Hopper's tensor cores take an 8-bit B operand from shared memory only K-major (wgmma: "the B matrix of an fp8
 product must be K-major"). In ``P @ V`` the contraction runs over the keys, so each channel's keys must lie
 contiguous, where ``v`` ``[Tk, H, Dv]`` (usually a strided view of MLA's ``kv``) holds each key's channels
-contiguous. :func:`transposed_values` copies ``v`` once per call into ``[H, Dv, Tk_pad]`` (``Tk_pad`` is ``Tk``
-rounded up to 16), whose ``[Dv, keys]`` blocks the kernel loads through TMA. The copy reads and writes
-``Tk * H * Dv`` bytes once each; at the lengths where fp8 attention pays that is about 1 % of the attention's time
-(an estimate, not a measurement: 16k causal tokens at H=128 move 2 x 268 MB, about 0.13 ms at 4 TB/s, against 11
-TFLOP of attention, about 11 ms at 1 PFLOP/s).
+contiguous. :func:`transposed_values` copies ``v`` once per call into ``[H, Dv, lead + Tk_pad]`` (``Tk_pad`` is
+``Tk`` rounded up to 16, key ``t`` in column ``lead + t``), whose ``[Dv, keys]`` blocks the kernel loads through TMA.
+The copy reads and writes ``Tk * H * Dv`` bytes once each; at the lengths where fp8 attention pays that is about
+1 % of the attention's time (an estimate, not a measurement: 16k causal tokens at H=128 move 2 x 268 MB, about
+0.13 ms at 4 TB/s, against 11 TFLOP of attention, about 11 ms at 1 PFLOP/s).
 Design: docs/design/fp8.md.
 """
 
@@ -51,25 +51,32 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def transposed_values(v: torch.Tensor) -> torch.Tensor:
-    """``v`` transposed for the fp8 Gluon kernel's ``P @ V``: a new ``[H, Dv, Tk_pad]`` tensor (contiguous, ``Tk_pad``
-    ``Tk`` rounded up to :data:`KEY_ALIGNMENT`) whose ``[h, d, t]`` is ``v[t, h, d]``; columns from ``Tk`` on are
-    left unwritten (the kernel's descriptors end at each sequence's last key and never read them).
+def transposed_values(v: torch.Tensor, lead: int = 0) -> torch.Tensor:
+    """``v`` transposed for the fp8 Gluon kernel's ``P @ V``: a new ``[H, Dv, lead + Tk_pad]`` tensor (contiguous,
+    ``Tk_pad`` ``Tk`` rounded up to :data:`KEY_ALIGNMENT`) whose ``[h, d, lead + t]`` is ``v[t, h, d]``; the ``lead``
+    columns before the keys and those from ``lead + Tk`` on are left unwritten (the kernel's descriptors end at each
+    sequence's last key, and its loads start at its first: it never reads them).
 
     Args:
         v: ``[Tk, H, Dv]`` ``float8_e4m3fn`` (or any 1-byte dtype), unit stride in its last dimension, any other
             strides; ``Dv`` a power of two.
+        lead: columns before the first key, a multiple of :data:`KEY_ALIGNMENT`: the kernel's value descriptor of a
+            sequence spans the head's columns from 0 to the sequence's last key, and a TMA descriptor must extend
+            at least one block in its contiguous dimension, which ``lead`` (one block) ensures for the first
+            sequences of a batch.
 
     On CUDA (and in Triton's interpreter) one Triton kernel on ``v``'s device and current stream, capturable in a CUDA
     graph; elsewhere PyTorch's copy (it serves the CPU stand-ins that ``benchmarks/compile_sm90.py`` compiles from).
     """
+    if lead % KEY_ALIGNMENT or lead < 0:
+        raise ValueError(f"transposed_values: lead must be a non-negative multiple of {KEY_ALIGNMENT}, got {lead}")
     num_tokens, num_heads, dim = v.shape
     padded = triton.cdiv(num_tokens, KEY_ALIGNMENT) * KEY_ALIGNMENT
-    out = torch.empty((num_heads, dim, padded), dtype=v.dtype, device=v.device)
+    out = torch.empty((num_heads, dim, lead + padded), dtype=v.dtype, device=v.device)
     if num_tokens == 0 or num_heads == 0:
         return out
     # Bytes either way: the copy moves them unchanged, and the interpreter's numpy has no e4m3.
-    src, dst = v.view(torch.uint8), out.view(torch.uint8)
+    src, dst = v.view(torch.uint8), out.view(torch.uint8)[..., lead:]
     if not (v.is_cuda or _interpreting()):
         dst[..., :num_tokens].copy_(src.permute(1, 2, 0))
         return out
