@@ -7,7 +7,7 @@ arguments, constexprs and options that ``attention_triton`` would launch it with
 for a ``gluon`` configuration, over CPU stand-ins with the GPU tensors' shapes, strides and alignment).
 By default it compiles what the SM90 tables launch for ``--dims``: each entry for the path its key names
 (causal: new tokens; chunk: a context chunk); with ``--dtype float8_e4m3fn``, what fp8 calls launch (the main
-table's entries) and the Gluon kernel's fp8 variant (``SM90_GLUON_FP8_ATTENTION``, not routed yet). For each
+table's entries) and the Gluon kernel's fp8 variant (``SM90_GLUON_FP8_ATTENTION``). For each
 variant it prints whether it compiled, the
 registers per thread and spilled bytes (from ``ptxas -v``), the shared memory per program, the global
 scratch bytes per program (where the kernel builds TMA descriptors on the device, ``(device)`` in the

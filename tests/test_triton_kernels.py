@@ -12,6 +12,7 @@ the launcher explicitly); the tile logic they exercise is the same as with the G
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import subprocess
@@ -763,11 +764,11 @@ def test_gluon_launch_arguments_on_host_stand_ins():
 
 
 def test_gluon_fp8_launch_arguments_on_host_stand_ins():
-    """``sm90_launch`` with fp8 scales: the values go in transposed (``[H, Dv, BN + Tk_pad]``, keys contiguous from
-    column BN, padded to 16 keys) with their channel and head strides; the descale factors follow the counter among the leading
-    arguments (their strides, 0 for one factor, after the softmax scale); the ``FP8`` constexpr, the ``[Dv, keys]``
-    value tiles' layout and the probabilities' buffer layout; Q's and K's descriptors are still the kernel's own,
-    over extents passed as for bf16."""
+    """``sm90_launch`` with fp8 scales: the values go in transposed (``[H, Dv, width]``, keys contiguous, each
+    sequence's from an aligned column after a block of lead columns) with their channel and head strides; the
+    descale factors follow the counter among the leading arguments (their strides, 0 for one factor, after the
+    softmax scale); the ``FP8`` constexpr, the ``[Dv, keys]`` value tiles' layout and the probabilities' buffer
+    layout; Q's and K's descriptors are still the kernel's own, over extents passed as for bf16."""
     pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
     from triton.experimental.gluon import language as gl
 
@@ -789,9 +790,13 @@ def test_gluon_fp8_launch_arguments_on_host_stand_ins():
     args = dict(zip(names, plan.args))
     assert all(args[n] is t for n, t in zip(["Q", "K", "Out", "Lse", "cu_seqlens_q"], [q, k, out, lse, cu]))
     values = args["V"]
-    assert values.shape == (4, 128, 128 + 304) and values.dtype == torch.float8_e4m3fn and values.is_contiguous()
-    assert torch.equal(values[..., 128:428].view(torch.uint8), v.permute(1, 2, 0).view(torch.uint8))
-    assert (args["stride_vt"], args["stride_vh"]) == (432, 128 * 432)  # channel and head strides
+    # 128 lead columns, 304 for the keys rounded up to 16, 16 per sequence; sequence 1 (keys 100-299) from column
+    # 128 + 112 + 16.
+    assert values.shape == (4, 128, 464) and values.dtype == torch.float8_e4m3fn and values.is_contiguous()
+    transposed = v.permute(1, 2, 0).view(torch.uint8)
+    assert torch.equal(values[..., 128:228].view(torch.uint8), transposed[..., :100])
+    assert torch.equal(values[..., 256:456].view(torch.uint8), transposed[..., 100:])
+    assert (args["stride_vt"], args["stride_vh"]) == (464, 128 * 464)  # channel and head strides
     assert all(args[n] is d for n, d in zip(["QDescale", "KDescale", "VDescale"], scales[:3]))
     assert (args["stride_qd"], args["stride_kd"], args["stride_vd"]) == (1, 1, 0)
     assert (args["num_tokens_q"], args["q_cols"], args["k_rows"], args["k_cols"]) == (300, 4 * 192, 300, 4 * 192)
@@ -837,12 +842,14 @@ def test_gluon_relaunch_adds_a_fresh_zeroed_work_counter():
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["triton", "torch"])
-@pytest.mark.parametrize("num_tokens", [1, 37, 130])
+@pytest.mark.parametrize(
+    "lengths", [[1], [37], [1, 17, 0, 130, 3], [16, 16, 0], [0, 0]], ids=["one", "37", "ragged", "aligned", "empty"]
+)
 @pytest.mark.parametrize("lead", [0, 128])
-def test_transposed_values(monkeypatch, kernel, num_tokens, lead):
+def test_transposed_values(monkeypatch, kernel, lengths, lead):
     """The fp8 Gluon kernel's transposed values, from the Triton kernel (here in the interpreter) and from PyTorch's
-    copy (CPU stand-ins outside it): every byte of a strided ``v`` (NaN's among them) in place, after ``lead``
-    columns."""
+    copies (CPU stand-ins outside it): every byte of each sequence of a strided ``v`` (NaN's among them) at
+    ``lead + sequence_column(start, b)`` on, a multiple of 16; rows past the last sequence are not copied."""
     from mla_ops.kernels import transpose
 
     if kernel and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
@@ -850,13 +857,21 @@ def test_transposed_values(monkeypatch, kernel, num_tokens, lead):
     if not kernel:
         monkeypatch.setattr(transpose, "_interpreting", lambda: False)
     gen = torch.Generator().manual_seed(0)
+    num_tokens = sum(lengths) + 5  # padding rows
     kv = torch.randint(0, 256, (num_tokens, 3, 192 + 128), dtype=torch.uint8, generator=gen)
     kv[0, 1, 200] = 0x7F  # e4m3's NaN is copied as it is
     v = kv.view(torch.float8_e4m3fn)[..., 192:]
-    got = transpose.transposed_values(v, lead=lead)
-    padded = -(-num_tokens // transpose.KEY_ALIGNMENT) * transpose.KEY_ALIGNMENT
-    assert got.shape == (3, 128, lead + padded) and got.dtype == torch.float8_e4m3fn
-    assert torch.equal(got.view(torch.uint8)[..., lead : lead + num_tokens], kv[..., 192:].permute(1, 2, 0))
+    starts = [0, *itertools.accumulate(lengths)]
+    got = transpose.transposed_values(v, torch.tensor(starts, dtype=torch.int32), lead=lead)
+    width = transpose.transposed_width(num_tokens, len(lengths), lead)
+    assert width % 16 == 0 and got.shape == (3, 128, width) and got.dtype == torch.float8_e4m3fn
+    columns = []
+    for b, (start, length) in enumerate(zip(starts, lengths)):
+        column = lead + transpose.sequence_column(start, b)
+        assert column % 16 == 0 and (not columns or column >= columns[-1]) and column + length <= width
+        columns.append(column + length)
+        want = kv[start : start + length, :, 192:].permute(1, 2, 0)
+        assert torch.equal(got.view(torch.uint8)[..., column : column + length], want), b
 
 
 def test_transposed_values_refuses_an_unaligned_lead():
@@ -864,7 +879,7 @@ def test_transposed_values_refuses_an_unaligned_lead():
 
     v = torch.zeros(4, 2, 128, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="lead must be a non-negative multiple of 16, got 8"):
-        transpose.transposed_values(v, lead=8)
+        transpose.transposed_values(v, torch.tensor([0, 4], dtype=torch.int32), lead=8)
 
 
 def test_shrink_steps_down_to_smallest():

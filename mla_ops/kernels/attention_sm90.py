@@ -4,7 +4,7 @@ A TMA producer warp and two consumer warpgroups per program, optionally overlapp
 the previous tile's P @ V (``ovl``) and in persistent programs (``pers``), with the same contract and program
 numbering as :mod:`mla_ops.kernels.attention_kernel`. :func:`sm90_unsupported_reason` says which inputs it does not
 cover. Design: docs/design/triton-kernels.md (The Gluon kernel). With ``FP8`` it takes e4m3 inputs (``scales`` of
-:func:`attention_sm90`), compiled but not routed yet: docs/design/fp8.md (The Gluon kernel's fp8 variant).
+:func:`attention_sm90`), which large fp8 calls route to: docs/design/fp8.md (The Gluon kernel's fp8 variant).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ..runtime.alloc import empty
 from .configs import head_dim_split
 from .launch import NATIVE_COUNTER_CODE, FixedLaunch, LaunchPlan, NativeLaunch, TorchScratch, pointer_alignment
 from .programs import program_layout
-from .transpose import transposed_values
+from .transpose import KEY_ALIGNMENT, transposed_values
 from .triton_compat import COMPILE_OPTIONS, lean_registers, thread_barrier, tma_load
 
 __all__ = [
@@ -80,6 +80,9 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.floa
 #: max), so that small ones, rounded to e4m3 for ``P @ V``, stay normal numbers: e4m3's smallest normal is 2**-6 and
 #: the largest shifted probability, 2**8, is below its largest value, 448 (as the ``tl.dot`` kernel's ``P_SHIFT``).
 _P_SHIFT = gl.constexpr(8.0)
+#: fp8: each sequence's first key starts a column of the transposed values that is a multiple of this
+#: (mla_ops.kernels.transpose.KEY_ALIGNMENT).
+_KEY_ALIGN = gl.constexpr(KEY_ALIGNMENT)
 
 
 @gluon.jit
@@ -185,8 +188,8 @@ def _produce_item(
 ):  # fmt: skip
     """One work item's loads, the program's ``n``-th (``w``), its tiles ``t`` onwards of the rings: Q, then
     every key tile's K (both parts) and V, each into its own ring. ``FP8``: ``V`` is the transposed values
-    ``[H, D_V, BN + Tk_pad]`` (:func:`mla_ops.kernels.transpose.transposed_values`, key ``t`` in column ``BN + t``),
-    ``stride_vh`` its head stride and ``stride_vt`` its channel stride."""
+    ``[H, D_V, width]`` (:func:`mla_ops.kernels.transpose.transposed_values`, sequence ``b``'s keys from column
+    ``BN + sequence_column(k_start, b)``), ``stride_vh`` its head stride and ``stride_vt`` its channel stride."""
     BN: gl.constexpr = ka_desc.block_type.shape[0]
     D_A: gl.constexpr = ka_desc.block_type.shape[1]
     if FP8:
@@ -215,15 +218,15 @@ def _produce_item(
                 mbarrier.wait(v_ready.index(g % STAGES), (g // STAGES) & 1)
         if FP8:
             # The head's transposed values up to this sequence's last key, loaded from its first: keys past it
-            # read as 0, never as a neighbour's NaN. (A descriptor from the sequence's first key, as below, would
-            # start on an address TMA refuses unless that key's offset is a multiple of 16 bytes.) Key t is in
-            # column BN + t: a descriptor narrower than one block in its contiguous dimension is invalid, and
-            # the first sequences' would be (an illegal instruction on the H200).
+            # read as 0, never as a neighbour's NaN. A TMA load must start on a 16-byte boundary in the
+            # contiguous dimension (elsewhere: an illegal instruction), so each sequence's keys start on an aligned
+            # column, sequence_column in mla_ops.kernels.transpose, after BN lead columns: a descriptor may not be
+            # narrower than its block.
+            v_col = BN + (k_start + _KEY_ALIGN - 1) // _KEY_ALIGN * _KEY_ALIGN + _KEY_ALIGN * b
             v_desc = tma.make_tensor_descriptor(
-                V + h.to(gl.int64) * stride_vh, shape=[D_V, BN + k_start + len_k],
+                V + h.to(gl.int64) * stride_vh, shape=[D_V, v_col + len_k],
                 strides=[stride_vt, 1], block_shape=[D_V, BN], layout=V_LAYOUT,
             )  # fmt: skip
-            v_col = BN + k_start
         else:
             # Values through a descriptor over this sequence's and head's rows only: rows past them read as
             # 0, never as a neighbour's NaN.
@@ -603,7 +606,7 @@ def _attn_fwd_sm90(
     P_LAYOUT: gl.constexpr,
 ):  # fmt: skip
     """The kernel (arguments: :func:`sm90_launch`). ``FP8``: e4m3 ``Q``, ``K`` and transposed values ``V``
-    ``[H, D_V, BN + Tk_pad]`` with their descale factors (``QDescale`` ... with strides ``stride_qd`` ..., 0 for one
+    ``[H, D_V, width]`` with their descale factors (``QDescale`` ... with strides ``stride_qd`` ..., 0 for one
     factor for every head), ``V_LAYOUT`` that of ``[D_V, BN]`` tiles and ``P_LAYOUT`` the shared-memory layout of the
     probabilities' buffers; otherwise the factors, their strides and ``P_LAYOUT`` are ``None`` and compile out,
     leaving the 16-bit kernel as it was."""
@@ -755,9 +758,9 @@ def sm90_launch(
 
     ``scales`` (:class:`~mla_ops.backends.base.Fp8Scales`): ``float8_e4m3fn`` inputs and their descale factors
     (float32 ``[H]``, stride 0 for one factor), the fp8 variant. Its values are first copied transposed, to
-    ``[H, Dv, block_n + Tk_pad]`` with each channel's keys contiguous from column ``block_n`` on
-    (:func:`mla_ops.kernels.transpose.transposed_values`, on q's device and current stream): fp8 wgmma takes its
-    B operand only K-major, and in ``P @ V`` K is the keys.
+    ``[H, Dv, width]`` with each channel's keys contiguous, each sequence's from an aligned column after ``block_n``
+    lead columns (:func:`mla_ops.kernels.transpose.transposed_values`, on q's device and current stream): fp8
+    wgmma takes its B operand only K-major, and in ``P @ V`` K is the keys.
     The copy is the plan's third argument (held by ``plan.args`` until the launch has been issued; the stream
     orders it before the kernel), and the three descale factors follow the counter among the leading arguments
     (``plan.leading`` is :data:`SM90_LEADING_FP8`); bf16/fp16 launches pass ``None`` for those, which Triton compiles
@@ -782,7 +785,7 @@ def sm90_launch(
         # variants have the kernel parameters and code they had before the fp8 variant existed.
         descales, descale_strides = (None, None, None), (None, None, None)
     else:
-        values = transposed_values(v, lead=block_n)  # the kernel's value descriptors start a block early
+        values = transposed_values(v, cu_seqlens_k, lead=block_n)  # value descriptors start a block early
         # [Dv, keys] tiles of the transposed values, and each consumer's [64, keys] tiles of probabilities.
         v_shape, p_layout, leading = (dv, block_n), _shared_layout(_HALF.value, block_n, dtype), SM90_LEADING_FP8
         descales = tuple(scales[:3])
