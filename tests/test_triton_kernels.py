@@ -843,7 +843,9 @@ def test_gluon_relaunch_adds_a_fresh_zeroed_work_counter():
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["triton", "torch"])
 @pytest.mark.parametrize(
-    "lengths", [[1], [37], [1, 17, 0, 130, 3], [16, 16, 0], [0, 0]], ids=["one", "37", "ragged", "aligned", "empty"]
+    "lengths",
+    [[1], [37], [1, 17, 0, 130, 3], [16, 16, 0], [0, 0], [3, 0, 21, 1, 64, 15, 16, 17, 2, 100, 1, 1, 33, 0, 5]],
+    ids=["one", "37", "ragged", "aligned", "empty", "many"],
 )
 @pytest.mark.parametrize("lead", [0, 128])
 def test_transposed_values(monkeypatch, kernel, lengths, lead):

@@ -46,26 +46,30 @@ def transposed_width(num_tokens: int, num_seqs: int, lead: int) -> int:
     return lead + -(-num_tokens // KEY_ALIGNMENT) * KEY_ALIGNMENT + KEY_ALIGNMENT * num_seqs
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_seqs", "search_steps"])  # one variant for every batch
-def _transpose_kernel(V, Out, CuSeqlens, num_tokens, num_seqs, search_steps, stride_vt, stride_vh, stride_oh,
-                      stride_od, D: tl.constexpr, BLOCK_T: tl.constexpr, ALIGN: tl.constexpr):  # fmt: skip
-    """``Out[h, :, column(t)] = V[t, h, :]`` for the ``BLOCK_T`` keys of program ``(t // BLOCK_T, h)`` that belong to a
-    sequence (``t < CuSeqlens[num_seqs]``); bytes (uint8). ``column(t)`` is :func:`sequence_column` of ``t``'s
-    sequence plus ``t``'s place in it; the sequence is found by a binary search of ``search_steps`` steps."""
-    keys = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+@triton.jit(do_not_specialize=["num_tokens", "num_columns", "num_seqs", "search_steps"])  # one variant per shape
+def _transpose_kernel(V, Out, CuSeqlens, num_tokens, num_columns, num_seqs, search_steps, stride_vt, stride_vh,
+                      stride_oh, stride_od, D: tl.constexpr, BLOCK_T: tl.constexpr, ALIGN: tl.constexpr):  # fmt: skip
+    """``Out[h, :, c] = V[key(c), h, :]`` for the ``BLOCK_T`` columns ``c`` of program ``(c // BLOCK_T, h)`` that hold a
+    key; bytes (uint8). ``key(c)`` inverts :func:`sequence_column`: the column's sequence ``b`` is the last whose first
+    column is at most ``c`` (a binary search of ``search_steps`` steps over ``CuSeqlens``), and ``c`` holds a key when
+    it lies within ``b``'s length of that first column. The program walks output columns, not keys, so that its
+    stores are whole aligned runs of one channel's columns (vector stores); its loads are whole rows of ``V``."""
+    columns = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
     channels = tl.arange(0, D)
-    ok = (keys < num_tokens) & (keys < tl.load(CuSeqlens + num_seqs))
-    # The last sequence b < num_seqs with CuSeqlens[b] <= t (an empty sequence's start equals its successor's).
+    # Invariant: sequence lo's first column <= c (or lo = 0), and hi's > c (or hi = num_seqs); mid < num_seqs.
     lo = tl.zeros([BLOCK_T], tl.int32)
     hi = tl.full([BLOCK_T], 0, tl.int32) + num_seqs
     for _ in range(search_steps):
         mid = (lo + hi) // 2
-        below = tl.load(CuSeqlens + mid, mask=ok, other=0) <= keys
+        start = tl.load(CuSeqlens + mid)
+        below = (start + ALIGN - 1) // ALIGN * ALIGN + ALIGN * mid <= columns
         lo = tl.where(below, mid, lo)
         hi = tl.where(below, hi, mid)
-    start = tl.load(CuSeqlens + lo, mask=ok, other=0)
-    columns = (start + ALIGN - 1) // ALIGN * ALIGN + ALIGN * lo + keys - start
+    start = tl.load(CuSeqlens + lo)
+    first = (start + ALIGN - 1) // ALIGN * ALIGN + ALIGN * lo
+    keys = start + columns - first
+    ok = (columns < num_columns) & (columns >= first) & (keys < tl.load(CuSeqlens + lo + 1)) & (keys < num_tokens)
     x = tl.load(V + keys.to(tl.int64)[:, None] * stride_vt + h * stride_vh + channels[None, :], mask=ok[:, None])
     out = Out + h.to(tl.int64) * stride_oh + channels[:, None].to(tl.int64) * stride_od + columns[None, :]
     tl.store(out, tl.trans(x), mask=ok[None, :])
@@ -113,13 +117,14 @@ def transposed_values(v: torch.Tensor, cu_seqlens: torch.Tensor, lead: int = 0) 
             column = sequence_column(first, b)
             dst[..., column : column + end - first].copy_(src[first:end].permute(1, 2, 0))
         return out
-    grid = (triton.cdiv(num_tokens, _BLOCK_T), num_heads)
+    num_columns = dst.shape[-1]
+    grid = (triton.cdiv(num_columns, _BLOCK_T), num_heads)
     args = (
-        src, dst, cu_seqlens, num_tokens, num_seqs, num_seqs.bit_length(), src.stride(0), src.stride(1),
-        dst.stride(0), dst.stride(1),
+        src, dst, cu_seqlens, num_tokens, num_columns, num_seqs, num_seqs.bit_length(), src.stride(0),
+        src.stride(1), dst.stride(0), dst.stride(1),
     )  # fmt: skip
     # Triton specialises the strides and the pointers' alignment: they name the compiled variant.
-    key = (v.device.index, args[6:], tuple(t.data_ptr() % 16 == 0 for t in (src, dst, cu_seqlens)), dim)
+    key = (v.device.index, args[7:], tuple(t.data_ptr() % 16 == 0 for t in (src, dst, cu_seqlens)), dim)
     with on_device(v.device):
         constexprs = dict(D=dim, BLOCK_T=_BLOCK_T, ALIGN=KEY_ALIGNMENT)
         _LAUNCHER(key, v.device, grid, args, constexprs, leading=3, num_warps=4)
