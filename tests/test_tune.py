@@ -154,3 +154,24 @@ def test_ctrl_c_during_tune_is_one_line_and_status_130(monkeypatch, capsys) -> N
     monkeypatch.setattr(tune, "main", interrupted)  # what the parser binds to the command
     assert cli_main(["tune"]) == 130
     assert capsys.readouterr().err.strip() == "python -m mla_ops tune: interrupted"
+
+
+def test_the_grid_measures_every_class_that_bench_prefill_times() -> None:
+    """Each attention shape of bench_prefill.py's GPU set falls in a class the default grid measures, so the table
+    predicts it from its own class, not from a neighbour's scaled times; only the 131072-token causal prompt (a
+    second per call and backend) is left to the nearest class, 32768 tokens."""
+    from benchlib import problems
+
+    grid = {shape.size_class() for shape in tune.default_shapes((16, 128))}
+    missing = []
+    for shape in problems.gpu_shapes():
+        if shape.suite == "merge":
+            continue
+        k_lens = shape.q_lens if shape.suite == "causal" else shape.k_lens
+        size = cost_table.SizeClass.of(
+            shape.suite == "causal", sum(shape.q_lens), sum(k_lens), shape.heads, len(shape.q_lens),
+            max(shape.q_lens), max(k_lens),
+        )  # fmt: skip
+        if size not in grid:
+            missing.append(shape.id)
+    assert missing == ["causal-h128-1x131072"]

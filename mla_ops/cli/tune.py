@@ -70,15 +70,16 @@ class TuneShape:
         return text if self.causal else f"{text} over {runs(self.k_lens)}"
 
 
-#: New-token batches as (sequences, length): host-bound ones, bench_prefill.py's 16384-token sweep, in between.
+#: New-token batches as (sequences, length): host-bound ones, bench_prefill.py's 16384-token sweep (32 x 512 to
+#: 1 x 16384), in between, and one 32768-token prompt.
 _CAUSAL = ((1, 16), (1, 64), (4, 64), (8, 128), (1, 256), (16, 256), (1, 1024), (4, 1024), (1, 4096), (4, 4096),
-           (2, 8192), (1, 16384), (32, 512))  # fmt: skip
+           (2, 8192), (1, 16384), (32, 512), (16, 1024), (8, 2048), (1, 32768))  # fmt: skip
 #: bench_prefill.py's mixed batch.
 _MIXED = (512, 1024, 2048, 3000, 700)
 #: Context chunks as (sequences, new tokens in all, context in all): small ones, and bench_prefill.py's 1024 new
-#: tokens over 8k to 32k in 1 and 4 sequences.
+#: tokens over 8k to 32k in 1 and 4 sequences and over 128k in one.
 _CHUNK = ((1, 16, 256), (1, 64, 1024), (8, 64, 512), (1, 256, 4096), (1, 1024, 8192), (4, 1024, 8192),
-          (1, 1024, 16384), (4, 1024, 16384), (1, 1024, 32768), (4, 1024, 32768))  # fmt: skip
+          (1, 1024, 16384), (4, 1024, 16384), (1, 1024, 32768), (4, 1024, 32768), (1, 1024, 131072))  # fmt: skip
 #: --quick: a few of each, at the first heads only.
 _QUICK_CAUSAL = ((1, 64), (1, 1024), (4, 4096))
 _QUICK_CHUNK = ((1, 64, 1024), (1, 1024, 8192))
@@ -264,19 +265,26 @@ def measure(
     class_hosts: dict[cost_table.ConfigKey, dict[SizeClass, dict[str, list[float]]]] = {}
     done = 0
     bar.update(done, "")
+    # Shape by shape, every backend of a configuration in turn on the same inputs: the backends compared on one
+    # class are timed seconds apart, in one thermal and clock state (a GPU under minutes of load runs slower than
+    # a rested one, and backend by backend the last would be timed on the hottest).
+    by_config: dict[SelectorConfig, list[PrefillBackendEnum]] = {}
     for config, member in jobs:
+        by_config.setdefault(config, []).append(member)
+    for config, config_members in by_config.items():
         key = (str(config.dtype).removeprefix("torch."), config.head_dim_qk, config.head_dim_v)
-        with prefill_backend(member), torch.no_grad():
-            for shape in shapes:
-                fn = _inputs(shape, config, machine.device)
-                host, device = machine.timer(fn, rep_ms, shape)
-                del fn
+        for shape in shapes:
+            fn = _inputs(shape, config, machine.device)
+            size = shape.size_class()
+            for member in config_members:
+                with prefill_backend(member), torch.no_grad():
+                    host, device = machine.timer(fn, rep_ms, shape)
                 hosts.setdefault(member.name, []).append(host)
-                size = shape.size_class()
                 device_us.setdefault(key, {}).setdefault(size, {})[member.name] = device
                 class_hosts.setdefault(key, {}).setdefault(size, {}).setdefault(member.name, []).append(host)
                 done += 1
                 bar.update(done, f"{member.name} {shape.label()}")
+            del fn
     host_us = {name: cost_table.measured_host_cost(samples) for name, samples in hosts.items()}
     class_host_us = {
         key: {size: {name: cost_table.measured_host_cost(s) for name, s in by.items()} for size, by in sizes.items()}
