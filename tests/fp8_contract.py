@@ -95,6 +95,20 @@ def run_fp8(batch: Fp8Batch, causal: bool, scale: float, out_dtype: torch.dtype 
     )  # fmt: skip
 
 
+def fp8_call(batch: Fp8Batch, causal: bool, scale: float):
+    """``(VarlenCall, Fp8Scales)`` of ``batch`` for a backend's or kernel's ``attention_fp8``: a per-tensor factor
+    as a stride-0 ``[H]`` view, as the fp8 ops pass it; bf16 output."""
+    from mla_ops.backends.base import Fp8Scales, VarlenCall
+
+    heads = batch.q.shape[1]
+    scales = Fp8Scales(*(d.reshape(-1).expand(heads) for d in batch.descales), torch.bfloat16)
+    call = VarlenCall(
+        batch.q, batch.k, batch.v, batch.cu_seqlens_q, batch.cu_seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k,
+        scale, causal,
+    )  # fmt: skip
+    return call, scales
+
+
 def _rounded_probability_attention(q, k, v, cu_q, cu_k, scale: float, causal: bool) -> torch.Tensor:
     """PyTorch's attention as an fp8 kernel computes it: bf16 inputs and products, fp32 softmax, the
     probabilities rounded to e4m3 for ``P @ V`` (FlashAttention-3's reference with ``intermediate_dtype``)."""

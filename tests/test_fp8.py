@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from fp8_contract import contract_errors, fp8_batch, run_fp8
+from fp8_contract import contract_errors, fp8_batch, fp8_call, run_fp8
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from utils import cu_seqlens_of, dense_attention, reset_compile
 
@@ -129,12 +129,7 @@ def test_triton_kernel_meets_the_contract_in_the_interpreter(attention_launches,
 
     causal = key_lengths is None
     batch = fp8_batch(lengths, key_lengths, 2, padding=3, per_head=per_head, outliers=True, seed=1)
-    heads = batch.q.shape[1]
-    scales = Fp8Scales(*(d.reshape(-1).expand(heads) for d in batch.descales), torch.bfloat16)
-    call = VarlenCall(
-        batch.q, batch.k, batch.v, batch.cu_seqlens_q, batch.cu_seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k,
-        SCALE, causal,
-    )  # fmt: skip
+    call, scales = fp8_call(batch, causal, SCALE)
     out, lse = TritonBackend().attention_fp8(call, scales)
     error, bound = contract_errors(batch, out, causal, SCALE)
     # Twice the contract's bound: the interpreter converts float32 to e4m3 by truncation, not to nearest as the GPU

@@ -1,21 +1,21 @@
 """The Gluon kernel's fp8 variant on an SM90 GPU (``pytest -m gpu``), called directly through
-:func:`mla_ops.kernels.attention_sm90.attention_sm90` with ``scales``.
+:func:`mla_ops.kernels.attention_sm90.attention_sm90` with ``scales`` (``attention_triton`` routes large fp8 calls
+to it; tests/test_gpu_fp8.py covers the routed ops).
 
-That variant is compiled for sm_90a (``benchmarks/compile_sm90.py --dtype float8_e4m3fn``) but routed nowhere yet:
-``attention_triton`` runs every fp8 call on the ``tl.dot`` kernel until these tests have passed on a Hopper GPU. They
-hold it, on the same quantised inputs as the REFERENCE backend, to the fp8 accuracy contract (tests/fp8_contract.py)
-and REFERENCE's LSE: ragged causal lengths, a context chunk with an empty key slice and fewer keys than queries,
-per-head and per-tensor factors, DeepSeek-like outlier channels, padding rows; persistent programs carrying their
-rings and probability buffers from item to item; neighbours' NaN never reaching a sequence; a CUDA-graph replay.
+The tests hold it, on the same quantised inputs as the REFERENCE backend, to the fp8 accuracy contract
+(tests/fp8_contract.py) and REFERENCE's LSE: ragged causal lengths, a context chunk with an empty key slice and fewer
+keys than queries, per-head and per-tensor factors, DeepSeek-like outlier channels, padding rows, sequences starting
+on keys that are not multiples of 16; persistent programs carrying their rings and probability buffers from item to
+item; neighbours' NaN never reaching a sequence; a CUDA-graph replay.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from fp8_contract import Fp8Batch, contract_errors, fp8_batch
+from fp8_contract import Fp8Batch, contract_errors, fp8_batch, fp8_call
+from utils import gluon_or_skip
 
-from mla_ops.backends.base import Fp8Scales, VarlenCall
 from mla_ops.backends.reference import ReferenceBackend
 from mla_ops.kernels import configs
 
@@ -36,30 +36,10 @@ CASES = [([1, 3000, 17, 1100], None), ([1000, 17, 300], [4097, 0, 129])]
 def sm90():
     """:mod:`mla_ops.kernels.attention_sm90`; skips off SM90, without Gluon, or under a Triton release the kernel is
     not adapted to."""
-    if torch.cuda.get_device_capability(DEVICE) != (9, 0):
-        pytest.skip(f"the Gluon kernel runs on SM90 (Hopper) GPUs only, not on {torch.cuda.get_device_name(DEVICE)}")
-    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
-    import triton
-
-    from mla_ops.kernels.triton_compat import gluon_triton_reason
-
-    reason = gluon_triton_reason(triton.__version__)
-    if reason is not None:
-        pytest.skip(f"the Gluon kernel: {reason}")
+    gluon_or_skip(DEVICE)
     from mla_ops.kernels import attention_sm90
 
     return attention_sm90
-
-
-def _call_and_scales(batch: Fp8Batch, causal: bool) -> tuple[VarlenCall, Fp8Scales]:
-    """The kernel's inputs for ``batch``: a per-tensor factor as a stride-0 ``[H]`` view, as the fp8 ops pass it."""
-    heads = batch.q.shape[1]
-    scales = Fp8Scales(*(d.reshape(-1).expand(heads) for d in batch.descales), torch.bfloat16)
-    call = VarlenCall(
-        batch.q, batch.k, batch.v, batch.cu_seqlens_q, batch.cu_seqlens_k, batch.max_seqlen_q, batch.max_seqlen_k,
-        SCALE, causal,
-    )  # fmt: skip
-    return call, scales
 
 
 def _run(sm90, batch: Fp8Batch, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +47,7 @@ def _run(sm90, batch: Fp8Batch, causal: bool) -> tuple[torch.Tensor, torch.Tenso
     config = configs.SM90_GLUON_FP8_ATTENTION[(192, 128, causal)]
     reason = sm90.sm90_unsupported_reason(batch.q, batch.k, batch.v, SCALE, config.block_n, config.num_stages)
     assert reason is None, reason
-    call, scales = _call_and_scales(batch, causal)
+    call, scales = fp8_call(batch, causal, SCALE)
     return sm90.attention_sm90(call, block_n=config.block_n, stages=config.num_stages, scales=scales)
 
 
@@ -88,7 +68,7 @@ def test_gluon_fp8_meets_the_contract(sm90, lengths, key_lengths, heads, per_hea
     rows = int(batch.cu_seqlens_q[-1])
     assert torch.isneginf(lse[:, rows:]).all(), "padding rows get lse = -inf"
     assert torch.isfinite(out[:rows]).all()
-    _, want_lse = ReferenceBackend().attention_fp8(*_call_and_scales(batch, causal))
+    _, want_lse = ReferenceBackend().attention_fp8(*fp8_call(batch, causal, SCALE))
     lse, want_lse = lse[:, :rows], want_lse[:, :rows]
     no_key = torch.isneginf(want_lse)  # the query rows of an empty key slice
     assert torch.equal(torch.isneginf(lse), no_key), "lse = -inf exactly where a row sees no key"
@@ -112,7 +92,7 @@ def test_gluon_fp8_sequences_start_on_any_key(sm90, lengths, key_lengths) -> Non
     error, bound = contract_errors(batch, out, causal, SCALE)
     assert error <= bound, f"error {error:.4f} exceeds the contract's {bound:.4f}"
     rows = int(batch.cu_seqlens_q[-1])
-    _, want_lse = ReferenceBackend().attention_fp8(*_call_and_scales(batch, causal))
+    _, want_lse = ReferenceBackend().attention_fp8(*fp8_call(batch, causal, SCALE))
     lse_error = (lse[:, :rows] - want_lse[:, :rows]).abs().max().item()
     assert lse_error <= LSE_TOL, f"lse error {lse_error:.5f} against REFERENCE"
 

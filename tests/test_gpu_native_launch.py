@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from utils import make_batch, native_library_or_skip
+from utils import gluon_or_skip, make_batch, native_library_or_skip
 
 import mla_ops
 from mla_ops import native
@@ -107,27 +107,12 @@ def test_context_chunk_second_call_is_launched_natively_and_equal(dtype):
     assert torch.isneginf(second[1][:, 16:]).all() and (second[0][16:] == 0).all()  # the empty chunk slice
 
 
-def _gluon_or_skip():
-    """Skips where large batches do not run the Hopper kernel written in Gluon (off SM90, or under a Triton the
-    kernel is not adapted to)."""
-    if torch.cuda.get_device_capability(DEVICE) != (9, 0):
-        pytest.skip(f"the Gluon kernel runs on SM90 (Hopper) GPUs only, not on {torch.cuda.get_device_name(DEVICE)}")
-    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
-    import triton
-
-    from mla_ops.kernels.triton_compat import gluon_triton_reason
-
-    reason = gluon_triton_reason(triton.__version__)
-    if reason is not None:
-        pytest.skip(f"the Gluon kernel: {reason}")
-
-
 @pytest.mark.parametrize("path", ["prefill", "chunk"])
 def test_gluon_layout_is_launched_natively_and_equal(path):
     """A large batch (at least TMA_MIN_KEY_ROWS key rows times heads: the Gluon kernel) is remembered as the tl.dot
     kernel's layouts are, and its C++ launch, with a zeroed work counter and global scratch of its own per launch,
     returns what the Python launch returns, bit for bit, on the same and on new data; and in a replayed graph."""
-    _gluon_or_skip()
+    gluon_or_skip(DEVICE)
 
     def inputs(seed):
         if path == "chunk":

@@ -262,3 +262,18 @@ def native_library_or_skip() -> None:
     if reason is not None and not native.is_loaded():
         pytest.skip(reason)
     assert native.load(), native.status()
+
+
+def gluon_or_skip(device: str = "cuda") -> None:
+    """Skip where ``device`` does not run the Hopper kernel written in Gluon: off SM90, without Gluon, or under a
+    Triton release the kernel is not adapted to (each says which)."""
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        pytest.skip(f"the Gluon kernel runs on SM90 (Hopper) GPUs only, not on {torch.cuda.get_device_name(device)}")
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
+    import triton
+
+    from mla_ops.kernels.triton_compat import gluon_triton_reason
+
+    reason = gluon_triton_reason(triton.__version__)
+    if reason is not None:
+        pytest.skip(f"the Gluon kernel: {reason}")
