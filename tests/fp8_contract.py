@@ -95,6 +95,17 @@ def run_fp8(batch: Fp8Batch, causal: bool, scale: float, out_dtype: torch.dtype 
     )  # fmt: skip
 
 
+def contract_batch(lengths, key_lengths, heads: int, per_head: bool, outliers: bool, device: str):
+    """``(batch, causal)`` of a GPU contract case: ``fp8_batch`` with 7 padding rows, the lengths quartered at
+    H=128 (the float64 reference's memory and time, not a kernel's limit)."""
+    if heads == 128:
+        lengths = [n // 4 for n in lengths]
+        key_lengths = None if key_lengths is None else [n // 4 for n in key_lengths]
+    causal = key_lengths is None
+    batch = fp8_batch(lengths, key_lengths, heads, padding=7, per_head=per_head, outliers=outliers, device=device)
+    return batch, causal
+
+
 def fp8_call(batch: Fp8Batch, causal: bool, scale: float):
     """``(VarlenCall, Fp8Scales)`` of ``batch`` for a backend's or kernel's ``attention_fp8``: a per-tensor factor
     as a stride-0 ``[H]`` view, as the fp8 ops pass it; bf16 output."""

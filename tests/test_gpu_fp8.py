@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fp8_contract import contract_errors, fp8_batch, run_fp8
+from fp8_contract import contract_batch, contract_errors, fp8_batch, run_fp8
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from utils import cu_seqlens_of, reset_compile
 
@@ -45,11 +45,7 @@ def backend(request):
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize(("per_head", "outliers"), [(True, True), (False, False)])
 def test_fp8_meets_the_contract(backend, lengths, key_lengths, heads, per_head, outliers) -> None:
-    if heads == 128:
-        lengths = [n // 4 for n in lengths]  # the float64 references' memory and time, not the kernel's limit
-        key_lengths = None if key_lengths is None else [n // 4 for n in key_lengths]
-    causal = key_lengths is None
-    batch = fp8_batch(lengths, key_lengths, heads, padding=7, per_head=per_head, outliers=outliers, device=DEVICE)
+    batch, causal = contract_batch(lengths, key_lengths, heads, per_head, outliers, DEVICE)
     out, lse = run_fp8(batch, causal, SCALE)
     assert out.dtype == torch.bfloat16 and out.is_cuda
     error, bound = contract_errors(batch, out, causal, SCALE)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fp8_contract import Fp8Batch, contract_errors, fp8_batch, fp8_call
+from fp8_contract import Fp8Batch, contract_batch, contract_errors, fp8_batch, fp8_call
 from utils import gluon_or_skip
 
 from mla_ops.backends.reference import ReferenceBackend
@@ -55,11 +55,7 @@ def _run(sm90, batch: Fp8Batch, causal: bool) -> tuple[torch.Tensor, torch.Tenso
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize(("per_head", "outliers"), [(True, True), (False, False)])
 def test_gluon_fp8_meets_the_contract(sm90, lengths, key_lengths, heads, per_head, outliers) -> None:
-    if heads == 128:
-        lengths = [n // 4 for n in lengths]  # the float64 references' memory and time, not the kernel's limit
-        key_lengths = None if key_lengths is None else [n // 4 for n in key_lengths]
-    causal = key_lengths is None
-    batch = fp8_batch(lengths, key_lengths, heads, padding=7, per_head=per_head, outliers=outliers, device=DEVICE)
+    batch, causal = contract_batch(lengths, key_lengths, heads, per_head, outliers, DEVICE)
     out, lse = _run(sm90, batch, causal)
     tokens = batch.q.shape[0]
     assert out.dtype == torch.bfloat16 and out.shape == (tokens, heads, 128) and lse.shape == (heads, tokens)
