@@ -186,8 +186,8 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool, dtype_name: st
 def table_variants(dqk: int, dv: int, fp8: bool = False) -> list[tuple[str, bool]]:
     """``(configuration, causal)`` of every variant the SM90 tables launch for ``(dqk, dv)``: each entry
     with the path its key names, without repeats. ``fp8``: the fp8 calls' (they launch the main table's entries at
-    every size), and the Gluon kernel's fp8 variant (``SM90_GLUON_FP8_ATTENTION``, compiled but neither run on a GPU
-    nor routed yet)."""
+    every size), and the Gluon kernel's fp8 variant (``SM90_GLUON_FP8_ATTENTION``, which large fp8 calls run on
+    SM90)."""
     from mla_ops.kernels.configs import SM90_ATTENTION, SM90_GLUON_FP8_ATTENTION, SM90_LARGE_BATCH_ATTENTION
 
     large = SM90_GLUON_FP8_ATTENTION if fp8 else SM90_LARGE_BATCH_ATTENTION

@@ -85,6 +85,12 @@ FP8_CANDIDATES = [
     "64,128,4,3",
     "128,64,8,3,ovl",
     "128,64,8,4,ovl",
+    # The Gluon kernel's fp8 variant: 128-key tiles in 4 buffers per ring (SM90_GLUON_FP8_ATTENTION) or 3, 64-key
+    # tiles in 4 or 6; each compiles for sm_90a without spills under Triton 3.6 to 3.9 (docs/design/fp8.md).
+    "128,128,4,4,gluon,ovl,pers",
+    "128,128,4,3,gluon,ovl,pers",
+    "128,64,4,4,gluon,ovl,pers",
+    "128,64,4,6,gluon,ovl,pers",
 ]
 
 MERGE_CANDIDATES = [(bt, w) for bt in (4, 8, 16, 32, 64) for w in (2, 4, 8)]
@@ -126,9 +132,6 @@ def sweep_attention(
     built_in = FP8_CANDIDATES if fp8 else DEFAULT_CANDIDATES
     texts = args.candidates.split(";") if args.candidates else (QUICK_CANDIDATES if args.quick else built_in)
     candidates = [AttentionConfig.parse(t, "--candidates") for t in texts]
-    if fp8 and any(c.gluon for c in candidates):
-        log("the Gluon kernel's fp8 variant is not routed yet: its candidates are left out")
-        candidates = [c for c in candidates if not c.gluon]
     cap = torch.cuda.get_device_capability(device)
     for causal in (True, False):
         table = table_attention_config(cap, P.DQK, P.DV, causal, getattr(torch, args.dtype))

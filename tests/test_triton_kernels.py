@@ -655,8 +655,8 @@ def test_gluon_names_resolve_under_the_installed_triton():
 def test_compile_sm90_compiles_the_tabled_variants_under_the_installed_triton(dtype):
     """benchmarks/compile_sm90.py (no GPU needed) compiles every variant the SM90 tables launch for sm_90a with
     this Triton: no compile error, no spill, no serialised wgmma, the Gluon kernel warp-specialised; for fp8 inputs,
-    the main table's entries, which fp8 calls launch at every size, and the Gluon kernel's fp8 variant (not routed
-    yet). benchmarks/compile_matrix.sh runs it under each supported release."""
+    the main table's entries, which fp8 calls launch at every size, and the Gluon kernel's fp8 variant (large fp8
+    calls' on SM90). benchmarks/compile_matrix.sh runs it under each supported release."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
