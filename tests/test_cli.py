@@ -3,6 +3,7 @@ reported by ``info``, a quiet end when the reader closes the pipe, and the progr
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import signal
@@ -11,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 ENV_VAR = "MLA_OPS_PREFILL_BACKEND"
 
@@ -197,3 +199,40 @@ def test_info_prints_the_fp8_rules() -> None:
     assert "TRITON      yes" in result.stdout
     result = _run("info", "--capability", "8.0", "--dtype", "float8_e4m3fn")
     assert "TRITON      no: dtype float8_e4m3fn needs compute capability 8.9 or newer" in result.stdout
+
+
+def test_warmup_names_what_it_skipped_of_the_backends_asked_for(monkeypatch, capsys) -> None:
+    """A backend asked for by name that cannot run for a dtype is skipped with its reason, and the run ends with
+    status 1 and one line naming what was skipped (on a simulated SM90 device: nothing compiles here)."""
+    from mla_ops.cli import warmup
+
+    warmed = []
+
+    class Ready:
+        @staticmethod
+        def warmup(device, config, heads):
+            warmed.append(str(config.dtype))
+
+    def validate(backend, capability, config):
+        if config.dtype == torch.float8_e4m3fn:
+            return None, [f"dtype {config.dtype} is not supported"]
+        return Ready, []
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(warmup, "parse_device", lambda text, kinds, present=True: torch.device("cuda"))
+    monkeypatch.setattr(warmup.DeviceCapability, "of", staticmethod(lambda device: warmup.DeviceCapability(9, 0)))
+    monkeypatch.setattr(warmup.native, "load", lambda: False)
+    monkeypatch.setattr(warmup, "validate_backend", validate)
+    parser = argparse.ArgumentParser()
+    warmup.add_arguments(parser)
+    args = parser.parse_args(["--backend", "FLASHINFER", "--dtype", "bfloat16", "--dtype", "float8_e4m3fn"])
+    assert warmup.main(args) == 1
+    out, err = capsys.readouterr()
+    assert warmed == ["torch.bfloat16"]
+    assert "[2/2] FLASHINFER float8_e4m3fn (128, 64, 128): skipped (dtype torch.float8_e4m3fn is not supported)" in out
+    assert err == (
+        "warmup: 1 of the 2 asked for cannot run here and were skipped (FLASHINFER float8_e4m3fn (128, 64, 128); "
+        "reasons above); the others are ready\n"
+    )
+    assert warmup.main(parser.parse_args(["--dtype", "bfloat16", "--dtype", "float8_e4m3fn"])) == 0  # not by name
