@@ -12,7 +12,6 @@ Design: docs/design/triton-kernels.md.
 from __future__ import annotations
 
 import functools
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,6 +43,7 @@ from .launch import (
     pointer_alignment,
     remember,
 )
+from .launch import interpreting as _interpreting
 from .programs import program_layout
 from .triton_compat import gluon_triton_reason
 
@@ -63,10 +63,6 @@ __all__ = [
 ]
 
 _LOG2E = 1.4426950408889634
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 #: From this many key rows times heads on, a call takes the large-batch table's configuration (on

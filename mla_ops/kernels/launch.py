@@ -14,6 +14,7 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import os
 import re
 import struct
 import textwrap
@@ -51,8 +52,15 @@ __all__ = [
     "NativeLaunch",
     "Relaunch",
     "Runtime",
+    "interpreting",
     "remember",
 ]
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET`` set and not 0): on CPU tensors, in
+    numpy, with no compiled variant to launch directly."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 #: Layouts remembered per kernel; past this many (a serving loop sees a new token count per batch) the

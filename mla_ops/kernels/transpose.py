@@ -13,14 +13,13 @@ on one causal sequence of them, and 16.40 ms for 131072 keys. Design: docs/desig
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from ..runtime.capture import on_device
 from .launch import CachedLaunch
+from .launch import interpreting as _interpreting
 
 __all__ = ["KEY_ALIGNMENT", "sequence_column", "transposed_values", "transposed_width"]
 
@@ -75,10 +74,6 @@ def _transpose_kernel(V, Out, CuSeqlens, num_tokens, num_columns, num_seqs, sear
 
 
 _LAUNCHER = CachedLaunch(_transpose_kernel)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def transposed_values(v: torch.Tensor, cu_seqlens: torch.Tensor, lead: int = 0) -> torch.Tensor:
