@@ -19,7 +19,7 @@ import os
 import statistics
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -169,11 +169,7 @@ class CostTable:
     def without(self, backends: Iterable[str]) -> CostTable:
         """A copy that predicts nothing for ``backends`` (they are no candidates where it ranks)."""
         drop = set(backends)
-        host_us = {b: t for b, t in self.host_us.items() if b not in drop}
-        return CostTable(
-            self.capability, self.gpu, self.versions, self.command, host_us, self.device_us, self.source,
-            self.created, self.class_host_us,
-        )  # fmt: skip
+        return replace(self, host_us={b: t for b, t in self.host_us.items() if b not in drop}, _floors={})
 
     def foreign_backends(self, installed: Mapping[str, str]) -> dict[str, str]:
         """The measured backends that would run other kernels here, each with why: another set of their

@@ -218,7 +218,7 @@ def size_class_table(capability: DeviceCapability | None, config: SelectorConfig
             f"  every size runs the fixed order above; `{cost_table.TUNE_COMMAND}` on this GPU measures a table"
         )
         return "\n".join(lines)
-    versions = ", ".join(f"{d} {v}" for d, v in table.versions.items() if v != "not installed")
+    versions = ", ".join(f"{d} {v}" for d, v in table.versions.items() if v != cost_table.NOT_INSTALLED)
     lines.append(f"  measured on {table.gpu} ({table.created or 'undated'}) with {versions}")
     lines.append(f"  by: {table.command or 'unknown command'}")
     lines.append("  median host µs per call: " + ", ".join(f"{b} {t:.1f}" for b, t in sorted(table.host_us.items())))
