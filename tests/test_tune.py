@@ -167,11 +167,7 @@ def test_the_grid_measures_every_class_that_bench_prefill_times() -> None:
     for shape in problems.gpu_shapes():
         if shape.suite == "merge":
             continue
-        k_lens = shape.q_lens if shape.suite == "causal" else shape.k_lens
-        size = cost_table.SizeClass.of(
-            shape.suite == "causal", sum(shape.q_lens), sum(k_lens), shape.heads, len(shape.q_lens),
-            max(shape.q_lens), max(k_lens),
-        )  # fmt: skip
+        size = tune.TuneShape(shape.suite == "causal", shape.heads, shape.q_lens, shape.k_lens).size_class()
         if size not in grid:
             missing.append(shape.id)
     assert missing == ["causal-h128-1x131072"]

@@ -69,12 +69,13 @@ def main(args: argparse.Namespace) -> int:
     failures = []
     for i, (backend, config) in enumerate(jobs, 1):
         dtype = str(config.dtype).removeprefix("torch.")
-        label = f"[{i}/{len(jobs)}] {backend.name} {dtype} {tuple(config.mla_dimensions)}"
+        job = f"{backend.name} {dtype} {tuple(config.mla_dimensions)}"
+        label = f"[{i}/{len(jobs)}] {job}"
         cls, reasons = validate_backend(backend, capability, config)
         if reasons:
             print(f"{label}: skipped ({'; '.join(reasons)})", flush=True)
             if args.backend:  # asked for by name: not warming it up is an error, not a choice
-                failures.append(label.split("] ", 1)[1])
+                failures.append(job)
             continue
         print(f"{label}: compiling ...", flush=True)
         start = time.perf_counter()

@@ -186,12 +186,11 @@ GENERIC_ATTENTION: dict[tuple, AttentionConfig] = {
 _ARCH_TABLES: dict[int, dict[tuple, AttentionConfig]] = {9: SM90_ATTENTION}
 
 #: The Gluon kernel's fp8 variant (mla_ops.kernels.attention_sm90 with ``scales``), the large-batch table of fp8 calls
-#: (:func:`table_large_batch_config`): compiled for sm_90a by benchmarks/compile_sm90.py
-#: --dtype float8_e4m3fn; tests/test_gpu_gluon_fp8.py checks it on a Hopper GPU (it has not passed there yet:
-#: docs/design/fp8.md). 128-key tiles in 4 buffers per
-#: ring (216.5 KiB of the 227): an e4m3 tile is half a bf16 one's bytes and tensor-core time, so 4 buffers look
-#: as far ahead in time as the bf16 entry's 2 above (3 buffers, 176.5 KiB, and 64-key tiles in 4 or 6 also
-#: compile with 0 spills under Triton 3.6 to 3.9; untimed).
+#: (:func:`table_large_batch_config`): compiled for sm_90a by benchmarks/compile_sm90.py --dtype float8_e4m3fn;
+#: tests/test_gpu_gluon_fp8.py checks it on a Hopper GPU (passed on an H100, docs/design/fp8.md). 128-key tiles in
+#: 4 buffers per ring (216.5 KiB of the 227): an e4m3 tile is half a bf16 one's bytes and tensor-core time, so 4
+#: buffers look as far ahead in time as the bf16 entry's 2 above (3 buffers, 176.5 KiB, and 64-key tiles in 4 or 6
+#: also compile with 0 spills under Triton 3.6 to 3.9; untimed, benchmarks/tune_triton.py's fp8 candidates).
 SM90_GLUON_FP8_ATTENTION: dict[tuple, AttentionConfig] = {
     (192, 128, True): AttentionConfig(128, 128, 4, 4, overlap_softmax=True, gluon=True, persistent=True),
     (192, 128, False): AttentionConfig(128, 128, 4, 4, overlap_softmax=True, gluon=True, persistent=True),
