@@ -26,8 +26,11 @@ __all__ = ["KEY_ALIGNMENT", "sequence_column", "transposed_values", "transposed_
 #: Keys (bytes, one e4m3 value each) that a TMA load's start in the contiguous dimension, and a descriptor's row
 #: stride, must be a multiple of.
 KEY_ALIGNMENT = 16
-#: Keys per program: a ``[64, Dv]`` tile (8 KiB at Dv=128) read as whole 128-byte rows, written as 64-byte runs.
-_BLOCK_T = 64
+#: Words of 4 columns per program: 128 keys, a ``[32, Dv]`` int32 tile (16 KiB at Dv=128) read as whole 128-byte
+#: rows, written as 128-byte runs.
+_BLOCK_W = 32
+#: Columns per program of the copy.
+_PROGRAM_COLUMNS = 4 * _BLOCK_W
 
 
 def sequence_column(key_start: int, sequence: int) -> int:
@@ -40,24 +43,31 @@ def sequence_column(key_start: int, sequence: int) -> int:
 def transposed_width(num_tokens: int, num_seqs: int, lead: int) -> int:
     """Columns of the transposed values of ``num_tokens`` key rows in ``num_seqs`` sequences after ``lead``: every
     sequence's keys fit (:func:`sequence_column` of the last one plus its length is at most ``Tk + 16 * B - 1``),
-    and the width is a multiple of :data:`KEY_ALIGNMENT` (the descriptors' row stride)."""
-    return lead + -(-num_tokens // KEY_ALIGNMENT) * KEY_ALIGNMENT + KEY_ALIGNMENT * num_seqs
+    and the columns after ``lead`` are a multiple of :data:`_PROGRAM_COLUMNS` (so the copy's programs tile them
+    exactly and store without a mask, in 16-byte vectors), hence of :data:`KEY_ALIGNMENT` (the descriptors' row
+    stride)."""
+    keys = -(-num_tokens // KEY_ALIGNMENT) * KEY_ALIGNMENT + KEY_ALIGNMENT * num_seqs
+    return lead + -(-keys // _PROGRAM_COLUMNS) * _PROGRAM_COLUMNS
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_columns", "num_seqs", "search_steps"])  # one variant per shape
-def _transpose_kernel(V, Out, CuSeqlens, num_tokens, num_columns, num_seqs, search_steps, stride_vt, stride_vh,
-                      stride_oh, stride_od, D: tl.constexpr, BLOCK_T: tl.constexpr, ALIGN: tl.constexpr):  # fmt: skip
-    """``Out[h, :, c] = V[key(c), h, :]`` for the ``BLOCK_T`` columns ``c`` of program ``(c // BLOCK_T, h)`` that hold a
-    key; bytes (uint8). ``key(c)`` inverts :func:`sequence_column`: the column's sequence ``b`` is the last whose first
-    column is at most ``c`` (a binary search of ``search_steps`` steps over ``CuSeqlens``), and ``c`` holds a key when
-    it lies within ``b``'s length of that first column. The program walks output columns, not keys, so that its
-    stores are whole aligned runs of one channel's columns (vector stores); its loads are whole rows of ``V``."""
-    columns = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs", "search_steps"])  # one variant per shape
+def _transpose_kernel(V, Out, CuSeqlens, num_tokens, num_seqs, search_steps, stride_vt, stride_vh,
+                      stride_oh, stride_od, D: tl.constexpr, BLOCK_W: tl.constexpr, ALIGN: tl.constexpr):  # fmt: skip
+    """``Out[h, :, c] = V[key(c), h, :]`` for the ``4 * BLOCK_W`` columns ``c`` of program ``(c // (4 * BLOCK_W), h)``
+    that hold a key, written as int32 words of 4 columns (``Out`` is the int32 view, its strides in words; ``V`` bytes).
+    ``key(c)`` inverts :func:`sequence_column`: a word's sequence ``b`` is the last whose first column is at most the
+    word's first (a binary search of ``search_steps`` steps over ``CuSeqlens``); a sequence's columns start on a
+    multiple of 16, so each word's keys are of one sequence, and a column holds a key when it lies within ``b``'s
+    length of that first column (the others get 0; the kernel never reads them). Each word packs the bytes of 4
+    consecutive keys, so the tile that changes layout between the loads (a key's channels contiguous) and the stores
+    (a channel's columns contiguous) is of int32, not of single bytes."""
+    words = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)  # all in the row: the grid tiles it exactly
     h = tl.program_id(1)
     channels = tl.arange(0, D)
-    # Invariant: sequence lo's first column <= c (or lo = 0), and hi's > c (or hi = num_seqs); mid < num_seqs.
-    lo = tl.zeros([BLOCK_T], tl.int32)
-    hi = tl.full([BLOCK_T], 0, tl.int32) + num_seqs
+    columns = words * 4
+    # Invariant: sequence lo's first column <= the word's (or lo = 0), and hi's > it (or hi = num_seqs).
+    lo = tl.zeros([BLOCK_W], tl.int32)
+    hi = tl.full([BLOCK_W], 0, tl.int32) + num_seqs
     for _ in range(search_steps):
         mid = (lo + hi) // 2
         start = tl.load(CuSeqlens + mid)
@@ -65,12 +75,19 @@ def _transpose_kernel(V, Out, CuSeqlens, num_tokens, num_columns, num_seqs, sear
         lo = tl.where(below, mid, lo)
         hi = tl.where(below, hi, mid)
     start = tl.load(CuSeqlens + lo)
+    end = tl.minimum(tl.load(CuSeqlens + lo + 1), num_tokens)
     first = (start + ALIGN - 1) // ALIGN * ALIGN + ALIGN * lo
-    keys = start + columns - first
-    ok = (columns < num_columns) & (columns >= first) & (keys < tl.load(CuSeqlens + lo + 1)) & (keys < num_tokens)
-    x = tl.load(V + keys.to(tl.int64)[:, None] * stride_vt + h * stride_vh + channels[None, :], mask=ok[:, None])
-    out = Out + h.to(tl.int64) * stride_oh + channels[:, None].to(tl.int64) * stride_od + columns[None, :]
-    tl.store(out, tl.trans(x), mask=ok[None, :])
+    packed = tl.zeros([BLOCK_W, D], tl.int32)
+    for byte in tl.static_range(4):
+        keys = start + columns + byte - first
+        ok = (columns + byte >= first) & (keys < end)
+        rows = V + keys.to(tl.int64)[:, None] * stride_vt + h * stride_vh + channels[None, :]
+        x = tl.load(rows, mask=ok[:, None], other=0)
+        packed = packed | (x.to(tl.int32) << (8 * byte))  # little-endian: column 4w + byte is byte `byte`
+    out = Out + h.to(tl.int64) * stride_oh + channels[:, None].to(tl.int64) * stride_od + words[None, :]
+    # The programs tile the words exactly (transposed_width), so the stores need no mask and go out as vectors: a
+    # mask that varies along the words (as a key's would) makes Triton store each one alone.
+    tl.store(out, tl.trans(packed))
 
 
 _LAUNCHER = CachedLaunch(_transpose_kernel)
@@ -111,15 +128,16 @@ def transposed_values(v: torch.Tensor, cu_seqlens: torch.Tensor, lead: int = 0) 
             column = sequence_column(first, b)
             dst[..., column : column + end - first].copy_(src[first:end].permute(1, 2, 0))
         return out
-    num_columns = dst.shape[-1]
-    grid = (triton.cdiv(num_columns, _BLOCK_T), num_heads)
+    # Words of 4 columns: the width and lead are multiples of 16, so the rows and the keys' start are word-aligned.
+    words = out.view(torch.int32)[..., lead // 4 :]
+    grid = (words.shape[-1] // _BLOCK_W, num_heads)
     args = (
-        src, dst, cu_seqlens, num_tokens, num_columns, num_seqs, num_seqs.bit_length(), src.stride(0),
-        src.stride(1), dst.stride(0), dst.stride(1),
+        src, words, cu_seqlens, num_tokens, num_seqs, num_seqs.bit_length(), src.stride(0),
+        src.stride(1), words.stride(0), words.stride(1),
     )  # fmt: skip
     # Triton specialises the strides and the pointers' alignment: they name the compiled variant.
-    key = (v.device.index, args[7:], tuple(t.data_ptr() % 16 == 0 for t in (src, dst, cu_seqlens)), dim)
+    key = (v.device.index, args[6:], tuple(t.data_ptr() % 16 == 0 for t in (src, words, cu_seqlens)), dim)
     with on_device(v.device):
-        constexprs = dict(D=dim, BLOCK_T=_BLOCK_T, ALIGN=KEY_ALIGNMENT)
+        constexprs = dict(D=dim, BLOCK_W=_BLOCK_W, ALIGN=KEY_ALIGNMENT)
         _LAUNCHER(key, v.device, grid, args, constexprs, leading=3, num_warps=4)
     return out
