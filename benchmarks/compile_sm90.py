@@ -7,7 +7,8 @@ arguments, constexprs and options that ``attention_triton`` would launch it with
 for a ``gluon`` configuration, over CPU stand-ins with the GPU tensors' shapes, strides and alignment).
 By default it compiles what the SM90 tables launch for ``--dims``: each entry for the path its key names
 (causal: new tokens; chunk: a context chunk); with ``--dtype float8_e4m3fn``, what fp8 calls launch (the main
-table's entries) and the Gluon kernel's fp8 variant (``SM90_GLUON_FP8_ATTENTION``). For each
+table's entries), the Gluon kernel's fp8 variant (``SM90_GLUON_FP8_ATTENTION``) and the copy that transposes its
+values, whose stores must be vectors (scalar stores are a failure). For each
 variant it prints whether it compiled, the
 registers per thread and spilled bytes (from ``ptxas -v``), the shared memory per program, the global
 scratch bytes per program (where the kernel builds TMA descriptors on the device, ``(device)`` in the
@@ -183,6 +184,45 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool, dtype_name: st
     return variant
 
 
+def compile_copy() -> tuple[dict[str, int], str | None]:
+    """The fp8 values' transposed copy (:func:`mla_ops.kernels.transpose.copy_plan`) compiled for sm_90a as the
+    Gluon fp8 launch makes it (from the stand-ins' ``v``, a block of lead columns): its global stores by width
+    (e.g. ``{"v4.b32": 8}`` per thread), and why it is unfit or ``None``: scalar stores mean the compiler could not
+    vectorise them (single bytes made the copy 11 times slower than a plain copy of ``v``)."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    from mla_ops.kernels import transpose
+    from mla_ops.kernels.triton_compat import COMPILE_OPTIONS
+
+    try:
+        call, _, _, _ = _stand_ins(192, 128, False, "float8_e4m3fn")
+        lead = 128
+        width = transpose.transposed_width(call.k.shape[0], call.cu_seqlens_k.shape[0] - 1, lead)
+        out = torch.empty(HEADS, call.v.shape[-1], width, dtype=call.v.dtype)
+        plan = transpose.copy_plan(call.v, call.cu_seqlens_k, out, lead)
+        kernel = transpose._transpose_kernel
+        launch_options = {**plan.options, **COMPILE_OPTIONS}
+        target = GPUTarget("cuda", CAPABILITY, 32)
+        binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(target))
+        bound, specialization, options = binder(*plan.args, **plan.constexprs, **launch_options)
+        options, signature, constexprs, attrs = kernel._pack_args(
+            make_backend(target), dict(launch_options), bound, specialization, options
+        )
+        source = ASTSource(kernel, signature, constexprs, attrs)
+        compiled = triton.compile(source, target=target, options=options.__dict__)
+    except Exception as exc:  # a kernel the compiler rejects is a result to report
+        return {}, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+    stores: dict[str, int] = {}
+    for width in re.findall(r"\bst\.global(?:\.\w+)*?\.((?:v\d\.)?[bu]\d+)", compiled.asm["ptx"]):
+        stores[width] = stores.get(width, 0) + 1
+    scalar = sum(n for w, n in stores.items() if not w.startswith("v"))
+    return stores, f"{scalar} scalar stores per thread" if scalar or not stores else None
+
+
 def table_variants(dqk: int, dv: int, fp8: bool = False) -> list[tuple[str, bool]]:
     """``(configuration, causal)`` of every variant the SM90 tables launch for ``(dqk, dv)``: each entry
     with the path its key names, without repeats. ``fp8``: the fp8 calls' (they launch the main table's entries at
@@ -268,6 +308,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(f"{v.config:<28} {path:<6} FAIL: {v.error}")
         failed += bool(problems)
+    if args.dtype == "float8_e4m3fn" and not args.configs:
+        stores, problem = compile_copy()
+        widths = ", ".join(f"{n} st.global.{w}" for w, n in sorted(stores.items())) or "-"
+        verdict = f"  FAIL: {problem}" if problem else ""
+        print(f"{'transposed values copy':<28} {'':<6} stores per thread: {widths}{verdict}")
+        failed += problem is not None
     allowed = " (spills allowed)" if args.allow_spills else ""
     inputs = "" if args.dtype == "bfloat16" else f", {dtype_label}"
     print(

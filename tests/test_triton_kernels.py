@@ -676,6 +676,9 @@ def test_compile_sm90_compiles_the_tabled_variants_under_the_installed_triton(dt
     inputs = ", fp8 (e4m3)" if dtype == "float8_e4m3fn" else ""
     assert f"sm_90a{inputs}: {len(tabled)} of {len(tabled)} variants compiled" in summary, summary
     assert "0 spill, 0 serialise wgmma; 0 failed" in summary, summary
+    if fp8:  # the values' transposed copy stores 16-byte vectors, not single bytes (which made it 11x a plain copy)
+        copy = next(line for line in proc.stdout.splitlines() if line.startswith("transposed values copy"))
+        assert "st.global.v4" in copy and "FAIL" not in copy, copy
 
 
 def test_program_layout():
@@ -790,13 +793,13 @@ def test_gluon_fp8_launch_arguments_on_host_stand_ins():
     args = dict(zip(names, plan.args))
     assert all(args[n] is t for n, t in zip(["Q", "K", "Out", "Lse", "cu_seqlens_q"], [q, k, out, lse, cu]))
     values = args["V"]
-    # 128 lead columns, 304 for the keys rounded up to 16, 16 per sequence; sequence 1 (keys 100-299) from column
-    # 128 + 112 + 16.
-    assert values.shape == (4, 128, 464) and values.dtype == torch.float8_e4m3fn and values.is_contiguous()
+    # 128 lead columns, then 304 for the keys rounded up to 16 and 16 per sequence, rounded up to the copy's 128
+    # columns per program (384); sequence 1 (keys 100-299) from column 128 + 112 + 16.
+    assert values.shape == (4, 128, 512) and values.dtype == torch.float8_e4m3fn and values.is_contiguous()
     transposed = v.permute(1, 2, 0).view(torch.uint8)
     assert torch.equal(values[..., 128:228].view(torch.uint8), transposed[..., :100])
     assert torch.equal(values[..., 256:456].view(torch.uint8), transposed[..., 100:])
-    assert (args["stride_vt"], args["stride_vh"]) == (464, 128 * 464)  # channel and head strides
+    assert (args["stride_vt"], args["stride_vh"]) == (512, 128 * 512)  # channel and head strides
     assert all(args[n] is d for n, d in zip(["QDescale", "KDescale", "VDescale"], scales[:3]))
     assert (args["stride_qd"], args["stride_kd"], args["stride_vd"]) == (1, 1, 0)
     assert (args["num_tokens_q"], args["q_cols"], args["k_rows"], args["k_cols"]) == (300, 4 * 192, 300, 4 * 192)

@@ -18,10 +18,10 @@ import triton
 import triton.language as tl
 
 from ..runtime.capture import on_device
-from .launch import CachedLaunch
+from .launch import CachedLaunch, LaunchPlan
 from .launch import interpreting as _interpreting
 
-__all__ = ["KEY_ALIGNMENT", "sequence_column", "transposed_values", "transposed_width"]
+__all__ = ["KEY_ALIGNMENT", "copy_plan", "sequence_column", "transposed_values", "transposed_width"]
 
 #: Keys (bytes, one e4m3 value each) that a TMA load's start in the contiguous dimension, and a descriptor's row
 #: stride, must be a multiple of.
@@ -119,15 +119,28 @@ def transposed_values(v: torch.Tensor, cu_seqlens: torch.Tensor, lead: int = 0) 
     out = torch.empty((num_heads, dim, transposed_width(num_tokens, num_seqs, lead)), dtype=v.dtype, device=v.device)
     if num_tokens == 0 or num_heads == 0 or num_seqs <= 0:
         return out
-    # Bytes either way: the copy moves them unchanged, and the interpreter's numpy has no e4m3.
-    src, dst = v.view(torch.uint8), out.view(torch.uint8)[..., lead:]
     if not (v.is_cuda or _interpreting()):
+        # Bytes either way: the copy moves them unchanged, and the interpreter's numpy has no e4m3.
+        src, dst = v.view(torch.uint8), out.view(torch.uint8)[..., lead:]
         offsets = cu_seqlens.tolist()
         for b in range(num_seqs):
             first, end = offsets[b], min(offsets[b + 1], num_tokens)
             column = sequence_column(first, b)
             dst[..., column : column + end - first].copy_(src[first:end].permute(1, 2, 0))
         return out
+    plan = copy_plan(v, cu_seqlens, out, lead)
+    with on_device(v.device):
+        _LAUNCHER.launch(plan, v.device)
+    return out
+
+
+def copy_plan(v: torch.Tensor, cu_seqlens: torch.Tensor, out: torch.Tensor, lead: int) -> LaunchPlan:
+    """The copy kernel's launch into ``out`` (:func:`transposed_values`'s, of :func:`transposed_width` columns) as a
+    :class:`~mla_ops.kernels.launch.LaunchPlan`; the tensors may be CPU stand-ins with the GPU ones' shapes, strides
+    and alignment (``benchmarks/compile_sm90.py`` compiles it for sm_90a from them)."""
+    num_tokens, num_heads, dim = v.shape
+    num_seqs = cu_seqlens.shape[0] - 1
+    src = v.view(torch.uint8)  # bytes: the copy moves them unchanged, and the interpreter's numpy has no e4m3
     # Words of 4 columns: the width and lead are multiples of 16, so the rows and the keys' start are word-aligned.
     words = out.view(torch.int32)[..., lead // 4 :]
     grid = (words.shape[-1] // _BLOCK_W, num_heads)
@@ -137,7 +150,5 @@ def transposed_values(v: torch.Tensor, cu_seqlens: torch.Tensor, lead: int = 0) 
     )  # fmt: skip
     # Triton specialises the strides and the pointers' alignment: they name the compiled variant.
     key = (v.device.index, args[6:], tuple(t.data_ptr() % 16 == 0 for t in (src, words, cu_seqlens)), dim)
-    with on_device(v.device):
-        constexprs = dict(D=dim, BLOCK_W=_BLOCK_W, ALIGN=KEY_ALIGNMENT)
-        _LAUNCHER(key, v.device, grid, args, constexprs, leading=3, num_warps=4)
-    return out
+    constexprs = dict(D=dim, BLOCK_W=_BLOCK_W, ALIGN=KEY_ALIGNMENT)
+    return LaunchPlan(key, grid, args, constexprs, dict(num_warps=4), 3)
