@@ -348,28 +348,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     if warmed:
         env["warmup_s"] = warmed
 
+    # What --append merges into, read before the first checkpoint below replaces the files.
+    previous_rows: list[dict[str, Any]] = []
+    previous_csv, previous_env = out_dir / f"{R.PREFILL_STEM}.csv", out_dir / f"{R.PREFILL_STEM}.env.json"
+    if args.append and previous_csv.is_file():
+        previous_rows = R.load_prefill_rows(previous_csv)
+        if previous_env.is_file():
+            old = json.loads(previous_env.read_text())
+            env["appended_to"] = [*old.get("appended_to", []), f"{old.get('date')}: {old.get('command')}"]
+    all_ids = [s.id for s in all_shapes]
+
+    def merged(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return R.merge_rows(previous_rows, rows, all_ids) if previous_rows else rows
+
     progress = R.Progress(count, "bench_prefill", enabled=not args.no_progress)
+    progress.write(
+        f"each shape's rows go to {previous_csv} as it completes; if the run stops early, "
+        f"`--from-csv {previous_csv}` renders the report of what it measured\n"
+    )
     clocks = R.ClockLog(device)
     measure_start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for method in methods:
         if isinstance(method, M.FlashInferMerge):
             method.log = progress.write
-    for shape in shapes:
+    for done, shape in enumerate(shapes, 1):
         rows += run_shape(shape, methods, args, device, dtype, progress)
         clocks.read()
+        # A checkpoint: a run cut short (a time limit, Ctrl-C) keeps every shape it finished.
+        env["shapes_measured"] = f"{done} of {len(shapes)}"
+        R.write_checkpoint(merged(rows), env, out_dir)
     progress.close()
     if clocks.summary():
         env["sm_clock_after_each_shape_mhz"] = clocks.summary()
     env["measure_s"] = round(time.perf_counter() - measure_start, 1)
     env["elapsed_s"] = round(time.perf_counter() - started, 1)
-    previous_csv = out_dir / f"{R.PREFILL_STEM}.csv"
-    if args.append and previous_csv.is_file():
-        rows = R.merge_rows(R.load_prefill_rows(previous_csv), rows, [s.id for s in all_shapes])
-        previous = out_dir / f"{R.PREFILL_STEM}.env.json"
-        if previous.is_file():
-            old = json.loads(previous.read_text())
-            env["appended_to"] = [*old.get("appended_to", []), f"{old.get('date')}: {old.get('command')}"]
+    rows = merged(rows)
 
     notes = R.write_prefill_outputs(rows, env, out_dir)
     summary = R.overhead_summary(rows)

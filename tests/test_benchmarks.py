@@ -309,6 +309,30 @@ def test_append_merges_runs_of_different_shapes(tmp_path):
     assert env["command"].endswith("--append")
 
 
+def test_a_run_cut_short_keeps_the_shapes_it_finished(tmp_path, monkeypatch):
+    """Each shape's rows are written as it completes, so a run stopped by a time limit or Ctrl-C keeps them, and
+    --from-csv renders their report."""
+    real, calls = BP.run_shape, []
+
+    def stop_at_the_second_shape(shape, *args):
+        calls.append(shape.id)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(shape, *args)
+
+    monkeypatch.setattr(BP, "run_shape", stop_at_the_second_shape)
+    argv = ["--device", "cpu", "--out", str(tmp_path), "--rep-ms", "1", "--no-progress", "--ratio-rounds", "1"]
+    with pytest.raises(KeyboardInterrupt):
+        _main(BP, [*argv, "--shapes", "causal-h2-4x32", "merge-h2-*"])
+    rows = _read_rows(tmp_path / "prefill.csv")
+    assert {r["shape"] for r in rows} == {"causal-h2-4x32"} and {r["status"] for r in rows} == {"ok"}
+    env = json.loads((tmp_path / "prefill.env.json").read_text())
+    assert env["shapes_measured"] == "1 of 2" and "measure_s" not in env
+    assert not (tmp_path / "prefill.md").exists()
+    printed = _main(BP, ["--from-csv", str(tmp_path / "prefill.csv")])
+    assert "wrote" in printed and "causal-h2-4x32" in (tmp_path / "prefill.md").read_text()
+
+
 def test_bad_arguments_give_clear_errors():
     with pytest.raises(SystemExit, match="unknown backend"):
         _main(BP, ["--device", "cpu", "--backends", "NOPE", "--list"])

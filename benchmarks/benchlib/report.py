@@ -721,6 +721,14 @@ def write_prefill_outputs(rows: list[dict[str, Any]], env: dict[str, Any], out_d
     return write_prefill_report(load_prefill_rows(out_dir / f"{PREFILL_STEM}.csv"), env, out_dir)
 
 
+def write_checkpoint(rows: list[dict[str, Any]], env: dict[str, Any], out_dir: Path) -> None:
+    """Write prefill.csv and prefill.env.json of the rows so far (no report: rendering one per shape would cost
+    more than writing the rows); ``--from-csv`` renders prefill.md and prefill.png from them."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_csv(out_dir / f"{PREFILL_STEM}.csv", PREFILL_FIELDS, rows)
+    write_json(out_dir / f"{PREFILL_STEM}.env.json", env)
+
+
 def write_prefill_report(rows: list[dict[str, Any]], env: dict[str, Any], out_dir: Path) -> list[str]:
     """Write prefill.md and prefill.png from rows; returns notes."""
     out_dir.mkdir(parents=True, exist_ok=True)
