@@ -169,6 +169,14 @@ def test_cpu_run_writes_csv(prefill_run):
     auto = [r for r in rows if r["method"] == "auto"]
     assert len(auto) == len(ops) and all(r["kind"] == "op" and r["status"] == "ok" for r in auto)
     assert all(r["best_op"] == "REFERENCE" and float(r["ratio_auto_best"]) > 0 for r in auto)
+    assert all(float(r["ratio_auto_best_pace"]) > 0 for r in auto)
+    # Each timed call's pace: its time, or its host issue time where that is larger (measured for calls under
+    # HOST_PACE_MAX_MS, which these tiny shapes mostly are).
+    for r in rows:
+        time_ms, pace_ms = float(r["time_ms"]), float(r["pace_ms"])
+        host_ms = float(r["host_ms"]) if r["host_ms"] else None
+        assert pace_ms == (time_ms if host_ms is None else max(time_ms, host_ms)), r
+        assert host_ms is not None or time_ms >= M.HOST_PACE_MAX_MS, r
     # Each op is measured against its own raw call in alternating rounds; the spread brackets the median.
     for r in ops:
         assert r["raw_method"] == "reference_raw"

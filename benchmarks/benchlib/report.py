@@ -606,6 +606,8 @@ PREFILL_FIELDS = [
     "implementation",
     "status",
     "time_ms",
+    "host_ms",
+    "pace_ms",
     "tflops",
     "gbps",
     "rel_err",
@@ -618,6 +620,7 @@ PREFILL_FIELDS = [
     "ratio_best",
     "best_op",
     "ratio_auto_best",
+    "ratio_auto_best_pace",
     "ratio_best_bf16",
     "note",
 ]
@@ -658,16 +661,21 @@ def add_best_baseline(rows: list[dict[str, Any]]) -> None:
 def add_auto_ratio(rows: list[dict[str, Any]], auto: str = "auto") -> None:
     """Fill ``best_op`` (the fastest correct op with a backend forced) and ``ratio_auto_best`` (the automatic
     choice's throughput / that op's; 1 where the automatic choice is the fastest) in the ``auto`` row of one
-    shape's rows, in place."""
-    times = {r["method"]: r["time_ms"] for r in rows if r["status"] == "ok" and r.get("time_ms")}
-    forced = {r["method"]: times[r["method"]] for r in rows if r["kind"] == "op" and r["method"] in times}
+    shape's rows, in place; and ``ratio_auto_best_pace``, the same by ``pace_ms`` (the larger of a call's time and
+    its host issue time: the pace of a stream of such calls) where every op has one."""
+    ok = [r for r in rows if r["status"] == "ok" and r.get("time_ms") and r["kind"] == "op"]
+    forced = {r["method"]: r["time_ms"] for r in ok}
     auto_time = forced.pop(auto, None)
     if not forced or auto_time is None:
         return
     best = min(forced, key=forced.get)
+    paces = {r["method"]: r.get("pace_ms") for r in ok}
+    auto_pace = paces.pop(auto)
     for r in rows:
         if r["method"] == auto:
             r["best_op"], r["ratio_auto_best"] = best, forced[best] / auto_time
+            if auto_pace and all(paces.values()):
+                r["ratio_auto_best_pace"] = min(paces.values()) / auto_pace
 
 
 def add_fp8_ratio(rows: list[dict[str, Any]]) -> None:
@@ -778,6 +786,8 @@ def render_prefill_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> 
             columns.append((f"{m} / best raw", m, "ratio_best"))
             if any(cell.get((s, m), {}).get("ratio_auto_best") is not None for s in shapes):
                 columns.append((f"{m} / best op", m, "ratio_auto_best"))
+            if any(cell.get((s, m), {}).get("ratio_auto_best_pace") is not None for s in shapes):
+                columns.append((f"{m} / best op, pace", m, "ratio_auto_best_pace"))
             if any(cell.get((s, m), {}).get("ratio_best_bf16") is not None for s in shapes):
                 columns.append((f"{m} / best bf16 op", m, "ratio_best_bf16"))
         if columns:
