@@ -65,6 +65,19 @@ def test_info_shows_every_setting() -> None:
     )
 
 
+def test_info_names_every_library_a_backend_runs() -> None:
+    """The version list names each library behind a backend, FlashAttention-4 (which FLASH_ATTN prefers) included,
+    as the cost tables record them (cost_table.BACKEND_LIBRARIES)."""
+    from mla_ops import cost_table
+    from mla_ops.cli import info
+
+    versions = info.library_versions()
+    shown = set(info._LIBRARIES.values())
+    for dists in cost_table.BACKEND_LIBRARIES.values():
+        assert set(dists) <= shown, dists
+    assert "flash_attn.cute (FA4)" in versions and "flash_attn_interface (FA3)" in versions
+
+
 def test_info_validates_every_setting() -> None:
     result = _run("info", env={variable: value for variable, (value, _) in SETTINGS.items()})
     assert result.returncode == 2 and "Traceback" not in result.stderr

@@ -39,6 +39,7 @@ _LIBRARIES = {
     "flashinfer": "flashinfer-python",
     "flash_attn": "flash-attn",
     "flash_attn_interface (FA3)": "flash-attn-3",
+    "flash_attn.cute (FA4)": "flash-attn-4",
 }
 
 
