@@ -816,6 +816,27 @@ def test_serving_batches_keep_shapes_and_change_lengths():
 # --- methods --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("suite", ["causal", "chunk"])
+def test_a_sampled_check_compares_each_sequences_first_and_last_rows(monkeypatch, suite):
+    """Past SAMPLED_CHECK_ROWS query rows the reference covers the first and last SAMPLE_EDGE_ROWS rows of each
+    sequence, each over the keys it sees in the whole sequence; check_and_time compares those rows."""
+    monkeypatch.setattr(M, "SAMPLE_EDGE_ROWS", 4)
+    k_lens = (30, 5, 12) if suite == "chunk" else ()
+    p = P.make_problem(P.Shape(suite, 2, (16, 3, 9), k_lens), CPU, torch.bfloat16, seed=0)
+    full_out, full_lse = M.reference_outputs(p, sample=False)
+    out, lse, rows = M.reference_outputs(p, sample=True)
+    assert rows.tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 24, 25, 26, 27]  # not 23
+    torch.testing.assert_close(out, full_out[rows], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, full_lse[:, rows], rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(M, "SAMPLED_CHECK_ROWS", 10)
+    sampled = M.reference_outputs(p)
+    assert len(sampled) == 3 and torch.equal(sampled[2], rows)
+    # check_and_time compares the sampled rows: right where the op is right, WRONG where a sampled row is off.
+    assert M.check_and_time(M.ReferenceRaw(), p, sampled, timed=False).status == "ok"
+    p.v[p.k_lens[0] + p.k_lens[1] :] += 1.0  # the last sequence's values: its rows, sampled, change
+    assert M.check_and_time(M.ReferenceRaw(), p, sampled, timed=False).status == "WRONG"
+
+
 def test_compare_flags_wrong_masks_and_lse_conventions():
     from mla_ops.backends.reference import attention_reference
 
