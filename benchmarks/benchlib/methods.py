@@ -784,8 +784,8 @@ class TorchEagerMerge(Method):
 
 
 #: A shape of more query rows than this is checked on a sample of them (:func:`reference_outputs`): the reference
-#: materialises a few query rows' fp32 scores over every key at a time, so one 131072-token sequence at H=128 takes
-#: it minutes, and every one of its rows.
+#: materialises a few query rows' fp32 scores over every key at a time (4 rows over the keys of one 131072-token
+#: sequence at H=128), step after step for every row.
 SAMPLED_CHECK_ROWS = 16384
 #: Query rows at the start and at the end of each sequence that a sampled check compares: the first see the fewest
 #: keys (causal), the last the most.
