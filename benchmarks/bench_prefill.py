@@ -394,6 +394,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "op overhead (raw call time / op time, median over rounds of neighbouring-sample ratios; target >= 0.97):\n"
             + summary.replace("**", "")
         )
+    summary = R.auto_summary(rows)
+    if summary:
+        print("auto against the fastest forced op:\n" + summary)
     crossover = R.fp8_crossover(rows)
     if crossover:
         print("fp8 against the best bf16 op (causal sweep):\n" + crossover.replace("**", ""))

@@ -208,6 +208,9 @@ def test_cpu_run_writes_markdown_and_env(prefill_run):
     assert "REFERENCE / reference_raw" in md
     assert "REFERENCE fp8+quant / best bf16 op" in md
     assert "## FP8 against the best bf16 op" in md and "- **REFERENCE fp8**, H=2: " in md
+    # auto against the fastest forced op, summarised by time and by pace (test_auto_summary has the lines' rules).
+    assert "## Automatic choice" in md and "auto against the fastest forced op:\n- by time, " in printed
+    assert "- by pace, " in md and "- by pace, " in printed
     assert "fp8 against the best bf16 op (causal sweep):\n- REFERENCE fp8, H=2: " in printed
     for skipped in ("flashinfer_raw", "fa4_raw", "fa2_varlen_raw"):
         assert f"not measured: {skipped}: " in printed and "CUDA devices only" in env["not_measured"][skipped]
@@ -294,6 +297,31 @@ def test_runs_without_tqdm_and_matplotlib(tmp_path, monkeypatch):
     assert "matplotlib is not installed" in printed
     assert not (tmp_path / "prefill.png").exists()
     assert (tmp_path / "prefill.csv").exists() and "No plot:" in (tmp_path / "prefill.md").read_text()
+
+
+def test_auto_summary():
+    """auto / the fastest forced op by time and by pace: host-bound shapes (fastest forced op under 0.2 ms) apart
+    from the others, and all together only where both kinds are present."""
+
+    def shape(name, auto_ms, forced_ms, ratio, pace_ratio):
+        return [
+            {"shape": name, "method": "TRITON", "status": "ok", "time_ms": forced_ms},
+            {"shape": name, "method": "auto", "status": "ok", "time_ms": auto_ms, "best_op": "TRITON",
+             "ratio_auto_best": ratio, "ratio_auto_best_pace": pace_ratio},
+        ]  # fmt: skip
+
+    rows = shape("small", 0.06, 0.05, 0.84, 1.0) + shape("large", 1.0, 0.95, 0.95, 0.95) + shape("mid", 0.3, 0.3, 1, 1)
+    assert R.auto_summary(rows).splitlines() == [
+        "- by time, all shapes: median 0.950, minimum 0.840 (small), 3 shapes",
+        "- by time, best op >= 0.2 ms: median 0.975, minimum 0.950 (large), 2 shapes",
+        "- by time, best op < 0.2 ms: median 0.840, minimum 0.840 (small), 1 shape",
+        "- by pace, all shapes: median 1.000, minimum 0.950 (large), 3 shapes",
+        "- by pace, best op >= 0.2 ms: median 0.975, minimum 0.950 (large), 2 shapes",
+        "- by pace, best op < 0.2 ms: median 1.000, minimum 1.000 (small), 1 shape",
+    ]
+    only_large = shape("large", 1.0, 0.95, 0.95, None)
+    assert R.auto_summary(only_large) == "- by time, best op >= 0.2 ms: median 0.950, minimum 0.950 (large), 1 shape"
+    assert R.auto_summary(shape("x", 1.0, 1.0, None, None)) == ""
 
 
 def test_append_merges_runs_of_different_shapes(tmp_path):

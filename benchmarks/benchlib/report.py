@@ -763,6 +763,10 @@ def render_prefill_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> 
     summary = overhead_summary(rows)
     if summary:
         parts += ["## Op overhead (op throughput / its own raw call's; target >= 0.97)", "", summary, ""]
+    summary = auto_summary(rows)
+    if summary:
+        parts += ["## Automatic choice (auto / the fastest forced op; pace: the larger of time and host time)", ""]
+        parts += [summary, ""]
     for suite in ("causal", "chunk", "merge"):
         srows = [r for r in rows if r["suite"] == suite]
         if not srows:
@@ -821,6 +825,37 @@ def _speed_cell(r: dict[str, Any] | None, metric: str) -> str:
     if r["status"] == "WRONG":
         return f"WRONG ({fmt_rate(r.get(metric))})"
     return r["status"]
+
+
+#: A shape whose fastest forced op takes less than this (ms) is host-bound: its calls' pace is set by the host.
+HOST_BOUND_MS = 0.2
+
+
+def auto_summary(rows: list[dict[str, Any]]) -> str:
+    """The automatic choice against the fastest forced op over the shapes, by time and by pace: median, minimum
+    and the shape of the minimum, apart for the shapes whose fastest forced op takes at least
+    :data:`HOST_BOUND_MS` and for the faster, host-bound ones; empty without ``auto`` rows."""
+    times = {(r["shape"], r["method"]): r.get("time_ms") for r in rows if r["status"] == "ok"}
+    lines = []
+    for key, label in (("ratio_auto_best", "time"), ("ratio_auto_best_pace", "pace")):
+        autos = [r for r in rows if r["method"] == "auto" and r.get(key) is not None]
+        groups = {"all shapes": [], f"best op >= {HOST_BOUND_MS} ms": [], f"best op < {HOST_BOUND_MS} ms": []}
+        for r in autos:
+            best = times.get((r["shape"], r["best_op"]))
+            groups["all shapes"].append(r)
+            if best is not None:
+                groups[f"best op {'>=' if best >= HOST_BOUND_MS else '<'} {HOST_BOUND_MS} ms"].append(r)
+        split = all(groups.values())  # both kinds of shape: "all shapes" adds a line, else it repeats one
+        for name, group in groups.items():
+            if not group or (name == "all shapes" and not split):
+                continue
+            ratios = [r[key] for r in group]
+            low = min(group, key=lambda r: r[key])
+            lines.append(
+                f"- by {label}, {name}: median {statistics.median(ratios):.3f}, minimum {low[key]:.3f} "
+                f"({low['shape']}), {len(group)} shape{'' if len(group) == 1 else 's'}"
+            )
+    return "\n".join(lines)
 
 
 def overhead_summary(rows: list[dict[str, Any]]) -> str:
