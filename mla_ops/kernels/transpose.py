@@ -96,9 +96,10 @@ _LAUNCHER = CachedLaunch(_transpose_kernel)
 def transposed_values(v: torch.Tensor, cu_seqlens: torch.Tensor, lead: int = 0) -> torch.Tensor:
     """``v`` transposed for the fp8 Gluon kernel's ``P @ V``: a new ``[H, Dv, width]`` tensor (contiguous,
     :func:`transposed_width`) whose ``[h, d, lead + sequence_column(cu_seqlens[b], b) + j]`` is
-    ``v[cu_seqlens[b] + j, h, d]`` for each key ``j`` of each sequence ``b``; the other columns (the ``lead`` before
-    the keys, the gaps that align each sequence, the rows past ``cu_seqlens[-1]``) are left unwritten: the kernel's
-    descriptors end at each sequence's last key and its loads start at its first, so it never reads them.
+    ``v[cu_seqlens[b] + j, h, d]`` for each key ``j`` of each sequence ``b``. The other columns hold no key: the
+    ``lead`` before the keys is left unwritten; the gaps that align each sequence and the columns past the last key
+    get 0 from the Triton kernel (its programs store whole rows of words) and are left unwritten by PyTorch's copies.
+    The kernel's descriptors end at each sequence's last key and its loads start at its first, so it never reads them.
 
     Args:
         v: ``[Tk, H, Dv]`` ``float8_e4m3fn`` (or any 1-byte dtype), unit stride in its last dimension, any other
