@@ -116,6 +116,7 @@ def run_shape(
     methods = [m for m in methods if shape.suite in m.suites]
     names = {m.name for m in methods}
     in_ratio = {m.name for m in methods if m.raw in names} | {m.raw for m in methods if m.raw in names}
+    in_ratio |= {m.name for m in methods if m.kind == "op"}  # auto is measured against the fastest forced op
     try:
         problem = P.make_problem(shape, device, dtype, args.seed)
         reference = M.reference_outputs(problem)
@@ -183,6 +184,7 @@ def run_shape(
     R.add_best_baseline(rows)
     R.add_auto_ratio(rows)
     R.add_fp8_ratio(rows)
+    _auto_rounds(rows, checked, args, device, progress)
     checked.clear()
     problem = reference = None
     if device.type == "cuda":  # hand the shape's gigabytes back before the next one allocates
@@ -191,10 +193,38 @@ def run_shape(
     return rows
 
 
+def _auto_rounds(
+    rows: list[dict[str, Any]],
+    checked: dict[str, M.Checked],
+    args: argparse.Namespace,
+    device: torch.device,
+    progress: R.Progress,
+) -> None:
+    """``ratio_auto_best_rounds`` (with its rounds' range) in the ``auto`` row: the fastest forced op's time over
+    auto's from samples taken in turns (:func:`benchlib.methods.auto_ratio`), where the single measurements of the
+    two, minutes apart on a long run, differ by their noise too."""
+    auto = next((r for r in rows if r["method"] == "auto" and r.get("best_op")), None)
+    if auto is None:
+        return
+    progress.step(f"{auto['shape']} auto vs {auto['best_op']}, {args.ratio_rounds} rounds of samples in turns")
+    ours, best = checked.get("auto"), checked.get(auto["best_op"])
+    if ours is None or best is None or ours.prepared is None or best.prepared is None:
+        return
+    ratio = M.auto_ratio(
+        ours.prepared, best.prepared, device, args.ratio_rounds, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms
+    )
+    auto.update(ratio_auto_best_rounds=ratio.median, ratio_auto_best_min=ratio.low, ratio_auto_best_max=ratio.high)
+    progress.write(
+        f"  {auto['shape']:<30} auto / {auto['best_op']}: {ratio.median:.3f} (rounds {ratio.low:.3f}..{ratio.high:.3f})"
+    )
+
+
 def ratio_steps(shape: P.Shape, methods: list[M.Method]) -> int:
-    """How many op/raw ratio measurements a shape gets (one progress step each)."""
+    """How many ratio measurements a shape gets (one progress step each): each op against its raw call, and auto
+    against the fastest forced op."""
     names = {m.name for m in methods if shape.suite in m.suites}
-    return sum(1 for m in methods if shape.suite in m.suites and m.kind == "op" and m.raw in names)
+    raws = sum(1 for m in methods if shape.suite in m.suites and m.kind == "op" and m.raw in names)
+    return raws + ("auto" in names and any(m.kind == "op" and m.name != "auto" for m in methods if m.name in names))
 
 
 def _result_line(row: dict[str, Any]) -> str:

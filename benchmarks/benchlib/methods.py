@@ -964,6 +964,21 @@ def overhead_ratio(
         return timing.interleaved_ratio(raw.fn, op.fn, device, rounds, **timing_kwargs)
 
 
+def auto_ratio(
+    auto: Prepared, forced: Prepared, device: torch.device, rounds: int = timing.DEFAULT_ROUNDS, **timing_kwargs: Any
+) -> timing.RoundsRatio:
+    """The forced op's time / the automatic choice's (above 1: auto is faster), samples taken in turns as in
+    :func:`overhead_ratio`. The forced op enters its context (its backend forced) around each call, so that the
+    automatic choice's calls between them run with none."""
+
+    def forced_call() -> Any:
+        with forced.context():
+            return forced.fn()
+
+    with auto.context():
+        return timing.interleaved_ratio(forced_call, auto.fn, device, rounds, **timing_kwargs)
+
+
 # --- raw calls in an MLA layer ------------------------------------------------------------------------
 
 
