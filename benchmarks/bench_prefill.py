@@ -201,12 +201,12 @@ def _auto_rounds(
     progress: R.Progress,
 ) -> None:
     """``ratio_auto_best_rounds`` (with its rounds' range) in the ``auto`` row: the fastest forced op's time over
-    auto's from samples taken in turns (:func:`benchlib.methods.auto_ratio`), where the single measurements of the
-    two, minutes apart on a long run, differ by their noise too."""
+    auto's, the two measured one after the other in each round (:func:`benchlib.methods.auto_ratio`), where the
+    single measurements of the two, minutes apart on a long run, differ by their noise too."""
     auto = next((r for r in rows if r["method"] == "auto" and r.get("best_op")), None)
     if auto is None:
         return
-    progress.step(f"{auto['shape']} auto vs {auto['best_op']}, {args.ratio_rounds} rounds of samples in turns")
+    progress.step(f"{auto['shape']} auto vs {auto['best_op']}, {args.ratio_rounds} rounds of both in turn")
     ours, best = checked.get("auto"), checked.get(auto["best_op"])
     if ours is None or best is None or ours.prepared is None or best.prepared is None:
         return

@@ -170,7 +170,7 @@ def test_cpu_run_writes_csv(prefill_run):
     assert len(auto) == len(ops) and all(r["kind"] == "op" and r["status"] == "ok" for r in auto)
     assert all(r["best_op"] == "REFERENCE" and float(r["ratio_auto_best"]) > 0 for r in auto)
     assert all(float(r["ratio_auto_best_pace"]) > 0 for r in auto)
-    # ... and against it in samples taken in turns, which a single measurement's noise does not move.
+    # ... and against it in rounds of both measured in turn, which a single measurement's noise moves less.
     for r in auto:
         assert float(r["ratio_auto_best_min"]) <= float(r["ratio_auto_best_rounds"]) <= float(r["ratio_auto_best_max"])
     # Each timed call's pace: its time, or its host issue time where that is larger (measured for calls under

@@ -796,7 +796,7 @@ def render_prefill_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> 
             if any(cell.get((s, m), {}).get("ratio_auto_best_pace") is not None for s in shapes):
                 columns.append((f"{m} / best op, pace", m, "ratio_auto_best_pace"))
             if any(cell.get((s, m), {}).get("ratio_auto_best_rounds") is not None for s in shapes):
-                columns.append((f"{m} / best op, in turns", m, "ratio_auto_best_rounds"))
+                columns.append((f"{m} / best op, rounds", m, "ratio_auto_best_rounds"))
             if any(cell.get((s, m), {}).get("ratio_best_bf16") is not None for s in shapes):
                 columns.append((f"{m} / best bf16 op", m, "ratio_best_bf16"))
         if columns:
@@ -842,9 +842,8 @@ def auto_summary(rows: list[dict[str, Any]]) -> str:
     :data:`HOST_BOUND_MS` and for the faster, host-bound ones; empty without ``auto`` rows."""
     times = {(r["shape"], r["method"]): r.get("time_ms") for r in rows if r["status"] == "ok"}
     lines = []
-    for key, label in (
-        ("ratio_auto_best", "time"), ("ratio_auto_best_pace", "pace"), ("ratio_auto_best_rounds", "samples in turns")
-    ):
+    labels = {"ratio_auto_best": "time", "ratio_auto_best_pace": "pace", "ratio_auto_best_rounds": "rounds in turn"}
+    for key, label in labels.items():
         autos = [r for r in rows if r["method"] == "auto" and r.get(key) is not None]
         groups = {"all shapes": [], f"best op >= {HOST_BOUND_MS} ms": [], f"best op < {HOST_BOUND_MS} ms": []}
         for r in autos:
