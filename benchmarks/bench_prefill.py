@@ -176,11 +176,7 @@ def run_shape(
         ratio = M.overhead_ratio(
             op.prepared, raw.prepared, device, args.ratio_rounds, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms
         )
-        row.update(ratio_raw=ratio.median, ratio_raw_min=ratio.low, ratio_raw_max=ratio.high)
-        progress.write(
-            f"  {shape.id:<30} {row['method']:<22} {row['raw_method']} / op: {ratio.median:.3f} "
-            f"(rounds {ratio.low:.3f}..{ratio.high:.3f})"
-        )
+        _record_ratio(row, "ratio_raw", ratio, f"{row['method']:<22} {row['raw_method']} / op", progress)
     R.add_best_baseline(rows)
     R.add_auto_ratio(rows)
     R.add_fp8_ratio(rows)
@@ -213,10 +209,17 @@ def _auto_rounds(
     ratio = M.auto_ratio(
         ours.prepared, best.prepared, device, args.ratio_rounds, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms
     )
-    auto.update(ratio_auto_best_rounds=ratio.median, ratio_auto_best_min=ratio.low, ratio_auto_best_max=ratio.high)
-    progress.write(
-        f"  {auto['shape']:<30} auto / {auto['best_op']}: {ratio.median:.3f} (rounds {ratio.low:.3f}..{ratio.high:.3f})"
-    )
+    label = f"auto / {auto['best_op']}"
+    _record_ratio(auto, "ratio_auto_best", ratio, label, progress, median_key="ratio_auto_best_rounds")
+
+
+def _record_ratio(
+    row: dict[str, Any], key: str, ratio: Any, label: str, progress: R.Progress, median_key: str | None = None
+) -> None:
+    """A ratio measured in rounds into ``row`` (``median_key``, default ``key``; ``key_min``, ``key_max``: its
+    rounds' range), and its line."""
+    row.update({median_key or key: ratio.median, f"{key}_min": ratio.low, f"{key}_max": ratio.high})
+    progress.write(f"  {row['shape']:<30} {label}: {ratio.median:.3f} (rounds {ratio.low:.3f}..{ratio.high:.3f})")
 
 
 def ratio_steps(shape: P.Shape, methods: list[M.Method]) -> int:
