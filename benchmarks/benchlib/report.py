@@ -851,17 +851,17 @@ def auto_summary(rows: list[dict[str, Any]]) -> str:
             groups["all shapes"].append(r)
             if best is not None:
                 groups[f"best op {'>=' if best >= HOST_BOUND_MS else '<'} {HOST_BOUND_MS} ms"].append(r)
-        split = all(groups.values())  # both kinds of shape: "all shapes" adds a line, else it repeats one
-        for name, group in groups.items():
-            if not group or (name == "all shapes" and not split):
-                continue
-            ratios = [r[key] for r in group]
-            low = min(group, key=lambda r: r[key])
-            lines.append(
-                f"- by {label}, {name}: median {statistics.median(ratios):.3f}, minimum {low[key]:.3f} "
-                f"({low['shape']}), {len(group)} shape{'' if len(group) == 1 else 's'}"
-            )
+        # Both kinds of shape: "all shapes" adds a line; else it would repeat the one kind's.
+        shown = groups if all(groups.values()) else {name: g for name, g in groups.items() if name != "all shapes"}
+        lines += [_auto_line(f"{label}, {name}", group, key) for name, group in shown.items() if group]
     return "\n".join(lines)
+
+
+def _auto_line(label: str, group: list[dict[str, Any]], key: str) -> str:
+    low = min(group, key=lambda r: r[key])
+    median = statistics.median(r[key] for r in group)
+    count = f"{len(group)} shape{'' if len(group) == 1 else 's'}"
+    return f"- by {label}: median {median:.3f}, minimum {low[key]:.3f} ({low['shape']}), {count}"
 
 
 def overhead_summary(rows: list[dict[str, Any]]) -> str:
