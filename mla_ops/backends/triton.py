@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from ..invariance import STATE
-from ..kernels.configs import table_large_batch_config
+from ..kernels.configs import AttentionConfig, table_large_batch_config
 from ..kernels.triton_compat import gluon_triton_reason
 from ..specs import FP8_DTYPE, SUPPORTED_DTYPES, DeviceCapability, SelectorConfig
 from .base import Fp8Scales, PrefillBackend, VarlenCall, dtype_name
@@ -107,25 +107,14 @@ class TritonBackend(PrefillBackend):
 
             kernel = self._kernel = attention_triton
         if STATE.active and call.q.is_cuda:
-            # One configuration for every batch: the switch to the large-batch kernel depends on the batch's total
-            # key rows, and a sequence's bits on the kernel that computed it.
-            from ..kernels.attention import batch_invariant_config
-
-            q = call.q
-            config = batch_invariant_config(q.device, q.shape[2], call.v.shape[2], call.causal, q.dtype)
-            return kernel(*call, config=config)
+            return kernel(*call, config=_invariant_config(call))
         return kernel(*call)  # attention_triton takes VarlenCall's fields in its order
 
     def attention_fp8(self, call: VarlenCall, scales: Fp8Scales) -> tuple[torch.Tensor, torch.Tensor]:
         from ..kernels.attention import attention_triton
 
-        if STATE.active and call.q.is_cuda:  # one configuration for every batch, as in attention()
-            from ..kernels.attention import batch_invariant_config
-
-            q = call.q
-            config = batch_invariant_config(q.device, q.shape[2], call.v.shape[2], call.causal, q.dtype)
-            return attention_triton(*call, config=config, scales=scales)
-        return attention_triton(*call, scales=scales)
+        config = _invariant_config(call) if STATE.active and call.q.is_cuda else None
+        return attention_triton(*call, config=config, scales=scales)
 
     def warmup(self, device: torch.device, config: SelectorConfig, num_heads: int) -> None:
         """Compile every kernel variant a model with ``config`` and ``num_heads`` heads will launch.
@@ -224,3 +213,12 @@ class TritonBackend(PrefillBackend):
                         attention_triton(q, k, v, cu, cu_keys, 5, max_k, scale, causal, config=explicit, scales=scales)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+
+def _invariant_config(call: VarlenCall) -> AttentionConfig:
+    """The batch-invariant mode's one configuration for ``call``'s device, dims, path and dtype: the switch to the
+    large-batch kernel depends on the batch's total key rows, and a sequence's bits on the kernel that computed it."""
+    from ..kernels.attention import batch_invariant_config
+
+    q = call.q
+    return batch_invariant_config(q.device, q.shape[2], call.v.shape[2], call.causal, q.dtype)

@@ -691,7 +691,7 @@ def sm90_unsupported_reason(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, block_n: int, stages: int
 ) -> str | None:
     """Why :func:`attention_sm90` cannot take these inputs (a phrase for a message), or ``None``. For
-    ``float8_e4m3fn`` inputs: why its fp8 variant cannot (the op's routing does not launch that variant yet:
+    ``float8_e4m3fn`` inputs: why its fp8 variant cannot (which large fp8 calls route to where it can:
     :func:`mla_ops.kernels.attention.gluon_unsupported_reason`)."""
     dqk, dv = q.shape[-1], v.shape[-1]
     d_a, d_b = head_dim_split(dqk)
