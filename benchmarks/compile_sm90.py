@@ -134,10 +134,7 @@ def _ptxas_usage(ptx: str) -> tuple[int, int, str | None]:
 def compile_variant(config: Any, dqk: int, dv: int, causal: bool, dtype_name: str = "bfloat16") -> Variant:
     """Compile ``config`` for sm_90a as ``attention_triton`` would launch it on ``dtype_name`` inputs; never
     raises."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
+    from triton.compiler import ASTSource
 
     variant = Variant(str(config), causal)
     try:
@@ -159,18 +156,8 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool, dtype_name: st
             source = ASTSource
             plan = launch_plan(call, out, lse, config, scales)
         from mla_ops.kernels.launch import native_abi
-        from mla_ops.kernels.triton_compat import COMPILE_OPTIONS  # what CachedLaunch adds to every launch
 
-        launch_options = {**plan.options, **COMPILE_OPTIONS}
-        args, keywords = plan.args, {**plan.constexprs, **launch_options}
-        target = GPUTarget("cuda", CAPABILITY, 32)
-        backend = make_backend(target)
-        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-        bound, specialization, options = binder(*args, **keywords)
-        options, signature, constexprs, attrs = kernel._pack_args(
-            backend, dict(launch_options), bound, specialization, options
-        )
-        compiled = triton.compile(source(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+        compiled = _compile(kernel, plan, source)
         ttgir = compiled.asm["ttgir"]
         variant.registers, variant.spill_bytes, variant.serialized = _ptxas_usage(compiled.asm["ptx"])
         variant.shared_bytes = compiled.metadata.shared
@@ -180,8 +167,35 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool, dtype_name: st
         variant.native = native_abi(compiled)
         variant.tma_ops = len(re.findall(r"async_tma_copy|async_tma_store|tma_store|descriptor_(?:load|store)", ttgir))
     except Exception as exc:  # a variant the compiler rejects is a result to report
-        variant.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        variant.error = _error_text(exc)
     return variant
+
+
+def _compile(kernel: Any, plan: Any, source: Any) -> Any:
+    """``kernel`` compiled for sm_90a (``CAPABILITY``) as a launch of ``plan`` (a
+    :class:`~mla_ops.kernels.launch.LaunchPlan`) would compile it, with the options CachedLaunch adds to every
+    launch; ``source`` is Triton's ``ASTSource`` or Gluon's."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    from mla_ops.kernels.triton_compat import COMPILE_OPTIONS
+
+    launch_options = {**plan.options, **COMPILE_OPTIONS}
+    target = GPUTarget("cuda", CAPABILITY, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*plan.args, **plan.constexprs, **launch_options)
+    options, signature, constexprs, attrs = kernel._pack_args(
+        backend, dict(launch_options), bound, specialization, options
+    )
+    return triton.compile(source(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def _error_text(exc: Exception) -> str:
+    """A compiler error as one line: its type and its message's last line."""
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
 
 
 def compile_copy() -> tuple[dict[str, int], str | None]:
@@ -190,13 +204,9 @@ def compile_copy() -> tuple[dict[str, int], str | None]:
     (e.g. ``{"v4.b32": 8}`` per thread), and why it is unfit or ``None``: scalar stores mean the compiler could not
     vectorise them (single bytes made the copy 11 times slower than a plain copy of ``v``)."""
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
+    from triton.compiler import ASTSource
 
     from mla_ops.kernels import transpose
-    from mla_ops.kernels.triton_compat import COMPILE_OPTIONS
 
     try:
         call, _, _, _ = _stand_ins(192, 128, False, "float8_e4m3fn")
@@ -204,18 +214,9 @@ def compile_copy() -> tuple[dict[str, int], str | None]:
         width = transpose.transposed_width(call.k.shape[0], call.cu_seqlens_k.shape[0] - 1, lead)
         out = torch.empty(HEADS, call.v.shape[-1], width, dtype=call.v.dtype)
         plan = transpose.copy_plan(call.v, call.cu_seqlens_k, out, lead)
-        kernel = transpose._transpose_kernel
-        launch_options = {**plan.options, **COMPILE_OPTIONS}
-        target = GPUTarget("cuda", CAPABILITY, 32)
-        binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(target))
-        bound, specialization, options = binder(*plan.args, **plan.constexprs, **launch_options)
-        options, signature, constexprs, attrs = kernel._pack_args(
-            make_backend(target), dict(launch_options), bound, specialization, options
-        )
-        source = ASTSource(kernel, signature, constexprs, attrs)
-        compiled = triton.compile(source, target=target, options=options.__dict__)
+        compiled = _compile(transpose._transpose_kernel, plan, ASTSource)
     except Exception as exc:  # a kernel the compiler rejects is a result to report
-        return {}, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        return {}, _error_text(exc)
     stores: dict[str, int] = {}
     for width in re.findall(r"\bst\.global(?:\.\w+)*?\.((?:v\d\.)?[bu]\d+)", compiled.asm["ptx"]):
         stores[width] = stores.get(width, 0) + 1
