@@ -968,22 +968,18 @@ def auto_ratio(
     auto: Prepared, forced: Prepared, device: torch.device, rounds: int = timing.DEFAULT_ROUNDS, **timing_kwargs: Any
 ) -> timing.RoundsRatio:
     """The forced op's time / the automatic choice's (above 1: auto is faster): in each of ``rounds`` rounds both are
-    measured (:func:`timing.measure`), one after the other in an order reversed every other round, each inside its
-    own context; the median of the rounds' ratios and their range. Not sample by sample as
+    measured, one after the other in an order reversed every other round (:func:`timing.alternating`), each inside
+    its own context; the median of the rounds' ratios and their range. Not sample by sample as
     :func:`overhead_ratio`: forcing a backend and lifting it clears the routing caches (and re-reads the cost
     tables), which would land in every sample; a measurement's warm-up calls take it here."""
-    ratios, forced_ms, auto_ms = [], [], []
-    for i in range(rounds):
-        times = {}
-        for name, prepared in (("auto", auto), ("forced", forced))[:: 1 if i % 2 == 0 else -1]:
-            with prepared.context():
-                times[name] = timing.measure(prepared.fn, device, **timing_kwargs).median_ms
-        ratios.append(times["forced"] / times["auto"])
-        forced_ms.append(times["forced"])
-        auto_ms.append(times["auto"])
+    series = timing.alternating(
+        {"auto": auto.fn, "forced": forced.fn}, device, rounds, reverse_odd_rounds=True,
+        contexts={"auto": auto.context, "forced": forced.context}, **timing_kwargs,
+    )  # fmt: skip
+    ratios = [f / a for f, a in zip(series["forced"], series["auto"])]
     return timing.RoundsRatio(
         median=statistics.median(ratios), low=min(ratios), high=max(ratios), rounds=rounds,
-        numerator_ms=statistics.median(forced_ms), denominator_ms=statistics.median(auto_ms),
+        numerator_ms=statistics.median(series["forced"]), denominator_ms=statistics.median(series["auto"]),
     )  # fmt: skip
 
 

@@ -252,6 +252,7 @@ def alternating(
     rounds: int = DEFAULT_ROUNDS,
     per_fn: Mapping[str, Mapping[str, Any]] | None = None,
     reverse_odd_rounds: bool = False,
+    contexts: Mapping[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
     **measure_kwargs: Any,
 ) -> dict[str, list[float]]:
     """Each function's median time (ms per call) in each of ``rounds`` rounds; within a round the
@@ -261,18 +262,20 @@ def alternating(
     ``reverse_odd_rounds``: odd rounds take the functions in the reverse order, so that over the rounds
     each function runs as often before as after each other one (a drift of the host within a round then
     favours neither side of a per-round difference).
+    ``contexts[name]``: makes a context manager entered around each of that function's measurements (e.g. a
+    backend forced for it alone), so that entering it costs no sample.
     ``measure_kwargs`` go to :func:`measure` for every function, ``per_fn[name]`` on top for one.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
-    per_fn = per_fn or {}
+    per_fn, contexts = per_fn or {}, contexts or {}
     medians: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
     for round_index in range(rounds):
         order = names[::-1] if reverse_odd_rounds and round_index % 2 else names
         for name in order:
-            fn = fns[name]
-            timing = measure(fn, device, **{**measure_kwargs, **per_fn.get(name, {})})
+            with contexts.get(name, contextlib.nullcontext)():
+                timing = measure(fns[name], device, **{**measure_kwargs, **per_fn.get(name, {})})
             medians[name].append(timing.median_ms)
     return medians
 
