@@ -15,7 +15,15 @@ import math
 import pytest
 import torch
 from sequence_isolation import assert_sequences_close, poison_sequences
-from utils import GraphBuffers, assert_attention_close, cu_seqlens_of, make_batch, make_qkv, record_results
+from utils import (
+    GraphBuffers,
+    assert_attention_close,
+    cu_seqlens_of,
+    gluon_or_skip,
+    make_batch,
+    make_qkv,
+    record_results,
+)
 
 import mla_ops
 from mla_ops.backends.base import VarlenCall
@@ -202,19 +210,10 @@ GLUON_VARIANTS = ["128,128,4,2,gluon,ovl,pers", "128,64,4,3,gluon,ovl,pers"]
 
 
 def _gluon_config(text: str):
-    """The Gluon configuration ``text``; skips off SM90 or without Gluon."""
+    """The Gluon configuration ``text``; skips off SM90 or without Gluon (:func:`utils.gluon_or_skip`)."""
     from mla_ops.kernels.configs import AttentionConfig
 
-    if torch.cuda.get_device_capability(DEVICE) != (9, 0):
-        pytest.skip("the Gluon kernel runs on SM90 (Hopper) GPUs only")
-    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
-    import triton
-
-    from mla_ops.kernels.triton_compat import gluon_triton_reason
-
-    reason = gluon_triton_reason(triton.__version__)
-    if reason is not None:
-        pytest.skip(f"the Gluon kernel: {reason}")
+    gluon_or_skip(DEVICE)
     return AttentionConfig.parse(text, "variant")
 
 
