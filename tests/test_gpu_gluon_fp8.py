@@ -152,3 +152,29 @@ def test_gluon_fp8_replays_in_a_cuda_graph(sm90) -> None:
     want_out, want_lse = _run(sm90, batch, causal)
     rows = sum(lengths)
     assert torch.equal(out[:rows], want_out[:rows]) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
+def test_gluon_fp8_relaunches_its_layout_on_new_tensors(sm90, attention_launches, causal) -> None:
+    """attention_triton routes these fp8 calls to the Gluon kernel; a layout's first launch goes through Triton's
+    dispatch, its second through the compiled variants (copy and kernel), and every later one through the
+    remembered TransposedRelaunch, with only the addresses, a fresh transposed copy and a fresh work counter
+    replaced: each call, on new tensors with new lengths, equals the kernel called directly."""
+    from mla_ops.kernels.attention import attention_triton
+
+    lengths_q = [[700, 3, 0, 3905], [5, 4000, 7, 596], [1, 1, 4605, 1], [2304, 2304, 0, 0]]
+    lengths_k = [[5000, 3, 0, 97], [9, 4000, 2, 1089], [4096, 0, 1, 1003], [0, 5100, 0, 0]]
+    config = configs.SM90_GLUON_FP8_ATTENTION[(192, 128, causal)]
+    for i, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
+        batch = fp8_batch(lq, None if causal else lk, 16, seed=i, device=DEVICE)
+        call, scales = fp8_call(batch, causal, SCALE)
+        # Equal totals and bounds: one layout.
+        call = call._replace(max_seqlen_q=4608, max_seqlen_k=4608 if causal else 5100)
+        if i >= 2:
+            known = list(attention_launches.known.values())
+            assert len(known) == 1 and isinstance(known[0].launch, sm90.TransposedRelaunch), (
+                "the second call's launch is remembered, with its copy"
+            )
+        out, lse = attention_triton(*call, scales=scales)
+        want_out, want_lse = sm90.attention_sm90(call, block_n=config.block_n, stages=config.num_stages, scales=scales)
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse), i

@@ -844,6 +844,52 @@ def test_gluon_relaunch_adds_a_fresh_zeroed_work_counter():
     assert codes == [(0, 1, 2, 3, 4, 5, 6, NATIVE_COUNTER_CODE)] and NATIVE_COUNTER_CODE == 7
 
 
+def test_gluon_fp8_relaunch_copies_the_values_transposed_first():
+    """A remembered fp8 Gluon layout is called with the ten addresses of an fp8 call (the descale factors' after
+    the seven); TransposedRelaunch copies v into a fresh buffer of the layout's shape at the lead column, with the
+    copy's FixedLaunch, then launches the kernel on that buffer with a fresh zeroed counter, the descale factors
+    after it, in the plan's order; no native launch (the C++ launcher makes no copy)."""
+    import ctypes
+
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
+    from mla_ops.kernels.attention_sm90 import SM90_LEADING_FP8, TransposedRelaunch
+    from mla_ops.runtime.alloc import template
+
+    events, buffers = [], []
+
+    class Copy:
+        def __call__(self, leading):
+            events.append(("copy", leading))
+
+    class Fixed:
+        def __call__(self, leading):
+            events.append(("kernel", leading, ctypes.c_int32.from_address(leading[7]).value))
+
+    shape = (4, 128, 1024)
+    values_template = template(shape, torch.float8_e4m3fn, torch.device("cpu"))
+    relaunch = TransposedRelaunch(Fixed(), Copy(), values_template, 128, torch.device("cpu"))
+    real_empty_like = torch.empty_like
+
+    def empty_like(t, *args, **kwargs):
+        made = real_empty_like(t, *args, **kwargs)
+        buffers.append(made)
+        return made
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "empty_like", empty_like)
+        for _ in range(2):
+            relaunch((1, 2, 3, 4, 5, 6, 7, 8, 9, 10))
+    assert len(buffers) == 2 and all(b.shape == shape and b.dtype == torch.float8_e4m3fn for b in buffers)
+    assert all(b.is_contiguous() for b in buffers)
+    for i, values in enumerate(buffers):
+        copy, kernel = events[2 * i], events[2 * i + 1]
+        assert copy == ("copy", (3, values.data_ptr() + 128, 7))  # v, the buffer's lead column, cu_seqlens_k
+        leading = kernel[1]
+        assert len(leading) == SM90_LEADING_FP8 and kernel[2] == 0
+        assert leading[:7] == (1, 2, values.data_ptr(), 4, 5, 6, 7) and leading[8:] == (8, 9, 10)
+    assert relaunch.native_launch(tuple(range(10))) is None
+
+
 @pytest.mark.parametrize("kernel", [True, False], ids=["triton", "torch"])
 @pytest.mark.parametrize(
     "lengths",
@@ -1090,6 +1136,15 @@ def test_cached_launch_skips_the_jit_after_the_first_launch(monkeypatch):
     fixed(("u",))
     assert [c[0] for c in calls[4:]] == ["jit", "direct", "direct"]
     assert calls[-1][2] == (6, 3, 1, "stream0", "function", "metadata", None, None, None, "u", 9, 16, 64, 1)
+    # fixed_launch gives that FixedLaunch without launching, for a variant launched directly before only.
+    plan = launch.LaunchPlan(("variant-a",), (6, 3), ("v", 9, 16), constexprs, {"num_warps": 4}, 1)
+    count = len(calls)
+    assert launcher.fixed_launch(plan, torch.device("cuda", 1)) is None  # not the current device
+    assert launcher.fixed_launch(plan._replace(key=("variant-c",)), cuda0) is None  # never launched
+    unlaunched = launcher.fixed_launch(plan, cuda0)
+    assert len(calls) == count
+    unlaunched(("s",))
+    assert calls[-1][2] == (6, 3, 1, "stream0", "function", "metadata", None, None, None, "s", 9, 16, 64, 1)
     # Triton's hooks are passed, with launch metadata, only when one is installed.
     runtime = _runtime(enter=SimpleNamespace(calls=[]), leave=SimpleNamespace(calls=[]))
     hooks = runtime.knobs.runtime

@@ -45,6 +45,7 @@ from .launch import (
 )
 from .launch import interpreting as _interpreting
 from .programs import program_layout
+from .transpose import copy_relaunch
 from .triton_compat import gluon_triton_reason
 
 if TYPE_CHECKING:
@@ -463,17 +464,25 @@ class AttentionLaunches(LaunchCache):
     ) -> Relaunch | None:
         """Launch the Gluon kernel (:mod:`mla_ops.kernels.attention_sm90`, which must cover the call) with
         ``config``'s tile and stages; returns as :meth:`launch` does, the launch called with the seven addresses as
-        the ``tl.dot`` kernel's is (:class:`~mla_ops.kernels.attention_sm90.CountedRelaunch` adds the work counter).
-        An fp8 call (``scales``) returns ``None``: its values are copied transposed per call, so no launch of the
-        addresses alone can repeat it."""
+        the ``tl.dot`` kernel's is (:class:`~mla_ops.kernels.attention_sm90.CountedRelaunch` adds the work counter),
+        or for an fp8 call (``scales``) with the ten, the descale factors' after them
+        (:class:`~mla_ops.kernels.attention_sm90.TransposedRelaunch` also copies the values transposed first)."""
         module = _sm90_module()
         if self.sm90_launcher is None:
             self.sm90_launcher = CachedLaunch(module._attn_fwd_sm90)
+        device = call.q.device
         plan = module.sm90_launch(call, out, lse, config.block_n, config.num_stages, scales=scales)
-        fixed = self.sm90_launcher.launch(plan, call.q.device)
-        if fixed is None or scales is not None:
+        fixed = self.sm90_launcher.launch(plan, device)
+        if fixed is None:
             return None
-        return module.CountedRelaunch(fixed, call.q.device)
+        if scales is None:
+            return module.CountedRelaunch(fixed, device)
+        values = plan.args[2]  # the transposed copy the kernel read, of this layout's shape
+        copy = copy_relaunch(call.v, call.cu_seqlens_k, values, config.block_n)
+        values_template = template(values.shape, values.dtype, device)
+        if copy is None or values_template is None:
+            return None
+        return module.TransposedRelaunch(fixed, copy, values_template, config.block_n, device)
 
 
 #: This process's launch state of :func:`attention_triton`.

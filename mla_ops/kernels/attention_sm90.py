@@ -35,6 +35,7 @@ __all__ = [
     "SM90_LEADING",
     "SM90_LEADING_FP8",
     "CountedRelaunch",
+    "TransposedRelaunch",
     "attention_sm90",
     "sm90_launch",
     "sm90_shared_memory",
@@ -835,6 +836,39 @@ class CountedRelaunch:
 
     def native_launch(self, leading_codes: tuple[int, ...]) -> NativeLaunch | None:
         return self.fixed.native_launch((*leading_codes, NATIVE_COUNTER_CODE))
+
+
+class TransposedRelaunch:
+    """A layout's :class:`~mla_ops.kernels.launch.FixedLaunch` of the fp8 variant, relaunched with the ten addresses
+    of an fp8 call of the ``tl.dot`` kernel's form (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k and the three
+    descale factors; a :class:`~mla_ops.kernels.launch.Relaunch`): it first copies ``v`` transposed into a fresh
+    buffer of the layout's shape with the copy's own ``FixedLaunch``
+    (:func:`mla_ops.kernels.transpose.copy_relaunch`), then launches the kernel on that buffer with a fresh zeroed
+    work counter, as :func:`sm90_launch` does. Not in C++ (:meth:`native_launch` is ``None``): the native launcher
+    makes no copy."""
+
+    __slots__ = ("copy", "device", "fixed", "lead", "values_template")
+
+    def __init__(
+        self, fixed: FixedLaunch, copy: FixedLaunch, values_template: torch.Tensor, lead: int, device: torch.device
+    ) -> None:
+        self.fixed = fixed
+        self.copy = copy
+        self.values_template = values_template
+        self.lead = lead  # bytes (one e4m3 value each) before the first key's column of each row
+        self.device = device
+
+    def __call__(self, leading: tuple) -> None:
+        p_q, p_k, p_v, p_out, p_lse, p_cu_q, p_cu_k, p_dq, p_dk, p_dv = leading
+        # Both are held until the launches are queued on the stream, which orders the copy before the kernel.
+        values = torch.empty_like(self.values_template)
+        counter = torch.zeros(1, dtype=torch.int32, device=self.device)
+        p_values = values.data_ptr()
+        self.copy((p_v, p_values + self.lead, p_cu_k))
+        self.fixed((p_q, p_k, p_values, p_out, p_lse, p_cu_q, p_cu_k, counter.data_ptr(), p_dq, p_dk, p_dv))
+
+    def native_launch(self, leading_codes: tuple[int, ...]) -> NativeLaunch | None:
+        return None
 
 
 def attention_sm90(

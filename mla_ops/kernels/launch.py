@@ -505,6 +505,17 @@ class CachedLaunch:
         """:meth:`__call__` with a :class:`LaunchPlan`'s parts."""
         return self(plan.key, device, plan.grid, plan.args, plan.constexprs, leading=plan.leading, **plan.options)
 
+    def fixed_launch(self, plan: LaunchPlan, device: torch.device) -> FixedLaunch | None:
+        """The :class:`FixedLaunch` that :meth:`launch` would return for ``plan``, without launching: ``None``
+        where its variant has not been launched directly on ``device`` (the current device) before."""
+        if not (self.enabled and device.type == "cuda" and device.index == current_cuda_device()):
+            return None
+        compiled = self.compiled.get(plan.key)
+        if compiled is None:
+            return None
+        tail = (*plan.args[plan.leading :], *(plan.constexprs[name] for name in self.constexpr_names))
+        return FixedLaunch(compiled, device.index, plan.grid, tail, self.runtime)
+
 
 def pointer_alignment(*tensors: torch.Tensor | None) -> tuple[bool, ...]:
     """Whether each tensor's data starts on 16 bytes: the alignment Triton specialises pointers on."""

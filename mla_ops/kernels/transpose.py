@@ -18,10 +18,10 @@ import triton
 import triton.language as tl
 
 from ..runtime.capture import on_device
-from .launch import CachedLaunch, LaunchPlan
+from .launch import CachedLaunch, FixedLaunch, LaunchPlan
 from .launch import interpreting as _interpreting
 
-__all__ = ["KEY_ALIGNMENT", "copy_plan", "sequence_column", "transposed_values", "transposed_width"]
+__all__ = ["KEY_ALIGNMENT", "copy_plan", "copy_relaunch", "sequence_column", "transposed_values", "transposed_width"]
 
 #: Keys (bytes, one e4m3 value each) that a TMA load's start in the contiguous dimension, and a descriptor's row
 #: stride, must be a multiple of.
@@ -153,3 +153,11 @@ def copy_plan(v: torch.Tensor, cu_seqlens: torch.Tensor, out: torch.Tensor, lead
     key = (v.device.index, args[6:], tuple(t.data_ptr() % 16 == 0 for t in (src, words, cu_seqlens)), dim)
     constexprs = dict(D=dim, BLOCK_W=_BLOCK_W, ALIGN=KEY_ALIGNMENT)
     return LaunchPlan(key, grid, args, constexprs, dict(num_warps=4), 3)
+
+
+def copy_relaunch(v: torch.Tensor, cu_seqlens: torch.Tensor, out: torch.Tensor, lead: int) -> FixedLaunch | None:
+    """The copy of :func:`transposed_values` into ``out`` as a :class:`~mla_ops.kernels.launch.FixedLaunch` whose
+    three leading arguments are the addresses of ``v``, of ``out``'s column ``lead`` and of ``cu_seqlens``: it copies
+    another ``v`` of the same shape, strides and alignment into another ``out`` alike. ``None`` where that variant
+    has not been launched on ``v``'s device (the current one) yet."""
+    return _LAUNCHER.fixed_launch(copy_plan(v, cu_seqlens, out, lead), v.device)
