@@ -496,8 +496,7 @@ class CachedLaunch:
             if direct and launched is not None:
                 self.compiled[key] = launched
             return None
-        tail = (*args[leading:], *(constexprs[name] for name in self.constexpr_names))
-        fixed = FixedLaunch(compiled, device.index, grid, tail, self.runtime)
+        fixed = self._fixed(compiled, device, grid, args, constexprs, leading)
         fixed(args[:leading])
         return fixed
 
@@ -513,8 +512,13 @@ class CachedLaunch:
         compiled = self.compiled.get(plan.key)
         if compiled is None:
             return None
-        tail = (*plan.args[plan.leading :], *(plan.constexprs[name] for name in self.constexpr_names))
-        return FixedLaunch(compiled, device.index, plan.grid, tail, self.runtime)
+        return self._fixed(compiled, device, plan.grid, plan.args, plan.constexprs, plan.leading)
+
+    def _fixed(
+        self, compiled: Any, device: torch.device, grid: tuple[int, ...], args: tuple, constexprs: dict, leading: int
+    ) -> FixedLaunch:
+        tail = (*args[leading:], *(constexprs[name] for name in self.constexpr_names))
+        return FixedLaunch(compiled, device.index, grid, tail, self.runtime)
 
 
 def pointer_alignment(*tensors: torch.Tensor | None) -> tuple[bool, ...]:
