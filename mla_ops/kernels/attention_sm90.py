@@ -104,7 +104,9 @@ def _sequence_of_slot(cu_seqlens_q, num_seqs, slot, WARPS: gl.constexpr):
 def _put_item(item_smem, w, seq_smem, b):
     """Write work item ``w`` (and, where :data:`_LEAN`, its sequence ``b`` into ``seq_smem``) where the
     consumers read it (:func:`_get_item`), visible to them once the
-    producer next arrives on the Q barrier (an mbarrier arrive releases the warp's earlier writes)."""
+    producer next arrives on the Q barrier (an mbarrier arrive releases the warp's earlier writes). compute-sanitizer's
+    racecheck reports this hand-off, which it cannot see ordered: docs/design/triton-kernels.md (Under
+    compute-sanitizer), tests/test_gpu_gluon_handoff.py."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     item_smem.store(gl.full([1], w, gl.int32, layout))
     if _LEAN:
