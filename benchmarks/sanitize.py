@@ -13,37 +13,57 @@ a wider tensor; it checks every result against the CPU reference.
     python benchmarks/sanitize.py --tools racecheck --log-dir /tmp/sanitize
     python benchmarks/sanitize.py --workload            # the workload alone, without the sanitizer
 
-Prints one summary line per tool and exits 1 if any tool reports an error or a hazard, or the workload
-fails. Needs a CUDA GPU, Triton and compute-sanitizer (from the CUDA toolkit; ``--sanitizer`` or
-``$COMPUTE_SANITIZER`` if it is not on PATH). The sanitizer runs with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``,
-so that memcheck sees each tensor's own bounds rather than the caching allocator's blocks, and again with
-the caching allocator for the CUDA-graph part (capture cannot allocate without it).
+Prints one summary line per tool and exits 1 if any tool reports an error, racecheck a hazard that is not
+explained, or the workload fails. racecheck's hazards are listed by the two accesses that make each (the package
+function and line of each); :data:`EXPLAINED` names the pairs shown to be ordered, and why (the Gluon kernel's
+work-item hand-off: docs/design/triton-kernels.md, Under compute-sanitizer).
+
+Needs a CUDA GPU, Triton and compute-sanitizer (from the CUDA toolkit; ``--sanitizer`` or ``$COMPUTE_SANITIZER`` if
+it is not on PATH). The sanitizer runs with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, so that memcheck sees each tensor's
+own bounds rather than the caching allocator's blocks, and again with the caching allocator for the CUDA-graph part
+(capture cannot allocate without it).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
-#: Extra options per tool: racecheck reports every hazard (warnings too).
+#: Extra options per tool: racecheck prints every hazard (warnings too), without backtraces, so that each one's
+#: accesses can be attributed (:func:`racecheck_sites`); the others print the first 50 errors.
 _TOOL_OPTIONS = {
-    "memcheck": ["--leak-check", "no"],
-    "racecheck": ["--racecheck-report", "all"],
-    "initcheck": [],
-    "synccheck": [],
+    "memcheck": ["--leak-check", "no", "--print-limit", "50"],
+    "racecheck": ["--racecheck-report", "all", "--show-backtrace", "no", "--print-limit", "0"],
+    "initcheck": ["--print-limit", "50"],
+    "synccheck": ["--print-limit", "50"],
 }
 _SUMMARY = re.compile(r"(ERROR SUMMARY: \d+ errors?|RACECHECK SUMMARY: .*)")
 _COUNT = re.compile(r"(\d+) (?:errors?|hazards?)")
+#: One racecheck hazard: its kind, then the two accesses (``Write Thread (351,0,0) at kernel+0xeb00 in file.py:108``).
+_HAZARD = re.compile(
+    r"Potential (?P<kind>\w+) hazard detected at __shared__.*\n"
+    r"=+\s+(?P<first>\w+) Thread \S+ at (?P<first_at>\S+)(?: in (?P<first_src>\S+:\d+))?.*\n"
+    r"=+\s+(?P<second>\w+) Thread \S+ at (?P<second_at>\S+)(?: in (?P<second_src>\S+:\d+))?"
+)
+#: Hazards whose two accesses are in these functions (either order) are explained: why each is not a race.
+EXPLAINED = {
+    frozenset({"_put_item", "_get_item"}): (
+        "the Gluon kernel's work-item hand-off, ordered by the Q mbarrier: racecheck orders only the arriving "
+        "lane's own stores (docs/design/triton-kernels.md, Under compute-sanitizer; tests/test_gpu_gluon_handoff.py)"
+    ),
+}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -214,10 +234,45 @@ def find_sanitizer(explicit: str | None) -> str | None:
     return None
 
 
+def _source_function(site: str) -> str:
+    """The package function whose source holds ``site`` (``file.py:line`` as the sanitizer prints it), with the line;
+    a kernel's ``def`` line is code Triton generates for the kernel as a whole (its warp-specialisation set-up)."""
+    name, _, line_text = site.rpartition(":")
+    line = int(line_text)
+    for path in sorted(Path(__file__).resolve().parent.parent.joinpath("mla_ops").rglob(Path(name).name)):
+        functions = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.FunctionDef)]
+        enclosing = [node for node in functions if node.lineno <= line <= (node.end_lineno or node.lineno)]
+        best = max(enclosing, key=lambda node: node.lineno, default=None)  # the innermost
+        if best is not None:
+            where = "def line: code Triton generates for the kernel" if line == best.lineno else site
+            return f"{best.name} ({where})"
+    return site
+
+
+def racecheck_sites(report: str) -> list[tuple[int, str, str | None]]:
+    """racecheck's hazards in ``report`` grouped by their two accesses: ``(count, description, explanation)``, most
+    frequent first; ``explanation`` is ``None`` where :data:`EXPLAINED` has none."""
+    counts: Counter[tuple[str, str, str, str, str]] = Counter()
+    for m in _HAZARD.finditer(report):
+        first = m["first_src"] or m["first_at"]
+        second = m["second_src"] or m["second_at"]
+        counts[(m["kind"], m["first"], first, m["second"], second)] += 1
+    sites = []
+    for (kind, first, first_site, second, second_site), count in counts.most_common():
+        where = [_source_function(first_site) if ":" in first_site else first_site,
+                 _source_function(second_site) if ":" in second_site else second_site]  # fmt: skip
+        functions = frozenset(w.split(" ")[0] for w in where)
+        explanation = EXPLAINED.get(functions)
+        sites.append((count, f"{kind}: {first.lower()} in {where[0]}, {second.lower()} in {where[1]}", explanation))
+    return sites
+
+
 def run_tool(sanitizer: str, tool: str, log_dir: Path | None, timeout: float, caching: bool) -> tuple[bool, str]:
     """``(clean, summary)`` of the workload under ``tool``: eagerly without PyTorch's caching allocator (so
-    that each tensor has bounds of its own), or with it (``caching``), which CUDA-graph capture needs."""
-    command = [sanitizer, "--tool", tool, *_TOOL_OPTIONS[tool], "--error-exitcode", "3", "--print-limit", "50",
+    that each tensor has bounds of its own), or with it (``caching``), which CUDA-graph capture needs. Under
+    racecheck, hazards whose accesses :data:`EXPLAINED` explains do not count against ``clean``; the summary gives
+    every pair of accesses with its count."""
+    command = [sanitizer, "--tool", tool, *_TOOL_OPTIONS[tool], "--error-exitcode", "3",
                sys.executable, __file__, "--workload"]  # fmt: skip
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="0" if caching else "1")
     tool_name = f"{tool} ({'with CUDA graphs, caching allocator' if caching else 'eager, no caching allocator'})"
@@ -237,7 +292,16 @@ def run_tool(sanitizer: str, tool: str, log_dir: Path | None, timeout: float, ca
     what = "; ".join(summaries) if summaries else "no summary line"
     if not passed:
         what += "; the workload did not pass (see the log)"
-    return clean, f"{tool_name}: {what} (exit {done.returncode}, {time.perf_counter() - started:.0f} s)"
+    lines = [f"{tool_name}: {what} (exit {done.returncode}, {time.perf_counter() - started:.0f} s)"]
+    if tool == "racecheck" and any(counts):
+        sites = racecheck_sites(report)
+        if not sites:
+            lines.append("      no hazard could be attributed (see the log)")
+        for count, description, explanation in sites:
+            lines.append(f"      {count:>7} {description}")
+            lines.append(f"              {'explained: ' + explanation if explanation else 'NOT EXPLAINED'}")
+        clean = passed and bool(sites) and all(explanation for _, _, explanation in sites)
+    return clean, "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

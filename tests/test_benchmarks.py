@@ -26,6 +26,7 @@ import bench_layers as BL
 import bench_prefill as BP
 import compile_sm90 as CS
 import pytest
+import sanitize as SAN
 import torch
 from benchlib import attribution as A
 from benchlib import methods as M
@@ -92,6 +93,69 @@ def test_sanitize_workload_exits_cleanly_without_cuda():
     proc = _run([str(BENCH_DIR / "sanitize.py"), "--workload"])
     assert proc.returncode == 2
     assert "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _kernel_line(text: str) -> int:
+    """The line of the Gluon kernel's source (mla_ops/kernels/attention_sm90.py) that holds ``text``, once."""
+    lines = (Path(__file__).resolve().parent.parent / "mla_ops/kernels/attention_sm90.py").read_text().splitlines()
+    found = [i + 1 for i, line in enumerate(lines) if text in line]
+    assert len(found) == 1, (text, found)
+    return found[0]
+
+
+def _hazard(kind: str, first: tuple[str, int | None], second: tuple[str, int | None]) -> str:
+    """One hazard as compute-sanitizer 2025.3's racecheck prints it with ``--show-backtrace no``."""
+
+    def access(what: str, line: int | None) -> str:
+        return f"=========     {what} Thread (351,0,0) at _attn_fwd_sm90+0xeb00" + (
+            f" in attention_sm90.py:{line}" if line else ""
+        )
+
+    return "\n".join([
+        f"========= Error: Potential {kind} hazard detected at __shared__ 0x345c0 in block (96,0,0) :",
+        access(*first), access(*second), "=========     Current Value : 96", "========= ",
+    ])  # fmt: skip
+
+
+def test_sanitize_attributes_racecheck_hazards_to_the_kernel_functions():
+    put = _kernel_line("item_smem.store(gl.full([1], w")
+    get = _kernel_line("return gl.max(item_smem.load(layout)")
+    kernel_def = _kernel_line("def _attn_fwd_sm90(")
+    softmax = _kernel_line("def _softmax(") + 3
+    report = "\n".join([
+        *[_hazard("RAW", ("Write", put), ("Read", get))] * 3,
+        _hazard("WAR", ("Read", get), ("Write", put)),
+        *[_hazard("RAW", ("Write", kernel_def), ("Read", kernel_def))] * 2,
+        _hazard("RAW", ("Write", softmax), ("Read", None)),
+        "========= RACECHECK SUMMARY: 7 hazards displayed (7 errors, 0 warnings)",
+    ])  # fmt: skip
+    sites = SAN.racecheck_sites(report)
+    assert [count for count, _, _ in sites] == [3, 2, 1, 1]
+    handoff = f"RAW: write in _put_item (attention_sm90.py:{put}), read in _get_item (attention_sm90.py:{get})"
+    assert sites[0][0] == 3 and sites[0][1] == handoff and "hand-off" in sites[0][2]
+    assert "def line" in sites[1][1] and sites[1][2] is None  # Triton's set-up: reported, not explained
+    rest = {description: explanation for _, description, explanation in sites[2:]}
+    assert rest[f"WAR: read in _get_item (attention_sm90.py:{get}), write in _put_item (attention_sm90.py:{put})"]
+    assert rest[f"RAW: write in _softmax (attention_sm90.py:{softmax}), read in _attn_fwd_sm90+0xeb00"] is None
+
+
+@pytest.mark.parametrize("explained_only", [True, False])
+def test_sanitize_racecheck_passes_only_explained_hazards(monkeypatch, explained_only):
+    put, get = _kernel_line("item_smem.store(gl.full([1], w"), _kernel_line("return gl.max(item_smem.load(layout)")
+    hazards = [_hazard("RAW", ("Write", put), ("Read", get))]
+    if not explained_only:
+        hazards.append(_hazard("RAW", ("Write", put), ("Read", put)))
+    summary_line = "========= RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings)"
+    report = "\n".join([*hazards, "workload passed", summary_line])
+
+    def fake_run(command, **kwargs):
+        assert command[command.index("--print-limit") + 1] == "0"  # every hazard, so that each is attributed
+        return subprocess.CompletedProcess(command, 3, stdout=report, stderr="")
+
+    monkeypatch.setattr(SAN.subprocess, "run", fake_run)
+    clean, summary = SAN.run_tool("compute-sanitizer", "racecheck", None, 10, caching=False)
+    assert clean is explained_only
+    assert ("NOT EXPLAINED" in summary) is not explained_only and "explained: " in summary
 
 
 @pytest.fixture
@@ -802,7 +866,9 @@ def test_gpu_shape_sets():
     ):
         assert required in ids
     assert {s.id for s in shapes if "long" in s.tags} == {
-        "causal-h128-1x32768", "causal-h128-1x131072", "chunk-h128-1x1024-ctx1x131072"
+        "causal-h128-1x32768",
+        "causal-h128-1x131072",
+        "chunk-h128-1x1024-ctx1x131072",
     }
     sweep = [s for s in shapes if s.series == "causal"]
     assert {s.heads for s in sweep} == {16, 128}
