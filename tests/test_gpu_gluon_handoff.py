@@ -8,8 +8,8 @@ read before the producer wrote would record a stale item:
 
 - ordered (the kernel's protocol): every consumer records every item, in order;
 - unordered (no waits on either side): the consumers record stale items, so the first test can fail;
-- partitions that share nothing: Triton's warp-specialisation prologue alone, for what compute-sanitizer reports
-  about it.
+- partitions that share nothing, in every program or with some programs skipping them (as the attention kernel's
+  padding programs do): Triton's warp-specialisation set-up alone, for what compute-sanitizer reports about it.
 
 compute-sanitizer's racecheck reports hazards on the ordered hand-off although these tests show it ordered:
 docs/design/triton-kernels.md (Under compute-sanitizer) gives the commands and what each reported.
@@ -97,12 +97,16 @@ def _worker(Out, WG: gl.constexpr):
 
 
 @gluon.jit
-def _prologue_kernel(Out):
-    gl.warp_specialize(
-        [(_worker, (Out, 0)), (_worker, (Out, 1)), (_worker, (Out, 2))],
-        [4, 1],
-        [_CONSUMER_REGS, _PRODUCER_REGS],
-    )
+def _prologue_kernel(Out, num_partitioned):
+    # Programs from num_partitioned on skip the partitions, as the attention kernel's padding programs do.
+    if gl.program_id(0) >= num_partitioned:
+        gl.store(Out + gl.program_id(0) * 3 + 1, -1)
+    else:
+        gl.warp_specialize(
+            [(_worker, (Out, 0)), (_worker, (Out, 1)), (_worker, (Out, 2))],
+            [4, 1],
+            [_CONSUMER_REGS, _PRODUCER_REGS],
+        )
 
 
 def _handoff(ordered: bool) -> torch.Tensor:
@@ -132,7 +136,9 @@ def test_unordered_handoff_reads_stale_items() -> None:
     assert (got == _STALE.value).any(), "consumers that do not wait still read every item: the delay is too short"
 
 
-def test_partitions_sharing_nothing_run() -> None:
-    out = torch.zeros(PROGRAMS, 3, dtype=torch.int32, device=DEVICE)
-    _prologue_kernel[(PROGRAMS,)](out, num_warps=4, maxnreg=_MAXNREG)
-    assert torch.equal(out.cpu(), torch.tensor([1, 2, 3], dtype=torch.int32).expand(PROGRAMS, 3))
+@pytest.mark.parametrize("skipping", [0, 4], ids=["all-partitioned", "some-skip"])
+def test_partitions_sharing_nothing_run(skipping: int) -> None:
+    out = torch.zeros(PROGRAMS + skipping, 3, dtype=torch.int32, device=DEVICE)
+    _prologue_kernel[(PROGRAMS + skipping,)](out, PROGRAMS, num_warps=4, maxnreg=_MAXNREG)
+    want = torch.tensor([[1, 2, 3]] * PROGRAMS + [[0, -1, 0]] * skipping, dtype=torch.int32)
+    assert torch.equal(out.cpu(), want)
