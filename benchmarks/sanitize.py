@@ -11,6 +11,7 @@ a wider tensor; it checks every result against the CPU reference.
 
     python benchmarks/sanitize.py                       # memcheck, racecheck, initcheck, synccheck
     python benchmarks/sanitize.py --tools racecheck --log-dir /tmp/sanitize
+    python benchmarks/sanitize.py --tools racecheck --kernel _attn_fwd_sm90   # the Gluon kernel only
     python benchmarks/sanitize.py --workload            # the workload alone, without the sanitizer
 
 Prints one summary line per tool and exits 1 if any tool reports an error, racecheck a hazard that is not
@@ -76,6 +77,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--log-dir", type=Path, default=None, help="write each tool's full report here")
     parser.add_argument("--workload", action="store_true", help="run the workload once, without the sanitizer")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per tool (default 900)")
+    parser.add_argument(
+        "--kernel",
+        default=None,
+        help="check only the kernels whose name contains this (e.g. _attn_fwd_sm90, the Gluon kernel); the workload "
+        "still runs every kernel, the others uninstrumented and faster",
+    )
     return parser.parse_args(argv)
 
 
@@ -267,12 +274,15 @@ def racecheck_sites(report: str) -> list[tuple[int, str, str | None]]:
     return sites
 
 
-def run_tool(sanitizer: str, tool: str, log_dir: Path | None, timeout: float, caching: bool) -> tuple[bool, str]:
+def run_tool(
+    sanitizer: str, tool: str, log_dir: Path | None, timeout: float, caching: bool, kernel: str | None = None
+) -> tuple[bool, str]:
     """``(clean, summary)`` of the workload under ``tool``: eagerly without PyTorch's caching allocator (so
     that each tensor has bounds of its own), or with it (``caching``), which CUDA-graph capture needs. Under
     racecheck, hazards whose accesses :data:`EXPLAINED` explains do not count against ``clean``; the summary gives
     every pair of accesses with its count."""
-    command = [sanitizer, "--tool", tool, *_TOOL_OPTIONS[tool], "--error-exitcode", "3",
+    only = ["--kernel-name", f"kns={kernel}"] if kernel else []
+    command = [sanitizer, "--tool", tool, *_TOOL_OPTIONS[tool], *only, "--error-exitcode", "3",
                sys.executable, __file__, "--workload"]  # fmt: skip
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="0" if caching else "1")
     tool_name = f"{tool} ({'with CUDA graphs, caching allocator' if caching else 'eager, no caching allocator'})"
@@ -318,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for tool in args.tools:
         for caching in (False, True):
             print(f"{tool}: running the workload under compute-sanitizer (minutes)...", flush=True)
-            clean, summary = run_tool(sanitizer, tool, args.log_dir, args.timeout, caching)
+            clean, summary = run_tool(sanitizer, tool, args.log_dir, args.timeout, caching, args.kernel)
             all_clean &= clean
             print(("ok    " if clean else "FAIL  ") + summary, flush=True)
     return 0 if all_clean else 1

@@ -150,10 +150,11 @@ def test_sanitize_racecheck_passes_only_explained_hazards(monkeypatch, explained
 
     def fake_run(command, **kwargs):
         assert command[command.index("--print-limit") + 1] == "0"  # every hazard, so that each is attributed
+        assert command[command.index("--kernel-name") + 1] == "kns=_attn_fwd_sm90"
         return subprocess.CompletedProcess(command, 3, stdout=report, stderr="")
 
     monkeypatch.setattr(SAN.subprocess, "run", fake_run)
-    clean, summary = SAN.run_tool("compute-sanitizer", "racecheck", None, 10, caching=False)
+    clean, summary = SAN.run_tool("compute-sanitizer", "racecheck", None, 10, caching=False, kernel="_attn_fwd_sm90")
     assert clean is explained_only
     assert ("NOT EXPLAINED" in summary) is not explained_only and "explained: " in summary
 
