@@ -8,8 +8,9 @@ read before the producer wrote would record a stale item:
 
 - ordered (the kernel's protocol): every consumer records every item, in order;
 - unordered (no waits on either side): the consumers record stale items, so the first test can fail;
-- partitions that share nothing, in every program or with some programs skipping them (as the attention kernel's
-  padding programs do): Triton's warp-specialisation set-up alone, for what compute-sanitizer reports about it.
+- partitions that share nothing, in every program, with some programs skipping them (as the attention kernel's
+  padding programs do), or with the warpgroups' own barriers (a sum over four warps, as the attention kernel's
+  partitions have): Triton's warp-specialisation set-up, for what compute-sanitizer reports about it.
 
 compute-sanitizer's racecheck reports hazards on the ordered hand-off although these tests show it ordered:
 docs/design/triton-kernels.md (Under compute-sanitizer) gives the commands and what each reported.
@@ -92,18 +93,22 @@ def _handoff_kernel(Out, Seed, ITEMS: gl.constexpr, DELAY: gl.constexpr, ORDERED
 
 
 @gluon.jit
-def _worker(Out, WG: gl.constexpr):
-    gl.store(Out + gl.program_id(0) * 3 + WG, WG + 1)
+def _worker(Out, WG: gl.constexpr, SYNC: gl.constexpr):
+    value = WG + 1
+    if SYNC and WG < 2:  # a sum over the warpgroup's four warps: shared scratch and the partition's own barrier
+        ones = gl.full([128], 1, gl.int32, gl.BlockedLayout([1], [32], [4], [0]))
+        value = gl.sum(ones, axis=0) // 128 * (WG + 1)
+    gl.store(Out + gl.program_id(0) * 3 + WG, value)
 
 
 @gluon.jit
-def _prologue_kernel(Out, num_partitioned):
+def _prologue_kernel(Out, num_partitioned, SYNC: gl.constexpr):
     # Programs from num_partitioned on skip the partitions, as the attention kernel's padding programs do.
     if gl.program_id(0) >= num_partitioned:
         gl.store(Out + gl.program_id(0) * 3 + 1, -1)
     else:
         gl.warp_specialize(
-            [(_worker, (Out, 0)), (_worker, (Out, 1)), (_worker, (Out, 2))],
+            [(_worker, (Out, 0, SYNC)), (_worker, (Out, 1, SYNC)), (_worker, (Out, 2, SYNC))],
             [4, 1],
             [_CONSUMER_REGS, _PRODUCER_REGS],
         )
@@ -136,9 +141,11 @@ def test_unordered_handoff_reads_stale_items() -> None:
     assert (got == _STALE.value).any(), "consumers that do not wait still read every item: the delay is too short"
 
 
-@pytest.mark.parametrize("skipping", [0, 4], ids=["all-partitioned", "some-skip"])
-def test_partitions_sharing_nothing_run(skipping: int) -> None:
+@pytest.mark.parametrize(
+    ("skipping", "sync"), [(0, False), (4, False), (0, True)], ids=["all-partitioned", "some-skip", "partitions-sync"]
+)
+def test_partitions_sharing_nothing_run(skipping: int, sync: bool) -> None:
     out = torch.zeros(PROGRAMS + skipping, 3, dtype=torch.int32, device=DEVICE)
-    _prologue_kernel[(PROGRAMS + skipping,)](out, PROGRAMS, num_warps=4, maxnreg=_MAXNREG)
+    _prologue_kernel[(PROGRAMS + skipping,)](out, PROGRAMS, sync, num_warps=4, maxnreg=_MAXNREG)
     want = torch.tensor([[1, 2, 3]] * PROGRAMS + [[0, -1, 0]] * skipping, dtype=torch.int32)
     assert torch.equal(out.cpu(), want)
