@@ -206,11 +206,11 @@ def compile_copy() -> tuple[dict[str, int], str | None]:
     import torch
     from triton.compiler import ASTSource
 
-    from mla_ops.kernels import transpose
+    from mla_ops.kernels import configs, transpose
 
     try:
         call, _, _, _ = _stand_ins(192, 128, False, "float8_e4m3fn")
-        lead = 128
+        lead = configs.SM90_GLUON_FP8_ATTENTION[(192, 128, False)].block_n  # a key tile, as the Gluon launch's
         width = transpose.transposed_width(call.k.shape[0], call.cu_seqlens_k.shape[0] - 1, lead)
         out = torch.empty(HEADS, call.v.shape[-1], width, dtype=call.v.dtype)
         plan = transpose.copy_plan(call.v, call.cu_seqlens_k, out, lead)

@@ -45,7 +45,6 @@ from .launch import (
 )
 from .launch import interpreting as _interpreting
 from .programs import program_layout
-from .transpose import copy_relaunch
 from .triton_compat import gluon_triton_reason
 
 if TYPE_CHECKING:
@@ -477,12 +476,7 @@ class AttentionLaunches(LaunchCache):
             return None
         if scales is None:
             return module.CountedRelaunch(fixed, device)
-        values = plan.args[2]  # the transposed copy the kernel read, of this layout's shape
-        copy = copy_relaunch(call.v, call.cu_seqlens_k, values, config.block_n)
-        values_template = template(values.shape, values.dtype, device)
-        if copy is None or values_template is None:
-            return None
-        return module.TransposedRelaunch(fixed, copy, values_template, config.block_n, device)
+        return module.TransposedRelaunch.of(fixed, call, plan, config.block_n, device)
 
 
 #: This process's launch state of :func:`attention_triton`.

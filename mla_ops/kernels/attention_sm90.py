@@ -24,11 +24,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..backends.base import Fp8Scales, VarlenCall
-from ..runtime.alloc import empty
+from ..runtime.alloc import empty, template
 from .configs import head_dim_split
 from .launch import NATIVE_COUNTER_CODE, FixedLaunch, LaunchPlan, NativeLaunch, TorchScratch, pointer_alignment
 from .programs import program_layout
-from .transpose import KEY_ALIGNMENT, transposed_values
+from .transpose import KEY_ALIGNMENT, copy_relaunch, transposed_values
 from .triton_compat import COMPILE_OPTIONS, lean_registers, thread_barrier, tma_load
 
 __all__ = [
@@ -859,6 +859,20 @@ class TransposedRelaunch:
         self.values_template = values_template
         self.lead = lead  # bytes (one e4m3 value each) before the first key's column of each row
         self.device = device
+
+    @classmethod
+    def of(
+        cls, fixed: FixedLaunch, call: VarlenCall, plan: LaunchPlan, block_n: int, device: torch.device
+    ) -> TransposedRelaunch | None:
+        """The relaunch of ``fixed``, the fp8 launch of ``plan`` (:func:`sm90_launch` of ``call`` with ``block_n``),
+        or ``None`` where the copy's variant has not been launched directly or its buffer cannot be templated."""
+        values = plan.args[2]  # the transposed copy the kernel read, of this layout's shape
+        # block_n lead columns, as sm90_launch copies them and the kernel's value descriptors expect (BN + ...).
+        copy = copy_relaunch(call.v, call.cu_seqlens_k, values, block_n)
+        values_template = template(values.shape, values.dtype, device)
+        if copy is None or values_template is None:
+            return None
+        return cls(fixed, copy, values_template, block_n, device)
 
     def __call__(self, leading: tuple) -> None:
         p_q, p_k, p_v, p_out, p_lse, p_cu_q, p_cu_k, p_dq, p_dk, p_dv = leading
