@@ -514,6 +514,7 @@ def measure_host_issue(
     p = P.make_problem(P.Shape("chunk", args.heads, (new,), (context,)), device, dtype, args.seed)
     q, k, v, cu_q, cu_k, max_q, max_k, scale = p.attention_args()
     op_args = (q, k, v, cu_q, cu_k, max_q, max_k, scale)
+
     def host_us(fn: Callable[[], Any]) -> float:
         return 1e3 * statistics.median(timing.host_issue(fn, device, args.host_calls, args.rounds))
 

@@ -335,8 +335,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         fp8 = args.dtype == "float8_e4m3fn"
         for causal in (True, False):
             names = [label(s) for s in SHAPES if (s.suite == "causal") == causal]
-            tables = (("SM90_ATTENTION", False),) if fp8 else (
-                ("SM90_ATTENTION", False), ("SM90_LARGE_BATCH_ATTENTION", True)
+            tables = (
+                (("SM90_ATTENTION", False),)
+                if fp8
+                else (("SM90_ATTENTION", False), ("SM90_LARGE_BATCH_ATTENTION", True))
             )
             # An fp8 entry is keyed on the dtype too, which wins over the dtype-free bf16 one (configs.py).
             key = f"({P.DQK}, {P.DV}, {causal}, torch.float8_e4m3fn)" if fp8 else f"({P.DQK}, {P.DV}, {causal})"
@@ -348,10 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ]
                 if scored:
                     score, config = max(scored, key=lambda t: t[0])
-                    log(
-                        f"  -> {table}[{key}] = {config!r}  # geomean {score:.1f} TFLOP/s"
-                        f" ({CONFIG_ENV_VAR}={config})"
-                    )
+                    log(f"  -> {table}[{key}] = {config!r}  # geomean {score:.1f} TFLOP/s ({CONFIG_ENV_VAR}={config})")
     R.write_json(args.out.with_name(args.out.name.removesuffix(".csv") + ".env.json"), env)
     log(f"wrote {args.out} in {time.time() - started:.0f} s")
     return 0

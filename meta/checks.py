@@ -249,8 +249,7 @@ def check_fp8_scales(op: str, q: torch.Tensor, descales: Sequence[object], out_d
             raise TypeError(f"{op}: {name} must have dtype float32, got {_dtype_name(d.dtype)}; use {name}.float()")
         if d.dim() > 1 or (d.dim() == 1 and d.shape[0] not in (1, num_heads)):
             raise ValueError(
-                f"{op}: {name} must have shape {_DESCALE_SHAPES} with H = {num_heads} (q's heads), "
-                f"got {tuple(d.shape)}"
+                f"{op}: {name} must have shape {_DESCALE_SHAPES} with H = {num_heads} (q's heads), got {tuple(d.shape)}"
             )
         if d.device != q.device:
             raise ValueError(f"{op}: {name} is on {d.device} but q is on {q.device}; move it to {q.device}")

@@ -630,9 +630,7 @@ def prefill_fp8(
     tensors = {"q": q, "k": k, "v": v, "cu_seqlens": cu_seqlens}
     descales = (q_descale, k_descale, v_descale)
     scale = _fp8_arguments(op, q, tensors, descales, {"max_seqlen": max_seqlen}, out_dtype, softmax_scale)
-    return torch.ops.mla.prefill_fp8(
-        q, k, v, cu_seqlens, max_seqlen, q_descale, k_descale, v_descale, scale, out_dtype
-    )
+    return torch.ops.mla.prefill_fp8(q, k, v, cu_seqlens, max_seqlen, q_descale, k_descale, v_descale, scale, out_dtype)
 
 
 def prefill_context_chunk_fp8(

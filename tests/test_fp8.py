@@ -186,13 +186,16 @@ def test_fp8_results_merge_with_bf16_ones() -> None:
         keys = torch.cat([kc[k0 : k0 + c].double(), kn[q0 : q0 + n].double()])
         values = torch.cat([vc[k0 : k0 + c].double(), vn[q0 : q0 + n].double()])
         # The chunk's scores from the bf16 q its op was given, the new tokens' from the dequantised one.
-        scores = torch.cat(
-            [
-                torch.einsum("qhd,khd->hqk", q[q0 : q0 + n].double(), keys[:c]),
-                torch.einsum("qhd,khd->hqk", qd[q0 : q0 + n].double(), keys[c:]),
-            ],
-            dim=-1,
-        ) * SCALE
+        scores = (
+            torch.cat(
+                [
+                    torch.einsum("qhd,khd->hqk", q[q0 : q0 + n].double(), keys[:c]),
+                    torch.einsum("qhd,khd->hqk", qd[q0 : q0 + n].double(), keys[c:]),
+                ],
+                dim=-1,
+            )
+            * SCALE
+        )
         visible = torch.ones(n, c + n, dtype=torch.bool).tril(diagonal=c)
         scores = scores.masked_fill(~visible, -math.inf)
         want = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values)

@@ -192,8 +192,7 @@ def attention_triton(
     else:
         if not dtype == k.dtype == v.dtype == torch.float8_e4m3fn:
             raise TypeError(
-                "attention_triton: with scales, q, k, v must all be float8_e4m3fn, "
-                f"got {q.dtype}, {k.dtype}, {v.dtype}"
+                f"attention_triton: with scales, q, k, v must all be float8_e4m3fn, got {q.dtype}, {k.dtype}, {v.dtype}"
             )
         out_dtype = scales.out_dtype
     q_stride, k_stride, v_stride = q.stride(), k.stride(), v.stride()

@@ -546,9 +546,7 @@ def attn_fwd_kernel(
         inv_l = inv_l * tl.load(VDescale + h * stride_vd)
     out = acc * inv_l[:, None]
     # m and log2(l) are in base 2; ln(2) turns the sum into the natural-log LSE of the contract.
-    lse = tl.where(
-        empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i)) - P_SHIFT) * 0.6931471805599453
-    )
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i)) - P_SHIFT) * 0.6931471805599453)
 
     offs_dv = tl.arange(0, D_V)
     o_ptr = Out + (q_start + m0).to(tl.int64) * stride_ot + h * stride_oh + rows[:, None] * stride_ot + offs_dv[None, :]

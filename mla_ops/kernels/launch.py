@@ -218,7 +218,7 @@ def native_abi(compiled: Any) -> bool:
         return False
     found = [
         (_PTX_BYTES.get(bits, 0), bool(pointer), bool(array))
-        for bits, pointer, array in _PTX_PARAM.findall(ptx[start:end + 1])
+        for bits, pointer, array in _PTX_PARAM.findall(ptx[start : end + 1])
     ]
     expected = []
     for kind_name in signature.values():
