@@ -1,1 +1,1 @@
-"""The command line: ``python -m mla_ops {info,demo,warmup}``."""
+"""The command line: ``python -m mla_ops {info,demo,warmup,tune}``."""
