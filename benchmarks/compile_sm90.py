@@ -67,6 +67,8 @@ class Variant:
     tma_ops: int = 0
     descriptors: tuple[str, ...] = ()
     native: bool | None = None  # its parameters are a native launch's (mla_ops.kernels.launch.native_abi)
+    #: Named barriers the PTX uses besides the Gluon kernel's own hand-off barriers (Triton's), by id.
+    other_barriers: tuple[int, ...] = ()
 
     def problems(self, wants_ws: bool) -> list[str]:
         """Why this variant is not fit to launch; empty when it is. ``wants_ws``: it states partitions of its
@@ -82,7 +84,32 @@ class Variant:
             found.append("warp specialisation requested but not applied")
         if self.native is False and not self.scratch_bytes:  # kernels with scratch never launch natively
             found.append("its parameters are not those a native launch passes")
+        taken = sorted(set(self.other_barriers) & set(_handoff_barriers()))
+        if taken:
+            found.append(f"Triton's own named barriers {taken} are the work-item hand-off's (attention_sm90._ITEM_*)")
         return found
+
+
+def _handoff_barriers() -> tuple[int, ...]:
+    """The named barrier ids of the Gluon kernel's work-item hand-off (``attention_sm90._ITEM_WRITTEN`` and
+    ``_ITEM_READ``, one per consumer warpgroup each)."""
+    from mla_ops.kernels import attention_sm90
+
+    return tuple(base + wg for base in (attention_sm90._ITEM_WRITTEN, attention_sm90._ITEM_READ) for wg in (0, 1))
+
+
+def other_barriers(ptx: str) -> tuple[int, ...]:
+    """The ids of the named barriers in ``ptx`` other than the hand-off's, which are the only ones of
+    ``attention_sm90._HANDOFF_THREADS`` threads."""
+    from mla_ops.kernels.attention_sm90 import _HANDOFF_THREADS
+
+    ids = set()
+    for bar_id, count in re.findall(
+        r"\b(?:bar|barrier)\.(?:sync|arrive|red\.\w+)(?:\.aligned)?\s+(\d+)(?:,\s*(\d+))?", ptx
+    ):
+        if not (int(bar_id) in _handoff_barriers() and count == str(_HANDOFF_THREADS)):
+            ids.add(int(bar_id))
+    return tuple(sorted(ids))
 
 
 def _stand_ins(dqk: int, dv: int, causal: bool, dtype_name: str = "bfloat16"):
@@ -165,6 +192,8 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool, dtype_name: st
         variant.warps = compiled.metadata.num_warps
         variant.warp_specialized = "ttg.warp_specialize" in ttgir
         variant.native = native_abi(compiled)
+        if config.gluon:
+            variant.other_barriers = other_barriers(compiled.asm["ptx"])
         variant.tma_ops = len(re.findall(r"async_tma_copy|async_tma_store|tma_store|descriptor_(?:load|store)", ttgir))
     except Exception as exc:  # a variant the compiler rejects is a result to report
         variant.error = _error_text(exc)

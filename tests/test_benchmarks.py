@@ -119,7 +119,7 @@ def _hazard(kind: str, first: tuple[str, int | None], second: tuple[str, int | N
 
 def test_sanitize_attributes_racecheck_hazards_to_the_kernel_functions():
     put = _kernel_line("item_smem.store(gl.full([1], w")
-    get = _kernel_line("return gl.max(item_smem.load(layout)")
+    get = _kernel_line("w = item_smem.load(layout) + token")
     kernel_def = _kernel_line("def _attn_fwd_sm90(")
     softmax = _kernel_line("def _softmax(") + 3
     report = "\n".join([
@@ -141,7 +141,7 @@ def test_sanitize_attributes_racecheck_hazards_to_the_kernel_functions():
 
 @pytest.mark.parametrize("explained_only", [True, False])
 def test_sanitize_racecheck_passes_only_explained_hazards(monkeypatch, explained_only):
-    put, get = _kernel_line("item_smem.store(gl.full([1], w"), _kernel_line("return gl.max(item_smem.load(layout)")
+    put, get = _kernel_line("item_smem.store(gl.full([1], w"), _kernel_line("w = item_smem.load(layout) + token")
     hazards = [_hazard("RAW", ("Write", put), ("Read", get))]
     if not explained_only:
         hazards.append(_hazard("RAW", ("Write", put), ("Read", put)))
@@ -1263,6 +1263,18 @@ def test_compile_sm90_reads_registers_spills_and_serialised_wgmma_from_ptxas():
     assert variant.problems(wants_ws=False) == ["its parameters are not those a native launch passes"]
     variant.scratch_bytes = 640  # a kernel with scratch is never launched natively: nothing to require
     assert variant.problems(wants_ws=False) == []
+
+
+def test_compile_sm90_flags_triton_barriers_on_the_handoffs_ids():
+    ptx = "bar.sync \t0, 128;\nbarrier.sync \t1;\nbar.arrive 12, 160; mov.b32 $0, $1;\nbar.sync 15, 160;\n"
+    assert CS.other_barriers(ptx) == (0, 1)
+    assert CS.other_barriers(ptx + "bar.sync \t14, 128;\n") == (0, 1, 14)  # one of the hand-off's ids, Triton's count
+    variant = CS.Variant("128,128,4,2,ovl,gluon,pers", causal=True, other_barriers=(0, 1, 2))
+    assert variant.problems(wants_ws=False) == []
+    variant.other_barriers = (0, 1, 14)
+    assert variant.problems(wants_ws=False) == [
+        "Triton's own named barriers [14] are the work-item hand-off's (attention_sm90._ITEM_*)"
+    ]
 
 
 @pytest.mark.skipif(

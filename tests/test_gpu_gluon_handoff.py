@@ -1,10 +1,11 @@
 """The Gluon kernel's work-item hand-off on an SM90 GPU (``pytest -m gpu``), isolated from the attention around it.
 
-The kernel's producer warp writes each work item to shared memory (``attention_sm90._put_item``) and arrives on an
-mbarrier; each consumer warpgroup waits for that phase, reads the item (``_get_item``) and hands the slot back on a
-second mbarrier. These kernels run exactly that protocol, with the kernel's own helpers and its partition shape
-(two warpgroups and one producer warp), on many items while the producer is slowed down, so that a consumer which
-read before the producer wrote would record a stale item:
+The kernel's producer warp writes each work item to shared memory (``attention_sm90._put_item``), signals each
+consumer warpgroup on a named barrier and arrives on the Q mbarrier; each consumer warpgroup waits for both, reads
+the item (``_get_item``) and signals it read on a second named barrier, on which the producer waits before it writes
+the next. These kernels run that protocol, with the kernel's own helpers and its partition shape (two warpgroups and
+one producer warp), on many items while the producer is slowed down, so that a consumer which read before the
+producer wrote would record a stale item:
 
 - ordered (the kernel's protocol): every consumer records every item, in order;
 - unordered (no waits on either side): the consumers record stale items, so the first test can fail;
@@ -12,8 +13,8 @@ read before the producer wrote would record a stale item:
   padding programs do), or with the warpgroups' own barriers (a sum over four warps, as the attention kernel's
   partitions have): Triton's warp-specialisation set-up, for what compute-sanitizer reports about it.
 
-compute-sanitizer's racecheck reports hazards on the ordered hand-off although these tests show it ordered:
-docs/design/triton-kernels.md (Under compute-sanitizer) gives the commands and what each reported.
+Run under compute-sanitizer's racecheck, they separate what it reports about the hand-off from what it reports about
+Triton's set-up: docs/design/triton-kernels.md (Under compute-sanitizer).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from mla_ops.kernels.attention_sm90 import (  # noqa: E402
     _CONSUMER_REGS,
     _MAXNREG,
     _PRODUCER_REGS,
+    _await_last_read,
     _get_item,
     _put_item,
 )
@@ -63,17 +65,26 @@ def _producer(item_smem, seq_smem, full, empty, Seed, ITEMS: gl.constexpr, DELAY
             mbarrier.wait(empty, (n & 1) ^ 1)
         for _ in range(DELAY):
             acc = acc * 1664525 + 1013904222
-        _put_item(item_smem, 1000 + n + ((acc & 1) ^ 1), seq_smem, n)
+        item = 1000 + n + ((acc & 1) ^ 1)
+        if ORDERED:
+            _put_item(item_smem, item, seq_smem, n, n)
+        else:
+            item_smem.store(gl.full([1], item, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
         mbarrier.arrive(full, count=1)
+    if ORDERED:
+        _await_last_read(ITEMS - 1)
 
 
 @gluon.jit
-def _consumer(item_smem, full, empty, Out, WG: gl.constexpr, ITEMS: gl.constexpr, ORDERED: gl.constexpr):
+def _consumer(item_smem, seq_smem, full, empty, Out, WG: gl.constexpr, ITEMS: gl.constexpr, ORDERED: gl.constexpr):
     base = (gl.program_id(0) * 2 + WG) * ITEMS
     for n in range(ITEMS):
         if ORDERED:
             mbarrier.wait(full, n & 1)
-        w = _get_item(item_smem)
+        if ORDERED:
+            w, _ = _get_item(item_smem, seq_smem, WG)
+        else:
+            w = gl.max(item_smem.load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
         gl.store(Out + base + n, w)
         mbarrier.arrive(empty, count=1)  # Gluon's arrive synchronises the warpgroup first: all have read the item
 
@@ -89,8 +100,8 @@ def _handoff_kernel(Out, Seed, ITEMS: gl.constexpr, DELAY: gl.constexpr, ORDERED
     item_smem.store(gl.full([1], _STALE, gl.int32, gl.BlockedLayout([1], [32], [4], [0])))
     gl.warp_specialize(
         [
-            (_consumer, (item_smem, full, empty, Out, 0, ITEMS, ORDERED)),
-            (_consumer, (item_smem, full, empty, Out, 1, ITEMS, ORDERED)),
+            (_consumer, (item_smem, seq_smem, full, empty, Out, 0, ITEMS, ORDERED)),
+            (_consumer, (item_smem, seq_smem, full, empty, Out, 1, ITEMS, ORDERED)),
             (_producer, (item_smem, seq_smem, full, empty, Seed, ITEMS, DELAY, ORDERED)),
         ],
         [4, 1],

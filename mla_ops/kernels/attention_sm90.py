@@ -29,7 +29,7 @@ from .configs import head_dim_split
 from .launch import NATIVE_COUNTER_CODE, FixedLaunch, LaunchPlan, NativeLaunch, TorchScratch, pointer_alignment
 from .programs import program_layout
 from .transpose import KEY_ALIGNMENT, copy_relaunch, transposed_values
-from .triton_compat import COMPILE_OPTIONS, lean_registers, thread_barrier, tma_load
+from .triton_compat import COMPILE_OPTIONS, lean_registers, tma_load
 
 __all__ = [
     "SM90_LEADING",
@@ -62,8 +62,6 @@ _PAD_FILL = gl.constexpr(1024)
 
 #: Gluon's TMA copy into shared memory, under this release's name (mla_ops.kernels.triton_compat).
 _tma_load = tma_load()
-#: Gluon's barrier of a program's threads, under this release's name.
-_thread_barrier = thread_barrier()
 
 #: Whether to take the register-lean spellings (mla_ops.kernels.triton_compat.lean_registers): with Triton
 #: >= 3.8 the partitions are a few registers over their budgets otherwise; 3.6 and 3.7 keep the code
@@ -100,25 +98,78 @@ def _sequence_of_slot(cu_seqlens_q, num_seqs, slot, WARPS: gl.constexpr):
     return gl.sum(hits, axis=0) - 1
 
 
+#: The work item's hand-off goes through named barriers, two per consumer warpgroup ``WG`` of 160 threads each (the
+#: producer warp and the warpgroup): ``_ITEM_WRITTEN + WG``, on which the producer arrives once it wrote an item and
+#: the warpgroup waits before it reads it, and ``_ITEM_READ + WG``, the other way round before the next item is
+#: written. The Q mbarrier already orders the hand-off, but compute-sanitizer's racecheck sees only its arriving
+#: thread's stores ordered; named barriers order every thread's, as the tool sees (docs/design/triton-kernels.md,
+#: Under compute-sanitizer). Triton's own barriers in this kernel take ids 0 to 3 (benchmarks/compile_sm90.py checks).
+_ITEM_WRITTEN = 12
+_ITEM_READ = 14
+_HANDOFF_THREADS = 32 + 4 * 32
+#: Inline PTX per barrier and warpgroup; each passes its operand through, so that data can depend on it.
+_WAIT_WRITTEN_0 = gl.constexpr(f"bar.sync {_ITEM_WRITTEN}, {_HANDOFF_THREADS}; mov.b32 $0, $1;")
+_WAIT_WRITTEN_1 = gl.constexpr(f"bar.sync {_ITEM_WRITTEN + 1}, {_HANDOFF_THREADS}; mov.b32 $0, $1;")
+_SIGNAL_WRITTEN_0 = gl.constexpr(f"bar.arrive {_ITEM_WRITTEN}, {_HANDOFF_THREADS}; mov.b32 $0, $1;")
+_SIGNAL_WRITTEN_1 = gl.constexpr(f"bar.arrive {_ITEM_WRITTEN + 1}, {_HANDOFF_THREADS}; mov.b32 $0, $1;")
+_WAIT_READ_0 = gl.constexpr(f"bar.sync {_ITEM_READ}, {_HANDOFF_THREADS}; mov.b32 $0, $1;")
+_WAIT_READ_1 = gl.constexpr(f"bar.sync {_ITEM_READ + 1}, {_HANDOFF_THREADS}; mov.b32 $0, $1;")
+_SIGNAL_READ_0 = gl.constexpr(f"bar.arrive {_ITEM_READ}, {_HANDOFF_THREADS}; mov.b32 $0, $1;")
+_SIGNAL_READ_1 = gl.constexpr(f"bar.arrive {_ITEM_READ + 1}, {_HANDOFF_THREADS}; mov.b32 $0, $1;")
+
+
 @gluon.jit
-def _put_item(item_smem, w, seq_smem, b):
-    """Write work item ``w`` (and, where :data:`_LEAN`, its sequence ``b`` into ``seq_smem``) where the
-    consumers read it (:func:`_get_item`), visible to them once the
-    producer next arrives on the Q barrier (an mbarrier arrive releases the warp's earlier writes). compute-sanitizer's
-    racecheck reports this hand-off, which it cannot see ordered: docs/design/triton-kernels.md (Under
-    compute-sanitizer), tests/test_gpu_gluon_handoff.py."""
+def _named_barrier(x, ASM: gl.constexpr):
+    """``x`` (int32) through ``ASM``, a named barrier's inline PTX, which every thread of the partition runs once
+    (``x`` holds one element per thread); not pure, so that shared-memory accesses stay on their side of it."""
+    return gl.inline_asm_elementwise(ASM, "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _put_item(item_smem, w, seq_smem, b, n):
+    """Write the ``n``-th work item ``w`` (and, where :data:`_LEAN`, its sequence ``b`` into ``seq_smem``) where
+    the consumers read it (:func:`_get_item`): once both warpgroups have read the previous one, and signalled
+    to each when written. The producer's last call (the ``-1`` that ends the consumers) is followed by
+    :func:`_await_last_read`."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    item_smem.store(gl.full([1], w, gl.int32, layout))
+    token = gl.full([1], 0, gl.int32, layout)
+    if n > 0:
+        token = _named_barrier(_named_barrier(token, _WAIT_READ_0), _WAIT_READ_1)
+    item_smem.store(gl.full([1], w, gl.int32, layout) + token)  # the token (0) keeps the store after the waits
     if _LEAN:
-        seq_smem.store(gl.full([1], b, gl.int32, layout))
-    _thread_barrier()  # the lane that arrives next must come after every lane's store
+        seq_smem.store(gl.full([1], b, gl.int32, layout) + token)
+    _named_barrier(_named_barrier(token, _SIGNAL_WRITTEN_0), _SIGNAL_WRITTEN_1)
 
 
 @gluon.jit
-def _get_item(item_smem):
-    """The work item the producer last wrote (read by a consumer warpgroup after the Q barrier's phase)."""
+def _await_last_read(n):
+    """Wait until both warpgroups have read the last item written (the ``n``-th), as :func:`_put_item` would before
+    another: each warpgroup's barriers then end the launch with every arrival waited for."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    _named_barrier(_named_barrier(gl.full([1], n * 0, gl.int32, layout), _WAIT_READ_0), _WAIT_READ_1)
+
+
+@gluon.jit
+def _get_item(item_smem, seq_smem, WG: gl.constexpr):
+    """The work item the producer last wrote and, where :data:`_LEAN`, its sequence (else 0), as consumer warpgroup
+    ``WG`` reads them: once the producer has signalled them written, then signalling them read."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    return gl.max(item_smem.load(layout), axis=0)
+    token = gl.full([1], 0, gl.int32, layout)
+    if WG == 0:
+        token = _named_barrier(token, _WAIT_WRITTEN_0)
+    else:
+        token = _named_barrier(token, _WAIT_WRITTEN_1)
+    w = item_smem.load(layout) + token
+    if _LEAN:
+        b = seq_smem.load(layout) + token
+    else:
+        b = token
+    read = w + b  # both loads are done before the warpgroup signals them read
+    if WG == 0:
+        read = _named_barrier(read, _SIGNAL_READ_0)
+    else:
+        read = _named_barrier(read, _SIGNAL_READ_1)
+    return gl.max(w + read * 0, axis=0), gl.max(b, axis=0)
 
 
 @gluon.jit
@@ -204,7 +255,7 @@ def _produce_item(
     if num_tiles > 0:  # the first keys before Q, which waits for the previous item's last scores
         _load_keys(ka_desc, kb_desc, k_smem_a, k_smem_b, k_ready, k_empty, t, k_start, col_k)
     mbarrier.wait(q_empty, (n & 1) ^ 1)
-    _put_item(item_smem, w, seq_smem, b)
+    _put_item(item_smem, w, seq_smem, b, n)
     mbarrier.expect(q_bar, 2 * (qa_desc.block_type.nbytes + qb_desc.block_type.nbytes))
     col_q = h * stride_qh
     for c in gl.static_range(2):
@@ -301,8 +352,9 @@ def _producer(
         # causal blocks first, and whoever is free takes the next.
         w = num_workers + gl.atomic_add(Counter, 1)
     mbarrier.wait(q_empty, (n & 1) ^ 1)
-    _put_item(item_smem, -1, seq_smem, 0)
+    _put_item(item_smem, -1, seq_smem, 0, n)
     mbarrier.arrive(q_bar, count=1)  # no transfer: the phase completes on the arrival alone
+    _await_last_read(n)
 
 
 @gluon.jit
@@ -557,12 +609,8 @@ def _consumer(
     t = num_seqs * 0  # tiles of the rings consumed so far
     n = num_seqs * 0  # items so far
     mbarrier.wait(q_bar, 0)
-    w = _get_item(item_smem)
+    w, b_given = _get_item(item_smem, seq_smem, WG)  # _LEAN: the producer's sequence, no search over four warps here
     while w >= 0:
-        if _LEAN:  # the producer's sequence: no search of cu_seqlens_q over four warps here
-            b_given = _get_item(seq_smem)
-        else:
-            b_given = 0
         _, h, q_start, len_q, _k_start, len_k, m0, num_tiles, _b = _work_item(
             w, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group, b_given, _LEAN, CAUSAL,
             BN, 4,
@@ -575,7 +623,7 @@ def _consumer(
         t += num_tiles
         n += 1
         mbarrier.wait(q_bar, n & 1)
-        w = _get_item(item_smem)
+        w, b_given = _get_item(item_smem, seq_smem, WG)
 
 
 @gluon.jit

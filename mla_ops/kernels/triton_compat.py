@@ -7,8 +7,6 @@ releases; every name it takes from Gluon that is spelled differently in some rel
 - The TMA copy into shared memory: ``tma.async_copy_global_to_shared`` in Triton 3.6, renamed
   ``tma.async_load`` in 3.7 (3.7 and 3.8 have no old name; 3.9 keeps it only to raise "has been removed;
   call async_load instead").
-- The barrier of a program's threads: ``gl.thread_barrier()`` in Triton 3.6, ``gl.barrier()`` from 3.7 on
-  (which, on one CTA as here, emits the same ``debug_barrier``).
 
 - Register pressure: with Triton 3.8 and 3.9 the kernel as written for 3.6 spills in every partition;
   :func:`lean_registers` picks spellings that fit there and leaves 3.6 and 3.7 compiling as before.
@@ -71,11 +69,3 @@ def tma_load() -> Any:
 
     load = getattr(tma, "async_load", None)  # Triton >= 3.7
     return load if load is not None else tma.async_copy_global_to_shared
-
-
-def thread_barrier() -> Any:
-    """Gluon's barrier of all the threads of a program (no arguments)."""
-    from triton.experimental.gluon import language as gl
-
-    barrier = getattr(gl, "barrier", None)  # Triton >= 3.7
-    return barrier if barrier is not None else gl.thread_barrier
