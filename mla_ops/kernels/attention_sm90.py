@@ -103,7 +103,8 @@ def _sequence_of_slot(cu_seqlens_q, num_seqs, slot, WARPS: gl.constexpr):
 #: the warpgroup waits before it reads it, and ``_ITEM_READ + WG``, the other way round before the next item is
 #: written. The Q mbarrier already orders the hand-off, but compute-sanitizer's racecheck sees only its arriving
 #: thread's stores ordered; named barriers order every thread's, as the tool sees (docs/design/triton-kernels.md,
-#: Under compute-sanitizer). Triton's own barriers in this kernel take ids 0 to 3 (benchmarks/compile_sm90.py checks).
+#: Under compute-sanitizer). Triton's own barriers in this kernel take ids 0 to 2 under Triton 3.6 to 3.9
+#: (benchmarks/compile_sm90.py checks that they stay off these).
 _ITEM_WRITTEN = 12
 _ITEM_READ = 14
 _HANDOFF_THREADS = 32 + 4 * 32
@@ -164,12 +165,12 @@ def _get_item(item_smem, seq_smem, WG: gl.constexpr):
         b = seq_smem.load(layout) + token
     else:
         b = token
-    read = w + b  # both loads are done before the warpgroup signals them read
+    read = w + b  # the signal takes both loaded values: the loads are done before the warpgroup signals them read
     if WG == 0:
-        read = _named_barrier(read, _SIGNAL_READ_0)
+        _named_barrier(read, _SIGNAL_READ_0)
     else:
-        read = _named_barrier(read, _SIGNAL_READ_1)
-    return gl.max(w + read * 0, axis=0), gl.max(b, axis=0)
+        _named_barrier(read, _SIGNAL_READ_1)
+    return gl.max(w, axis=0), gl.max(b, axis=0)
 
 
 @gluon.jit
