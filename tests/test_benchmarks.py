@@ -117,7 +117,8 @@ def _hazard(kind: str, first: tuple[str, int | None], second: tuple[str, int | N
     ])  # fmt: skip
 
 
-def test_sanitize_attributes_racecheck_hazards_to_the_kernel_functions():
+def test_sanitize_attributes_racecheck_hazards_to_the_kernel_functions(monkeypatch):
+    monkeypatch.setattr(SAN, "EXPLAINED", {frozenset({"_put_item", "_get_item"}): "the hand-off, ordered"})
     put = _kernel_line("item_smem.store(gl.full([1], w")
     get = _kernel_line("w = item_smem.load(layout) + token")
     kernel_def = _kernel_line("def _attn_fwd_sm90(")
@@ -141,6 +142,7 @@ def test_sanitize_attributes_racecheck_hazards_to_the_kernel_functions():
 
 @pytest.mark.parametrize("explained_only", [True, False])
 def test_sanitize_racecheck_passes_only_explained_hazards(monkeypatch, explained_only):
+    monkeypatch.setattr(SAN, "EXPLAINED", {frozenset({"_put_item", "_get_item"}): "the hand-off, ordered"})
     put, get = _kernel_line("item_smem.store(gl.full([1], w"), _kernel_line("w = item_smem.load(layout) + token")
     hazards = [_hazard("RAW", ("Write", put), ("Read", get))]
     if not explained_only:
