@@ -103,11 +103,11 @@ def other_barriers(ptx: str) -> tuple[int, ...]:
     ``attention_sm90._HANDOFF_THREADS`` threads."""
     from mla_ops.kernels.attention_sm90 import _HANDOFF_THREADS
 
-    ids = set()
+    handoff, ids = _handoff_barriers(), set()
     for bar_id, count in re.findall(
         r"\b(?:bar|barrier)\.(?:sync|arrive|red\.\w+)(?:\.aligned)?\s+(\d+)(?:,\s*(\d+))?", ptx
     ):
-        if not (int(bar_id) in _handoff_barriers() and count == str(_HANDOFF_THREADS)):
+        if not (int(bar_id) in handoff and count == str(_HANDOFF_THREADS)):
             ids.add(int(bar_id))
     return tuple(sorted(ids))
 

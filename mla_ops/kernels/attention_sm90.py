@@ -127,6 +127,13 @@ def _named_barrier(x, ASM: gl.constexpr):
 
 
 @gluon.jit
+def _wait_both_read(token):
+    """``token`` (int32, one element per thread of the producer warp) once both warpgroups have signalled the last
+    item read."""
+    return _named_barrier(_named_barrier(token, _WAIT_READ_0), _WAIT_READ_1)
+
+
+@gluon.jit
 def _put_item(item_smem, w, seq_smem, b, n):
     """Write the ``n``-th work item ``w`` (and, where :data:`_LEAN`, its sequence ``b`` into ``seq_smem``) where
     the consumers read it (:func:`_get_item`): once both warpgroups have read the previous one, and signalled
@@ -135,7 +142,7 @@ def _put_item(item_smem, w, seq_smem, b, n):
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     token = gl.full([1], 0, gl.int32, layout)
     if n > 0:
-        token = _named_barrier(_named_barrier(token, _WAIT_READ_0), _WAIT_READ_1)
+        token = _wait_both_read(token)
     item_smem.store(gl.full([1], w, gl.int32, layout) + token)  # the token (0) keeps the store after the waits
     if _LEAN:
         seq_smem.store(gl.full([1], b, gl.int32, layout) + token)
@@ -147,7 +154,7 @@ def _await_last_read(n):
     """Wait until both warpgroups have read the last item written (the ``n``-th), as :func:`_put_item` would before
     another: each warpgroup's barriers then end the launch with every arrival waited for."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    _named_barrier(_named_barrier(gl.full([1], n * 0, gl.int32, layout), _WAIT_READ_0), _WAIT_READ_1)
+    _wait_both_read(gl.full([1], n * 0, gl.int32, layout))
 
 
 @gluon.jit
