@@ -72,7 +72,7 @@ def _producer(item_smem, seq_smem, full, empty, Seed, ITEMS: gl.constexpr, DELAY
             item_smem.store(gl.full([1], item, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
         mbarrier.arrive(full, count=1)
     if ORDERED:
-        _await_last_read(ITEMS - 1)
+        _await_last_read()
 
 
 @gluon.jit
@@ -81,7 +81,6 @@ def _consumer(item_smem, seq_smem, full, empty, Out, WG: gl.constexpr, ITEMS: gl
     for n in range(ITEMS):
         if ORDERED:
             mbarrier.wait(full, n & 1)
-        if ORDERED:
             w, _ = _get_item(item_smem, seq_smem, WG)
         else:
             w = gl.max(item_smem.load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)

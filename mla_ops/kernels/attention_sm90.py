@@ -108,15 +108,23 @@ def _sequence_of_slot(cu_seqlens_q, num_seqs, slot, WARPS: gl.constexpr):
 _ITEM_WRITTEN = 12
 _ITEM_READ = 14
 _HANDOFF_THREADS = 32 + 4 * 32
-#: Inline PTX per barrier and warpgroup; each passes its operand through, so that data can depend on it.
-_WAIT_WRITTEN_0 = gl.constexpr(f"bar.sync {_ITEM_WRITTEN}, {_HANDOFF_THREADS}; mov.b32 $0, $1;")
-_WAIT_WRITTEN_1 = gl.constexpr(f"bar.sync {_ITEM_WRITTEN + 1}, {_HANDOFF_THREADS}; mov.b32 $0, $1;")
-_SIGNAL_WRITTEN_0 = gl.constexpr(f"bar.arrive {_ITEM_WRITTEN}, {_HANDOFF_THREADS}; mov.b32 $0, $1;")
-_SIGNAL_WRITTEN_1 = gl.constexpr(f"bar.arrive {_ITEM_WRITTEN + 1}, {_HANDOFF_THREADS}; mov.b32 $0, $1;")
-_WAIT_READ_0 = gl.constexpr(f"bar.sync {_ITEM_READ}, {_HANDOFF_THREADS}; mov.b32 $0, $1;")
-_WAIT_READ_1 = gl.constexpr(f"bar.sync {_ITEM_READ + 1}, {_HANDOFF_THREADS}; mov.b32 $0, $1;")
-_SIGNAL_READ_0 = gl.constexpr(f"bar.arrive {_ITEM_READ}, {_HANDOFF_THREADS}; mov.b32 $0, $1;")
-_SIGNAL_READ_1 = gl.constexpr(f"bar.arrive {_ITEM_READ + 1}, {_HANDOFF_THREADS}; mov.b32 $0, $1;")
+
+
+def _handoff_ptx(op: str, bar_id: int) -> gl.constexpr:
+    """Inline PTX of ``bar.<op>`` (``sync`` or ``arrive``) on hand-off barrier ``bar_id``; it passes its operand
+    through, so that data can depend on it."""
+    return gl.constexpr(f"bar.{op} {bar_id}, {_HANDOFF_THREADS}; mov.b32 $0, $1;")
+
+
+#: The barriers' PTX per warpgroup.
+_WAIT_WRITTEN_0 = _handoff_ptx("sync", _ITEM_WRITTEN)
+_WAIT_WRITTEN_1 = _handoff_ptx("sync", _ITEM_WRITTEN + 1)
+_SIGNAL_WRITTEN_0 = _handoff_ptx("arrive", _ITEM_WRITTEN)
+_SIGNAL_WRITTEN_1 = _handoff_ptx("arrive", _ITEM_WRITTEN + 1)
+_WAIT_READ_0 = _handoff_ptx("sync", _ITEM_READ)
+_WAIT_READ_1 = _handoff_ptx("sync", _ITEM_READ + 1)
+_SIGNAL_READ_0 = _handoff_ptx("arrive", _ITEM_READ)
+_SIGNAL_READ_1 = _handoff_ptx("arrive", _ITEM_READ + 1)
 
 
 @gluon.jit
@@ -150,11 +158,11 @@ def _put_item(item_smem, w, seq_smem, b, n):
 
 
 @gluon.jit
-def _await_last_read(n):
-    """Wait until both warpgroups have read the last item written (the ``n``-th), as :func:`_put_item` would before
-    another: each warpgroup's barriers then end the launch with every arrival waited for."""
+def _await_last_read():
+    """Wait until both warpgroups have read the last item written, as :func:`_put_item` would before another: each
+    warpgroup's barriers then end the launch with every arrival waited for."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    _wait_both_read(gl.full([1], n * 0, gl.int32, layout))
+    _wait_both_read(gl.full([1], 0, gl.int32, layout))
 
 
 @gluon.jit
@@ -362,7 +370,7 @@ def _producer(
     mbarrier.wait(q_empty, (n & 1) ^ 1)
     _put_item(item_smem, -1, seq_smem, 0, n)
     mbarrier.arrive(q_bar, count=1)  # no transfer: the phase completes on the arrival alone
-    _await_last_read(n)
+    _await_last_read()
 
 
 @gluon.jit
