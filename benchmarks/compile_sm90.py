@@ -16,7 +16,9 @@ last column), the warps per program (the Gluon kernel's partitions add a produce
 the TTGIR holds: ``ttg.warp_specialize`` regions and TMA (``async_tma_copy``) operations. A variant that
 does not compile, spills, has its wgmma instructions serialised by ptxas (its warnings C7514/C7515: the
 tensor cores then finish each product before the next starts), or is the Gluon kernel without its
-partitions is reported as a failure (spills only without ``--allow-spills``); the last line sums them up,
+partitions, or has a shared-memory access of its own at the lines where Triton hands out the partitions (whose
+racecheck hazards ``sanitize.py`` explains: :mod:`benchlib.handout`) is reported as a failure (spills only without
+``--allow-spills``); the last line sums them up,
 and the exit status is 1 if any failed.
 ``benchmarks/compile_matrix.sh`` runs it under each supported Triton release.
 
@@ -43,6 +45,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The shared modules live next to this script, which is not part of a package.
 from benchlib import cli
+from benchlib.handout import foreign_accesses, handout_lines
 
 #: The compute capability compiled for: Hopper, whose architecture-specific target is sm_90a.
 CAPABILITY = 90
@@ -69,6 +72,9 @@ class Variant:
     native: bool | None = None  # its parameters are a native launch's (mla_ops.kernels.launch.native_abi)
     #: Named barriers the PTX uses besides the Gluon kernel's own hand-off barriers (Triton's), by id.
     other_barriers: tuple[int, ...] = ()
+    #: Shared-memory accesses at the lines of Triton's hand-out of the partitions that are not the hand-out's
+    #: (:func:`benchlib.handout.foreign_accesses`): sanitize.py would explain racecheck's hazards on them.
+    handout_foreign: tuple[str, ...] = ()
 
     def problems(self, wants_ws: bool) -> list[str]:
         """Why this variant is not fit to launch; empty when it is. ``wants_ws``: it states partitions of its
@@ -87,6 +93,11 @@ class Variant:
         taken = sorted(set(self.other_barriers) & set(_handoff_barriers()))
         if taken:
             found.append(f"Triton's own named barriers {taken} are the work-item hand-off's (attention_sm90._ITEM_*)")
+        if self.handout_foreign:
+            found.append(
+                f"{len(self.handout_foreign)} shared-memory access(es) besides Triton's hand-out at its lines "
+                f"(sanitize.py would explain their hazards): {'; '.join(self.handout_foreign[:3])}"
+            )
         return found
 
 
@@ -110,6 +121,18 @@ def other_barriers(ptx: str) -> tuple[int, ...]:
         if not (int(bar_id) in handoff and count == str(_HANDOFF_THREADS)):
             ids.add(int(bar_id))
     return tuple(sorted(ids))
+
+
+def handout_foreign(ptx: str) -> list[str]:
+    """The Gluon kernel's shared-memory accesses that ``ptx`` attributes to the lines of Triton's hand-out of its
+    partitions but that are not the hand-out's (:func:`benchlib.handout.foreign_accesses`)."""
+    from mla_ops.kernels import attention_sm90
+
+    path = Path(attention_sm90.__file__)
+    lines = handout_lines(path.read_text(), attention_sm90._attn_fwd_sm90.fn.__name__)
+    if not lines:
+        return ["the kernel's gl.warp_specialize call was not found in its source"]
+    return foreign_accesses(ptx, path.name, lines)
 
 
 def _stand_ins(dqk: int, dv: int, causal: bool, dtype_name: str = "bfloat16"):
@@ -194,6 +217,7 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool, dtype_name: st
         variant.native = native_abi(compiled)
         if config.gluon:
             variant.other_barriers = other_barriers(compiled.asm["ptx"])
+            variant.handout_foreign = tuple(handout_foreign(compiled.asm["ptx"]))
         variant.tma_ops = len(re.findall(r"async_tma_copy|async_tma_store|tma_store|descriptor_(?:load|store)", ttgir))
     except Exception as exc:  # a variant the compiler rejects is a result to report
         variant.error = _error_text(exc)

@@ -16,8 +16,9 @@ a wider tensor; it checks every result against the CPU reference.
 
 Prints one summary line per tool and exits 1 if any tool reports an error, racecheck a hazard that is not
 explained, or the workload fails. racecheck's hazards are listed by the two accesses that make each (the package
-function and line of each); :data:`EXPLAINED` names the pairs shown to be ordered, and why (none today:
-docs/design/triton-kernels.md, Under compute-sanitizer).
+function and line of each); :data:`EXPLAINED` names the pairs shown to be ordered, and why: today the Gluon kernel's
+hand-out of its partitions, which Triton generates (:mod:`benchlib.handout`; docs/design/triton-kernels.md, Under
+compute-sanitizer).
 
 Needs a CUDA GPU, Triton and compute-sanitizer (from the CUDA toolkit; ``--sanitizer`` or ``$COMPUTE_SANITIZER`` if
 it is not on PATH). The sanitizer runs with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, so that memcheck sees each tensor's
@@ -41,6 +42,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The shared modules live next to this script, which is not part of a package.
+from benchlib.handout import handout_lines
+
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 #: Extra options per tool: racecheck prints every hazard (warnings too), without backtraces, so that each one's
 #: accesses can be attributed (:func:`racecheck_sites`); the others print the first 50 errors.
@@ -58,10 +63,23 @@ _HAZARD = re.compile(
     r"=+\s+(?P<first>\w+) Thread \S+ at (?P<first_at>\S+)(?: in (?P<first_src>\S+:\d+))?.*\n"
     r"=+\s+(?P<second>\w+) Thread \S+ at (?P<second_at>\S+)(?: in (?P<second_src>\S+:\d+))?"
 )
-#: Hazards whose two accesses are in these functions (either order) are explained: why each is not a race. Empty
-#: since the Gluon kernel's work-item hand-off (_put_item, _get_item) also goes through named barriers, whose order
-#: racecheck sees: a hazard there now is a real one.
-EXPLAINED: dict[frozenset[str], str] = {}
+#: racecheck's summary of hazards it groups (``Race reported between Read access at kernel+0x120 in file.py:121`` and,
+#: on the next line, ``and Write access at ... [5 hazards]``); the summary line counts each such report too.
+_RACE = re.compile(
+    r"Race reported between (?P<first>\w+) access at (?P<first_at>\S+)(?: in (?P<first_src>\S+:\d+))?.*\n"
+    r"=+\s+and (?P<second>\w+) access at (?P<second_at>\S+)(?: in (?P<second_src>\S+:\d+))?.*?\[(?P<n>\d+) hazards?\]"
+)
+#: Hazards whose two accesses are in these places (either order; a function's name, or ``NAME hand-out`` for the
+#: lines of a warp-specialised kernel where Triton hands out its partitions, :mod:`benchlib.handout`) are explained:
+#: why each is not a race. The work-item hand-off (_put_item, _get_item) is not among them: it goes through named
+#: barriers, whose order racecheck sees, so a hazard there is a real one.
+EXPLAINED: dict[frozenset[str], str] = {
+    frozenset({"_attn_fwd_sm90 hand-out"}): (
+        "Triton's state bytes, ordered by barrier.sync 1 over every thread; racecheck loses that order once the "
+        "default partition has synchronised its own warps (bar.sync 0, 128), as benchmarks/racecheck_handout.cu "
+        "shows without Triton; compile_sm90.py checks that no other access is at these lines"
+    ),
+}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -246,19 +264,24 @@ def find_sanitizer(explicit: str | None) -> str | None:
     return None
 
 
-def _source_function(site: str) -> str:
-    """The package function whose source holds ``site`` (``file.py:line`` as the sanitizer prints it), with the line;
-    a kernel's ``def`` line is code Triton generates for the kernel as a whole (its warp-specialisation set-up)."""
+def _source_function(site: str) -> tuple[str, str]:
+    """The package function whose source holds ``site`` (``file.py:line`` as the sanitizer prints it): ``(where,
+    place)``, ``where`` the function with the line, ``place`` the function's name, or ``NAME hand-out`` at the lines
+    where Triton hands out a warp-specialised kernel's partitions (:func:`benchlib.handout.handout_lines`). Another
+    kernel's ``def`` line is code Triton generates for the kernel as a whole."""
     name, _, line_text = site.rpartition(":")
     line = int(line_text)
     for path in sorted(Path(__file__).resolve().parent.parent.joinpath("mla_ops").rglob(Path(name).name)):
-        functions = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.FunctionDef)]
+        source = path.read_text()
+        functions = [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)]
         enclosing = [node for node in functions if node.lineno <= line <= (node.end_lineno or node.lineno)]
         best = max(enclosing, key=lambda node: node.lineno, default=None)  # the innermost
         if best is not None:
+            if line in handout_lines(source, best.name):
+                return f"{best.name} (its partitions' hand-out: {site})", f"{best.name} hand-out"
             where = "def line: code Triton generates for the kernel" if line == best.lineno else site
-            return f"{best.name} ({where})"
-    return site
+            return f"{best.name} ({where})", best.name
+    return site, site
 
 
 def racecheck_sites(report: str) -> list[tuple[int, str, str | None]]:
@@ -269,13 +292,20 @@ def racecheck_sites(report: str) -> list[tuple[int, str, str | None]]:
         first = m["first_src"] or m["first_at"]
         second = m["second_src"] or m["second_at"]
         counts[(m["kind"], m["first"], first, m["second"], second)] += 1
+    # A grouped report adds its pair only where no single hazard names it (either order), so that nothing it
+    # covers goes unlisted and nothing is counted twice.
+    pairs = {frozenset({(first, a), (second, b)}) for _, first, a, second, b in counts}
+    for m in _RACE.finditer(report):
+        first, second = m["first_src"] or m["first_at"], m["second_src"] or m["second_at"]
+        if frozenset({(m["first"], first), (m["second"], second)}) not in pairs:
+            counts[("race", m["first"], first, m["second"], second)] += int(m["n"])
     sites = []
     for (kind, first, first_site, second, second_site), count in counts.most_common():
-        where = [_source_function(first_site) if ":" in first_site else first_site,
-                 _source_function(second_site) if ":" in second_site else second_site]  # fmt: skip
-        functions = frozenset(w.split(" ")[0] for w in where)
-        explanation = EXPLAINED.get(functions)
-        sites.append((count, f"{kind}: {first.lower()} in {where[0]}, {second.lower()} in {where[1]}", explanation))
+        (where_a, place_a), (where_b, place_b) = (
+            _source_function(site) if ":" in site else (site, site) for site in (first_site, second_site)
+        )
+        explanation = EXPLAINED.get(frozenset({place_a, place_b}))
+        sites.append((count, f"{kind}: {first.lower()} in {where_a}, {second.lower()} in {where_b}", explanation))
     return sites
 
 

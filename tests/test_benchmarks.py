@@ -29,6 +29,7 @@ import pytest
 import sanitize as SAN
 import torch
 from benchlib import attribution as A
+from benchlib import handout as HO
 from benchlib import methods as M
 from benchlib import problems as P
 from benchlib import report as R
@@ -134,10 +135,86 @@ def test_sanitize_attributes_racecheck_hazards_to_the_kernel_functions(monkeypat
     assert [count for count, _, _ in sites] == [3, 2, 1, 1]
     handoff = f"RAW: write in _put_item (attention_sm90.py:{put}), read in _get_item (attention_sm90.py:{get})"
     assert sites[0][0] == 3 and sites[0][1] == handoff and "hand-off" in sites[0][2]
-    assert "def line" in sites[1][1] and sites[1][2] is None  # Triton's set-up: reported, not explained
+    assert f"hand-out: attention_sm90.py:{kernel_def}" in sites[1][1] and sites[1][2] is None  # not in this EXPLAINED
     rest = {description: explanation for _, description, explanation in sites[2:]}
     assert rest[f"WAR: read in _get_item (attention_sm90.py:{get}), write in _put_item (attention_sm90.py:{put})"]
     assert rest[f"RAW: write in _softmax (attention_sm90.py:{softmax}), read in _attn_fwd_sm90+0xeb00"] is None
+
+
+def test_sanitize_explains_only_hazards_between_accesses_of_the_partitions_hand_out():
+    kernel_def = _kernel_line("def _attn_fwd_sm90(")
+    partitions = _kernel_line("if pid >= num_workers:")  # the statement that holds gl.warp_specialize
+    body = _kernel_line("pid = gl.program_id(0)")  # the kernel's own line between the two
+    softmax = _kernel_line("def _softmax(") + 3
+    report = "\n".join([
+        _hazard("RAW", ("Write", partitions), ("Read", kernel_def)),
+        _hazard("RAW", ("Write", kernel_def), ("Read", kernel_def)),
+        _hazard("RAW", ("Write", partitions), ("Read", body)),
+        _hazard("WAR", ("Read", kernel_def), ("Write", softmax)),
+    ])  # fmt: skip
+    explained = {description: explanation for _, description, explanation in SAN.racecheck_sites(report)}
+
+    def hand_out(line: int) -> str:
+        return f"_attn_fwd_sm90 (its partitions' hand-out: attention_sm90.py:{line})"
+
+    assert "barrier.sync 1" in explained[f"RAW: write in {hand_out(partitions)}, read in {hand_out(kernel_def)}"]
+    assert explained[f"RAW: write in {hand_out(kernel_def)}, read in {hand_out(kernel_def)}"]
+    own = f"_attn_fwd_sm90 (attention_sm90.py:{body})"
+    assert explained[f"RAW: write in {hand_out(partitions)}, read in {own}"] is None
+    assert explained[f"WAR: read in {hand_out(kernel_def)}, write in _softmax (attention_sm90.py:{softmax})"] is None
+
+    def grouped(first: int, second: int) -> str:  # racecheck's report of a group of hazards
+        return (
+            f"========= Error: Race reported between Write access at _attn_fwd_sm90+0x10 in attention_sm90.py:{first}\n"
+            f"=========     and Read access at _attn_fwd_sm90+0x20 in attention_sm90.py:{second} [4 hazards]\n"
+        )
+
+    # A group whose pair a single hazard already names adds nothing; one that names a new pair is listed.
+    sites = SAN.racecheck_sites(report + "\n" + grouped(partitions, kernel_def) + grouped(softmax, body))
+    assert sum(count for count, _, _ in sites) == 4 + 4
+    assert (4, f"race: write in _softmax (attention_sm90.py:{softmax}), read in {own}", None) in sites
+
+
+def test_handout_lines_and_the_accesses_there():
+    source = (
+        "def kernel(x):\n"  # 1
+        "    pid = program_id(0)\n"  # 2
+        "    if pid > 3:\n"  # 3
+        "        gl.store(x, 0)\n"  # 4
+        "    else:\n"  # 5
+        "        gl.warp_specialize([(a, ()), (b, ())], [4], [232])\n"  # 6
+        "def plain(x):\n"  # 7
+        "    return x\n"  # 8
+    )
+    assert HO.handout_lines(source, "kernel") == {1, 3}
+    assert HO.handout_lines(source, "plain") == frozenset() and HO.handout_lines(source, "absent") == frozenset()
+    ptx = "\n".join([
+        "\t.loc\t1 1 0",
+        "\tst.shared.v2.b32 \t[global_smem+2048], {0, 50397698};",
+        "\tld.shared.b8 \t%r1, [%r2+2044];",
+        "\t.loc\t1 3 0",
+        "\tst.shared.v2.b32 \t[global_smem+2048], {67372036, 67372036};",
+        "\tmbarrier.init.shared.b64 \t[global_smem+8], 1;",
+        "\t.loc\t2 3 0",
+        "\tld.shared.b32 \t%r3, [global_smem+16];",  # line 3 of another file
+        "\t.loc\t1 2 0",
+        "\tst.shared.b32 \t[global_smem+32], %r4;",  # a line that is not the hand-out's
+        '\t.file\t1 "/src/pkg/kernel.py"',
+        '\t.file\t2 "/lib/triton/language/standard.py"',
+    ])  # fmt: skip
+    lines = frozenset({1, 3})
+    found = [op for op, _ in HO.accesses_at(ptx, "kernel.py", lines)]
+    assert found == ["st.shared.v2.b32", "ld.shared.b8", "st.shared.v2.b32"]
+    assert HO.foreign_accesses(ptx, "kernel.py", lines) == []
+    own = ptx.replace("\t.loc\t1 2 0", "\t.loc\t1 3 0")  # the kernel's own store, attributed to a hand-out line
+    assert HO.foreign_accesses(own, "kernel.py", lines) == ["st.shared.b32 [global_smem+32], %r4"]
+    moved = ptx.replace("[global_smem+2048], {67372036", "[global_smem+4096], {67372036")
+    assert HO.foreign_accesses(moved, "kernel.py", lines) == ["state stores to 2 addresses: global_smem+2048, +4096"]
+    variant = CS.Variant("128,128,4,2,ovl,gluon,pers", causal=True, handout_foreign=("st.shared.b32 [x], %r4",))
+    assert variant.problems(wants_ws=False) == [
+        "1 shared-memory access(es) besides Triton's hand-out at its lines (sanitize.py would explain their "
+        "hazards): st.shared.b32 [x], %r4"
+    ]
 
 
 @pytest.mark.parametrize("explained_only", [True, False])

@@ -6,6 +6,8 @@
 - :mod:`benchlib.methods`: what is timed: the ops through ``mla_ops``, the backends called directly,
   and each library's raw call; the correctness check against fp32 reference math;
 - :mod:`benchlib.timing`: the one timer, and the alternating-rounds helper for ratios;
+- :mod:`benchlib.handout`: where Triton puts a warp-specialised kernel's hand-out of its partitions (source lines,
+  PTX accesses), for ``sanitize.py`` and ``compile_sm90.py``;
 - :mod:`benchlib.report`: the environment record (GPU, clocks, versions), progress messages, and
   CSV / Markdown / PNG output.
 
