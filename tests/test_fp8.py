@@ -354,6 +354,28 @@ def test_quantize_kernel_in_the_interpreter(per_head) -> None:
     assert torch.equal(got.float(), values.float())
 
 
+@interpreted
+@pytest.mark.parametrize("per_head", [True, False])
+def test_amax_kernel_in_the_interpreter(per_head) -> None:
+    """The CUDA maxima's kernel, run in Triton's interpreter, against PyTorch's reduction: a strided view, a token
+    count that spans two programs and no block divides, one head of zeros, one with a NaN (kept, as PyTorch keeps
+    it) and -inf in another (an infinite magnitude)."""
+    from mla_ops.kernels.quantize import amax_rows
+
+    gen = torch.Generator().manual_seed(6)
+    kv = torch.randn(1100, 4, 320, generator=gen).bfloat16()
+    kv[:, 1] = 0.0
+    kv[1037, 2, 200] = float("nan")
+    kv[3, 3, 300] = -float("inf")
+    x = kv[..., 128:]
+    got = amax_rows(x, per_head)
+    want = torch.linalg.vector_norm(x, ord=math.inf, dim=(0, 2) if per_head else (0, 1, 2)).float()
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+    if per_head:
+        assert got[1] == 0 and got[2].isnan() and got[3] == float("inf") and got[0] == x[:, 0].abs().max()
+
+
 def test_triton_describes_its_fp8_kernel() -> None:
     pytest.importorskip("triton.experimental.gluon", reason="the bf16 description names the Gluon kernel where it runs")
     from mla_ops.backends.triton import TritonBackend

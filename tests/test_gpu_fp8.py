@@ -67,6 +67,19 @@ def test_quantize_fp8_on_the_device_matches_the_cpu(backend) -> None:
             assert torch.equal(got8.cpu().float(), want8.float())
 
 
+def test_quantize_fp8_of_a_large_tensor_matches_the_cpu(backend) -> None:
+    """From ``2**25`` elements on, the maxima come from the maxima's kernel (kernels/quantize.amax_rows) rather than
+    PyTorch's reduction: the same factors and values as on the CPU, for a strided view too."""
+    kv = torch.randn(1366, 128, 320, generator=torch.Generator().manual_seed(1)).bfloat16()
+    for x in (kv[..., 128:], kv[..., :192].contiguous()):
+        assert x.numel() >= 1 << 25
+        for per_head in (True, False):
+            got8, got = mla_ops.quantize_fp8(x.to(DEVICE), per_head=per_head)
+            want8, want = mla_ops.quantize_fp8(x, per_head=per_head)
+            assert torch.equal(got.cpu(), want)
+            assert torch.equal(got8.cpu().float(), want8.float())
+
+
 def test_fp8_replays_in_a_cuda_graph_with_new_lengths(backend) -> None:
     """Quantisation and attention captured once, replayed with new data and offsets in the same buffers."""
     heads, budget, max_batch = 16, 2048, 4
