@@ -2,12 +2,12 @@
 
 The kernels: the Hopper Gluon attention kernel (calls of at least 65536 key rows x heads on SM90), the
 ``tl.dot`` attention kernel (smaller calls, and every call elsewhere; its fp8 variant for the fp8 ops), the fp8
-quantiser's conversion kernel, the Triton merge and LSE kernels, and the native library's C++ launches of them
-(a layout's second call). The workload runs each path of the
-TRITON backend eagerly (first call through Python, second through the native library) and inside a CUDA
-graph replayed with new lengths, on ragged batches with an empty sequence, one-token sequences, lengths
-that are not multiples of any block, padding rows and ``v`` as a strided view at the end of each row of
-a wider tensor; it checks every result against the CPU reference.
+quantiser's maxima and conversion kernels, the Triton merge and LSE kernels, and the native library's C++
+launches of them (a layout's second call). The workload runs each path of the TRITON backend eagerly (first
+call through Python, second through the native library) and inside a CUDA graph replayed with new lengths, on
+ragged batches with an empty sequence, one-token sequences, lengths that are not multiples of any block,
+padding rows and ``v`` as a strided view at the end of each row of a wider tensor; it checks every result
+against the CPU reference.
 
     python benchmarks/sanitize.py                       # memcheck, racecheck, initcheck, synccheck
     python benchmarks/sanitize.py --tools racecheck --log-dir /tmp/sanitize
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import math
 import os
 import re
 import shutil
@@ -161,6 +162,14 @@ def _fp8_workload(new_lengths: Sequence[int], chunk_q: Sequence[int], chunk_k: S
     if not torch.equal(q8.cpu().float(), want_q8.float()):
         raise AssertionError("quantize_fp8: the CUDA kernel and PyTorch's conversion differ")
     print("  quantize_fp8: ok", flush=True)
+    # The maxima's kernel, which quantize_fp8 takes only for large tensors: here directly, on the strided view v
+    # (4118 rows: 17 programs per head) and over the whole tensor, against PyTorch's reduction.
+    from mla_ops.kernels.quantize import amax_rows
+
+    for per_head, dims in ((True, (0, 2)), (False, (0, 1, 2))):
+        if not torch.equal(amax_rows(v, per_head), torch.linalg.vector_norm(v, ord=math.inf, dim=dims).float()):
+            raise AssertionError(f"amax_rows(per_head={per_head}) and PyTorch's reduction differ")
+    print("  amax_rows: ok", flush=True)
     fp8_new = (q8, k8, v8, cu, max(new_lengths), dq, dk, dv)
     want = mla_ops.prefill_fp8(*(_cpu(t) for t in fp8_new))
     for attempt in ("launch", "relaunch"):
