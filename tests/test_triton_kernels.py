@@ -12,6 +12,7 @@ the launcher explicitly); the tile logic they exercise is the same as with the G
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import math
 import os
@@ -1154,7 +1155,8 @@ def test_cached_launch_skips_the_jit_after_the_first_launch(monkeypatch):
 
 def test_a_known_launcher_is_called_through_its_c_launch_and_any_other_through_call(monkeypatch):
     """CachedLaunch calls a compiled kernel's C ``launch`` itself only for a launcher whose ``__call__``
-    source it knows (Triton 3.6's forwarding), with what that ``__call__`` would pass; else ``__call__``."""
+    source it knows, with what that ``__call__`` would pass: the kernel's arguments one by one (Triton 3.6's
+    forwarding) or as one tuple after the launcher's annotations and signature (3.7 to 3.9's); else ``__call__``."""
     import hashlib
     import inspect
     import textwrap
@@ -1167,6 +1169,7 @@ def test_a_known_launcher_is_called_through_its_c_launch_and_any_other_through_c
     class CudaLauncher:  # forwards as Triton 3.6's does
         global_scratch_size = profile_scratch_size = 0
         launch_cooperative_grid, launch_pdl = False, True
+        arg_annotations, kernel_signature = "annotations", "signature"
 
         def __init__(self):
             self.launch = lambda *args: calls.append(("c", args))
@@ -1176,23 +1179,72 @@ def test_a_known_launcher_is_called_through_its_c_launch_and_any_other_through_c
 
     compiled = SimpleNamespace(run=CudaLauncher(), function="fn", packed_metadata="meta", metadata=None)
     runtime = _runtime(stream=lambda index: "stream")
-    launch._forwarding_known.cache_clear()
+    launch._forwarding.cache_clear()
     fixed = launch.FixedLaunch(compiled, 0, (3,), ("tail",), runtime)
     assert fixed.native is None  # an unknown __call__
     fixed(("lead",))
     assert calls.pop() == ("call", (3, 1, 1, "stream", "fn", "meta", None, None, None, "lead", "tail"))
-    source = textwrap.dedent(inspect.getsource(CudaLauncher.__call__))
-    monkeypatch.setattr(launch, "KNOWN_LAUNCHER_CALLS", {hashlib.sha256(source.encode()).hexdigest()})
-    launch._forwarding_known.cache_clear()
-    fixed = launch.FixedLaunch(compiled, 0, (3,), ("tail",), runtime)
-    fixed(("lead",))
+    digest = hashlib.sha256(textwrap.dedent(inspect.getsource(CudaLauncher.__call__)).encode()).hexdigest()
+    monkeypatch.setattr(launch, "KNOWN_LAUNCHER_CALLS", {digest: launch.SPREAD})
+    launch._forwarding.cache_clear()
+    launch.FixedLaunch(compiled, 0, (3,), ("tail",), runtime)(("lead",))
     assert calls.pop() == (
         "c",
         (3, 1, 1, "stream", "fn", False, True, None, None, "meta", None, None, None, "lead", "tail"),
     )
+    monkeypatch.setattr(launch, "KNOWN_LAUNCHER_CALLS", {digest: launch.PACKED})
+    launch._forwarding.cache_clear()
+    launch.FixedLaunch(compiled, 0, (3,), ("tail",), runtime)(("lead",))
+    assert calls.pop() == (
+        "c",
+        (3, 1, 1, "stream", "fn", False, True, "meta", None, None, None, None, None, "annotations", "signature",
+         ("lead", "tail")),
+    )  # fmt: skip
+    compiled.run.gsan_enabled = True  # Triton's GPU sanitizer adds arguments in __call__: go through it
+    assert launch.FixedLaunch(compiled, 0, (3,), ("tail",)).native is None
+    compiled.run.gsan_enabled = False
     compiled.run.global_scratch_size = 128  # a kernel that needs scratch goes through __call__, which allocates it
     assert launch.FixedLaunch(compiled, 0, (3,), ("tail",)).native is None
-    launch._forwarding_known.cache_clear()
+    launch._forwarding.cache_clear()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton: its launcher is what is checked")
+def test_the_installed_tritons_launcher_is_known_and_launched_as_its_call_would(monkeypatch):
+    """A supported Triton release's ``CudaLauncher.__call__`` is in KNOWN_LAUNCHER_CALLS (a patch release that changed
+    it would quietly lose the direct launch), and FixedLaunch passes its C ``launch`` exactly what the real
+    ``__call__`` passes it: both run here on a launcher built without a GPU, whose ``launch`` records its arguments."""
+    from types import SimpleNamespace
+
+    import triton
+
+    from mla_ops.kernels import launch
+    from mla_ops.kernels.triton_compat import SUPPORTED_RELEASES
+
+    if ".".join(triton.__version__.split(".")[:2]) not in SUPPORTED_RELEASES:
+        pytest.skip(f"Triton {triton.__version__} is not a supported release")
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+    except ImportError as exc:
+        pytest.skip(f"this Triton has no NVIDIA launcher: {exc}")
+    try:
+        _ = triton.runtime.driver.active  # 3.8 and 3.9's __call__ reads it (for a profile buffer, of size 0 here)
+    except RuntimeError:  # no GPU driver on this machine
+        monkeypatch.setattr(triton.runtime.driver, "_active", SimpleNamespace())
+    recorded = []
+    run = object.__new__(CudaLauncher)
+    run.launch = lambda *args: recorded.append(args)
+    run.global_scratch_size = run.profile_scratch_size = 0
+    run.global_scratch_align = run.profile_scratch_align = run.num_ctas = 1
+    run.launch_cooperative_grid, run.launch_pdl, run.gsan_enabled = False, True, False
+    run.arg_annotations, run.kernel_signature = "annotations", "signature"
+    run(3, 2, 1, "stream", "fn", "meta", None, None, None, "lead", 7, 0.5)
+    launch._forwarding.cache_clear()
+    compiled = SimpleNamespace(run=run, function="fn", packed_metadata="meta", metadata=None)
+    fixed = launch.FixedLaunch(compiled, 0, (3, 2), (7, 0.5), _runtime(stream=lambda index: "stream"))
+    assert fixed.native is not None, f"Triton {triton.__version__}'s CudaLauncher.__call__ is not known"
+    fixed(("lead",))
+    assert recorded[1] == recorded[0]
+    launch._forwarding.cache_clear()
 
 
 def _ptx_entry(*params: str) -> str:

@@ -151,38 +151,59 @@ def _needs_scratch(compiled: Any) -> bool:
     return getattr(getattr(compiled, "metadata", None), "global_scratch_size", 0) > 0
 
 
+#: How a known launcher's ``__call__`` hands the kernel's arguments to its C ``launch``: after the four hook and
+#: metadata arguments, one by one (Triton 3.6), or after the scratch buffers and the launcher's argument annotations
+#: and signature, as one tuple (3.7 to 3.9).
+SPREAD, PACKED = "spread", "packed"
+
 #: SHA-256 of the dedented source of each ``CudaLauncher.__call__`` whose forwarding :meth:`FixedLaunch.__call__`
-#: reproduces (Triton 3.6's). The launcher's C ``launch`` takes its arguments positionally, in an order
-#: that changes between Triton releases, so any other source is called through ``__call__``.
-KNOWN_LAUNCHER_CALLS = frozenset({"ead77febd3d441d474bb8bc0126006c821d25c5ba32235acd60673c9cb83cc78"})
+#: reproduces, with how it forwards. The C ``launch`` takes its arguments positionally, in an order that changes
+#: between Triton releases, so any other source is called through ``__call__``.
+KNOWN_LAUNCHER_CALLS: dict[str, str] = {
+    "ead77febd3d441d474bb8bc0126006c821d25c5ba32235acd60673c9cb83cc78": SPREAD,  # 3.6
+    "c1aca52436e131d463ada3a9c2072b5574f11ed211c8f252b1b872f5aa8c4a27": PACKED,  # 3.7
+    "6371e159a7f254ac32b6b42c216d73581f90fba1a03f6605bc3e78a4462fb1b5": PACKED,  # 3.8
+    "4c93e15e00f89b49707f128c7597ae5d4500b3917a5b4de32c18ee927ed6b7c8": PACKED,  # 3.9
+}
 
 
 @functools.cache
-def _forwarding_known(launcher_cls: type) -> bool:
+def _forwarding(launcher_cls: type) -> str | None:
+    """How ``launcher_cls.__call__`` forwards (:data:`KNOWN_LAUNCHER_CALLS`), or ``None`` for a source not known."""
     try:
         source = textwrap.dedent(inspect.getsource(launcher_cls.__call__))
     except (OSError, TypeError):
-        return False
-    return hashlib.sha256(source.encode()).hexdigest() in KNOWN_LAUNCHER_CALLS
+        return None
+    return KNOWN_LAUNCHER_CALLS.get(hashlib.sha256(source.encode()).hexdigest())
 
 
 def _native_launch(compiled: Any) -> tuple | None:
-    """``(launch, cooperative, pdl)`` of a compiled kernel whose launcher's ``__call__`` is one this module
-    knows (:data:`KNOWN_LAUNCHER_CALLS`) and that needs no scratch memory, else ``None``.
+    """``(launch, middle, packed)`` of a compiled kernel whose launcher's ``__call__`` is one this module knows
+    (:data:`KNOWN_LAUNCHER_CALLS`) and that needs no scratch memory, else ``None``: its C ``launch``, what
+    ``__call__`` passes it between the stream and the kernel's arguments when no launch hook is installed, and
+    whether those arguments go as one tuple.
 
-    Triton 3.6's ``CudaLauncher.__call__`` only allocates the scratch buffers (none here) and forwards to
-    its C ``launch`` with two flags from the kernel's metadata; calling ``launch`` with those flags
-    directly skips one Python frame and two closures per launch. Anything else is called as Triton calls it.
+    The known ``__call__`` methods only allocate the scratch buffers (none here; 3.8 and 3.9 ask the driver for a
+    profile buffer only of a nonzero size) and forward to the C ``launch`` with flags and annotations from the
+    launcher (3.8 and 3.9 also add the arguments of Triton's GPU sanitizer when it is on: such a launcher is called
+    through ``__call__``); calling ``launch`` directly skips one Python frame and its closures per launch.
     """
     run = getattr(compiled, "run", None)
-    if run is None or not _forwarding_known(type(run)):
+    style = None if run is None else _forwarding(type(run))
+    if style is None or getattr(run, "gsan_enabled", False):
         return None
     try:
         launch, coop, pdl = run.launch, run.launch_cooperative_grid, run.launch_pdl
         scratch = run.global_scratch_size, run.profile_scratch_size
+        function, metadata = compiled.function, compiled.packed_metadata
+        if style == SPREAD:
+            middle = (function, coop, pdl, None, None, metadata, None, None, None)
+        else:
+            middle = (function, coop, pdl, metadata, None, None, None, None, None, run.arg_annotations,
+                      run.kernel_signature)  # fmt: skip
     except AttributeError:
         return None
-    return (launch, coop, pdl) if callable(launch) and scratch == (0, 0) else None
+    return (launch, middle, style == PACKED) if callable(launch) and scratch == (0, 0) else None
 
 
 #: How the native launch (``mla_ops/native/csrc/attention_launch.cpp``, ``ParamKind``) stores a parameter of each of
@@ -268,7 +289,9 @@ class FixedLaunch:
     stream and Triton's launch hooks are read from ``runtime`` at each call.
     """
 
-    __slots__ = ("abi", "compiled", "device_index", "grid", "middle", "native", "needs_scratch", "runtime", "tail")
+    __slots__ = (
+        "abi", "compiled", "device_index", "grid", "middle", "native", "needs_scratch", "packed", "runtime", "tail",
+    )  # fmt: skip
 
     def __init__(
         self, compiled: Any, device_index: int, grid: tuple[int, ...], tail: tuple, runtime: Runtime = RUNTIME
@@ -279,14 +302,10 @@ class FixedLaunch:
         self.grid = (*grid, 1, 1)[:3]
         self.tail = tail
         self.needs_scratch = _needs_scratch(compiled)
-        self.native = _native_launch(compiled)
+        # The C launch, and what CudaLauncher.__call__ would pass it between the stream and the kernel's arguments:
+        # no scratch buffers, no launch metadata, no hooks (built once: this runs on every launch).
+        self.native, self.middle, self.packed = _native_launch(compiled) or (None, None, False)
         self.abi: bool | None = None  # native_abi(compiled), read at the first native_launch
-        # What CudaLauncher.__call__ would pass on between the stream and the kernel's arguments: no
-        # scratch buffers, no launch metadata, no hooks (built once: this runs on every launch).
-        self.middle = None
-        if self.native is not None:
-            _, coop, pdl = self.native
-            self.middle = (compiled.function, coop, pdl, None, None, compiled.packed_metadata, None, None, None)
 
     def __call__(self, leading: tuple) -> None:
         runtime = self.runtime
@@ -294,7 +313,10 @@ class FixedLaunch:
         enter, leave = runtime.hooks()
         grid_0, grid_1, grid_2 = self.grid
         if enter is None and self.native is not None:
-            self.native[0](grid_0, grid_1, grid_2, stream, *self.middle, *leading, *self.tail)
+            if self.packed:
+                self.native(grid_0, grid_1, grid_2, stream, *self.middle, (*leading, *self.tail))
+            else:
+                self.native(grid_0, grid_1, grid_2, stream, *self.middle, *leading, *self.tail)
             return
         compiled = self.compiled
         if enter is None:
