@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The shared modules live next to this script, which is not part of a package.
-from benchlib.handout import handout_lines
+from benchlib.handout import function_handout_lines
 
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 #: Extra options per tool: racecheck prints every hazard (warnings too), without backtraces, so that each one's
@@ -276,17 +276,16 @@ def find_sanitizer(explicit: str | None) -> str | None:
 def _source_function(site: str) -> tuple[str, str]:
     """The package function whose source holds ``site`` (``file.py:line`` as the sanitizer prints it): ``(where,
     place)``, ``where`` the function with the line, ``place`` the function's name, or ``NAME hand-out`` at the lines
-    where Triton hands out a warp-specialised kernel's partitions (:func:`benchlib.handout.handout_lines`). Another
-    kernel's ``def`` line is code Triton generates for the kernel as a whole."""
+    where Triton hands out a warp-specialised kernel's partitions (:func:`benchlib.handout.function_handout_lines`).
+    Another kernel's ``def`` line is code Triton generates for the kernel as a whole."""
     name, _, line_text = site.rpartition(":")
     line = int(line_text)
     for path in sorted(Path(__file__).resolve().parent.parent.joinpath("mla_ops").rglob(Path(name).name)):
-        source = path.read_text()
-        functions = [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)]
+        functions = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.FunctionDef)]
         enclosing = [node for node in functions if node.lineno <= line <= (node.end_lineno or node.lineno)]
         best = max(enclosing, key=lambda node: node.lineno, default=None)  # the innermost
         if best is not None:
-            if line in handout_lines(source, best.name):
+            if line in function_handout_lines(best):
                 return f"{best.name} (its partitions' hand-out: {site})", f"{best.name} hand-out"
             where = "def line: code Triton generates for the kernel" if line == best.lineno else site
             return f"{best.name} ({where})", best.name

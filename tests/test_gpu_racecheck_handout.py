@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from sanitize import find_sanitizer
 
 pytestmark = pytest.mark.gpu
 
@@ -25,14 +26,23 @@ SOURCE = Path(__file__).resolve().parent.parent / "benchmarks" / "racecheck_hand
 DEFAULT_SYNC, WORKER_SYNC, UNORDERED = 1, 2, 16
 
 
-def _tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        for home in ("/usr/local/cuda/bin", "/usr/local/bin"):
-            if Path(home, name).exists():
-                return str(Path(home, name))
-        pytest.skip(f"{name} is not on PATH (it ships with the CUDA toolkit)")
-    return path
+def _nvcc() -> str:
+    """nvcc from PATH, else from the CUDA toolkit PyTorch builds extensions with."""
+    from torch.utils import cpp_extension
+
+    found = shutil.which("nvcc")
+    if found is None and cpp_extension.CUDA_HOME and Path(cpp_extension.CUDA_HOME, "bin", "nvcc").exists():
+        found = str(Path(cpp_extension.CUDA_HOME, "bin", "nvcc"))
+    if found is None:
+        pytest.skip("nvcc not found (it ships with the CUDA toolkit)")
+    return found
+
+
+def _sanitizer() -> str:
+    found = find_sanitizer(None)
+    if found is None:
+        pytest.skip("compute-sanitizer not found; set COMPUTE_SANITIZER (it ships with the CUDA toolkit)")
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +50,7 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the copy is built for sm_90a: needs an SM90 GPU")
     binary = tmp_path_factory.mktemp("handout") / "racecheck_handout"
-    build = [_tool("nvcc"), "-gencode", "arch=compute_90a,code=sm_90a", "-lineinfo", "-o", str(binary), str(SOURCE)]
+    build = [_nvcc(), "-gencode", "arch=compute_90a,code=sm_90a", "-lineinfo", "-o", str(binary), str(SOURCE)]
     done = subprocess.run(build, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return binary
@@ -54,7 +64,7 @@ def _sums_wrong(output: str) -> int:
 
 def _hazards(program: Path, flags: int) -> tuple[int, int]:
     """``(hazards, sums wrong)`` of one run under racecheck."""
-    command = [_tool("compute-sanitizer"), "--tool", "racecheck", "--racecheck-report", "all", str(program), str(flags)]
+    command = [_sanitizer(), "--tool", "racecheck", "--racecheck-report", "all", str(program), str(flags)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     summary = re.search(r"RACECHECK SUMMARY: (\d+) hazards?", done.stdout)
     assert summary, done.stdout[-2000:]

@@ -18,23 +18,29 @@ import re
 _ACCESS = re.compile(r"^\s*((?:ld|st|atom|red)\.shared\S*)\s+([^;]*);", re.M)
 #: The hand-out's accesses: the default warps' stores of two 32-bit words of state bytes (immediates) to one address,
 #: and the worker warps' byte loads.
-_STATE_STORE = re.compile(r"^st\.shared\.v2\.b32$")
+_STATE_STORE = "st.shared.v2.b32"
 _STATE_OPERANDS = re.compile(r"^\[global_smem\+(\d+)\],\s*\{\d+,\s*\d+\}$")
-_STATE_LOAD = re.compile(r"^ld\.shared\.[bu]8$")
+_STATE_LOADS = ("ld.shared.b8", "ld.shared.u8")
 _LOC = re.compile(r"^\s*\.loc\s+(\d+)\s+(\d+)\s+\d+", re.M)
 _FILE = re.compile(r'^\s*\.file\s+(\d+)\s+"([^"]*)"', re.M)
 
 
 def handout_lines(source: str, function: str) -> frozenset[int]:
     """The lines of ``source`` (a module's text) to which Triton attributes ``function``'s hand-out of its
-    partitions: its ``def`` line and the top-level statement of its body that holds the ``warp_specialize`` call.
-    Empty if ``function`` is not in ``source`` or specialises no warps."""
+    partitions (:func:`function_handout_lines`). Empty if ``function`` is not in ``source``."""
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.FunctionDef) and node.name == function:
-            for statement in node.body:
-                calls = (n for n in ast.walk(statement) if isinstance(n, ast.Call))
-                if any(isinstance(c.func, ast.Attribute) and c.func.attr == "warp_specialize" for c in calls):
-                    return frozenset({node.lineno, statement.lineno})
+            return function_handout_lines(node)
+    return frozenset()
+
+
+def function_handout_lines(function: ast.FunctionDef) -> frozenset[int]:
+    """The lines to which Triton attributes ``function``'s hand-out of its partitions: its ``def`` line and the
+    top-level statement of its body that holds the ``warp_specialize`` call. Empty if it specialises no warps."""
+    for statement in function.body:
+        calls = (n for n in ast.walk(statement) if isinstance(n, ast.Call))
+        if any(isinstance(c.func, ast.Attribute) and c.func.attr == "warp_specialize" for c in calls):
+            return frozenset({function.lineno, statement.lineno})
     return frozenset()
 
 
@@ -60,9 +66,9 @@ def foreign_accesses(ptx: str, file_name: str, lines: frozenset[int]) -> list[st
     foreign, addresses = [], set()
     for op, operands in accesses_at(ptx, file_name, lines):
         store = _STATE_OPERANDS.match(operands)
-        if _STATE_STORE.match(op) and store:
+        if op == _STATE_STORE and store:
             addresses.add(store.group(1))
-        elif not _STATE_LOAD.match(op):
+        elif op not in _STATE_LOADS:
             foreign.append(f"{op} {operands}")
     if len(addresses) > 1:
         foreign.append(f"state stores to {len(addresses)} addresses: global_smem+{', +'.join(sorted(addresses))}")
