@@ -303,9 +303,9 @@ def test_triton_fp8_warmup_launches_both_paths_and_factor_layouts(attention_laun
     calls = []
     real = attention.attention_triton
 
-    def record(*args, **kwargs):
-        calls.append((args[8], kwargs["scales"].k_descale.stride(0), kwargs["scales"].out_dtype, args[2].stride(0)))
-        return real(*args, **kwargs)
+    def record(call, **kwargs):
+        calls.append((call.causal, kwargs["scales"].k_descale.stride(0), kwargs["scales"].out_dtype, call.v.stride(0)))
+        return real(call, **kwargs)
 
     monkeypatch.setattr(attention, "attention_triton", record)
     TritonBackend()._warmup_fp8(torch.device("cpu"), 64, 32, 2, torch.Generator().manual_seed(0))

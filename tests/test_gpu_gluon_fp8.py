@@ -175,6 +175,6 @@ def test_gluon_fp8_relaunches_its_layout_on_new_tensors(sm90, attention_launches
             assert len(known) == 1 and isinstance(known[0].launch, sm90.TransposedRelaunch), (
                 "the second call's launch is remembered, with its copy"
             )
-        out, lse = attention_triton(*call, scales=scales)
+        out, lse = attention_triton(call, scales=scales)
         want_out, want_lse = sm90.attention_sm90(call, block_n=config.block_n, stages=config.num_stages, scales=scales)
         assert torch.equal(out, want_out) and torch.equal(lse, want_lse), i

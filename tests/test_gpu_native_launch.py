@@ -20,6 +20,7 @@ from utils import gluon_or_skip, make_batch, native_library_or_skip
 
 import mla_ops
 from mla_ops import native
+from mla_ops.backends.base import VarlenCall
 from mla_ops.kernels import attention
 
 pytestmark = pytest.mark.gpu
@@ -63,7 +64,7 @@ def _same(a, b):
 
 
 def _triton_direct(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
-    return attention.attention_triton(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
+    return attention.attention_triton(VarlenCall(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal))
 
 
 CASES = [

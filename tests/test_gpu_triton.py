@@ -125,7 +125,9 @@ def test_tl_dot_variants(text, causal):
         q = torch.cat([q, torch.full_like(q[:7], math.nan)])  # padding rows of a token budget
         if causal:
             cu_k = cu_q
-        out, lse = attention_triton(q, k, v, cu_q, cu_k, 1000, max(lengths_k), _scale(192), causal, config=config)
+        out, lse = attention_triton(
+            VarlenCall(q, k, v, cu_q, cu_k, 1000, max(lengths_k), _scale(192), causal), config=config
+        )
         assert_attention_close(out, lse, q, k, v, cu_q, cu_k, _scale(192), causal)
         _check_padding(lse, sum(lengths_q))
 
@@ -167,7 +169,9 @@ def _check_sequence_isolation(config, causal: bool) -> None:
     cu_k = cu_q if causal else cu_k[:-1].contiguous()
     poison_sequences(k, v, cu_k, [*poisoned, len(lengths_k)])
     q = torch.cat([q, torch.full_like(q[:7], math.nan)])  # padding rows of a token budget
-    out, lse = attention_triton(q, k, v, cu_q, cu_k, 1000, max(lengths_k), _scale(192), causal, config=config)
+    out, lse = attention_triton(
+        VarlenCall(q, k, v, cu_q, cu_k, 1000, max(lengths_k), _scale(192), causal), config=config
+    )
     clean = sorted(set(range(len(lengths_q))) - poisoned)
     assert_sequences_close(out, lse, q, k, v, cu_q, cu_k, _scale(192), causal, clean)
     _check_padding(lse, sum(lengths_q))
@@ -184,7 +188,9 @@ def _check_graph_replays(config, causal: bool) -> None:
     k, v, cu_k = (bufs.k, bufs.v, bufs.cu) if causal else (bufs.kc, bufs.vc, bufs.cu_k)
 
     def step():
-        return attention_triton(bufs.q, k, v, bufs.cu, cu_k, bufs.budget, k.shape[0], scale, causal, config=config)
+        return attention_triton(
+            VarlenCall(bufs.q, k, v, bufs.cu, cu_k, bufs.budget, k.shape[0], scale, causal), config=config
+        )
 
     batches = [([1000, 3, 0, 21], [1400, 3, 0, 61]), ([5, 300, 7, 600], [9, 1000, 2, 500]), ([0] * 4, [0] * 4)]
 
@@ -239,7 +245,9 @@ def test_gluon_kernel(text, dtype, causal):
             q = torch.cat([q, torch.full_like(q[:7], math.nan)])  # padding rows of a token budget
             if causal and lengths_k == lengths_q:
                 cu_k = cu_q
-            out, lse = attention_triton(q, k, v, cu_q, cu_k, 1000, max(lengths_k), _scale(192), causal, config=config)
+            out, lse = attention_triton(
+                VarlenCall(q, k, v, cu_q, cu_k, 1000, max(lengths_k), _scale(192), causal), config=config
+            )
             assert_attention_close(out, lse, q, k, v, cu_q, cu_k, _scale(192), causal)
             _check_padding(lse, sum(lengths_q))
 
@@ -282,7 +290,7 @@ def test_gluon_kernel_relaunches_its_layout_on_new_tensors(attention_launches, t
             assert len(known) == 1 and isinstance(known[0].launch, attention_sm90.CountedRelaunch), (
                 "the second call's launch is remembered, with a counter"
             )
-        out, lse = attention_triton(q, k, v, cu_q, cu_k, 1024, sum(lk), _scale(192), causal, config=config)
+        out, lse = attention_triton(VarlenCall(q, k, v, cu_q, cu_k, 1024, sum(lk), _scale(192), causal), config=config)
         assert_sequences_close(out, lse, q, k, v, cu_q, cu_k, _scale(192), causal, (0, 2, 3))
 
 
@@ -327,19 +335,21 @@ def test_large_batches_take_the_gluon_kernel(monkeypatch, attention_launches):
         batch = make_batch(lengths, heads, 192, 128, torch.bfloat16, DEVICE, strided_v=True, seed=rows)
         before = len(calls)
         out, lse = attention.attention_triton(
-            batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, max(lengths), max(lengths), scale, True
+            VarlenCall(
+                batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, max(lengths), max(lengths), scale, True
+            )
         )
         assert len(calls) - before == expected, rows
         assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, scale, True)
     rows = attention.TMA_MIN_KEY_ROWS // heads
     batch = make_batch([rows], heads, 128, 128, torch.bfloat16, DEVICE, seed=3)
     before = len(calls)
-    args = (batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, rows, rows, scale, True)
-    out, lse = attention.attention_triton(*args)
+    call = VarlenCall(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, rows, rows, scale, True)
+    out, lse = attention.attention_triton(call)
     assert len(calls) == before
     assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, scale, True)
     with pytest.raises(ValueError, match=r"asks for the Gluon kernel, but it does not cover head sizes"):
-        attention.attention_triton(*args, config=config)
+        attention.attention_triton(call, config=config)
 
 
 def test_config_env_var_override(monkeypatch):
@@ -584,12 +594,12 @@ def test_a_captured_call_launches_what_the_eager_warmup_compiled(attention_launc
     keys = 1024
     _, k, v = make_qkv(keys, heads, 192, 128, torch.bfloat16, DEVICE, True, torch.Generator().manual_seed(keys))
     cu_k = cu_seqlens_of([keys // 2, keys - keys // 2], DEVICE)
-    out, lse = attention.attention_triton(batch.q, k, v, batch.cu_seqlens, cu_k, 40, keys, scale, False)
+    out, lse = attention.attention_triton(VarlenCall(batch.q, k, v, batch.cu_seqlens, cu_k, 40, keys, scale, False))
     assert_attention_close(out, lse, batch.q, k, v, batch.cu_seqlens, cu_k, scale, False)
     compiled = dict(attention_launches.launcher.compiled)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, lse = attention.attention_triton(batch.q, k, v, batch.cu_seqlens, cu_k, 40, keys, scale, False)
+        out, lse = attention.attention_triton(VarlenCall(batch.q, k, v, batch.cu_seqlens, cu_k, 40, keys, scale, False))
     assert attention_launches.launcher.compiled == compiled, "the capture met no variant the eager call did not"
     graph.replay()
     assert_attention_close(out, lse, batch.q, k, v, batch.cu_seqlens, cu_k, scale, False)

@@ -86,7 +86,7 @@ def test_causal_block_shapes(config):
     lengths = [70, 1, 31, 48]
     batch = make_batch(lengths, HEADS, 192, 128, torch.float16, seed=2)
     out, lse = attention_triton(
-        batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 70, 70, 0.1, causal=True, config=config
+        VarlenCall(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 70, 70, 0.1, True), config=config
     )
     assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 0.1, True)
 
@@ -104,7 +104,7 @@ def test_many_sequences_span_several_lookup_passes(monkeypatch, causal):
     if causal:
         q, k, v = make_qkv(q.shape[0], HEADS, 64, 64, torch.float16, generator=torch.Generator().manual_seed(18))
         cu_k = cu_q
-    out, lse = attention_triton(q, k, v, cu_q, cu_k, 33, max(lengths_k), 0.125, causal, config=SMALL)
+    out, lse = attention_triton(VarlenCall(q, k, v, cu_q, cu_k, 33, max(lengths_k), 0.125, causal), config=SMALL)
     assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.125, causal)
     _check_padding(lse, sum(lengths_q))
 
@@ -126,10 +126,10 @@ def test_grid_does_not_grow_with_max_seqlen(monkeypatch):
     monkeypatch.setattr(attention.LAUNCHES.launcher, "kernel", Recorder())
     batch = make_batch([30, 0, 7], HEADS, 64, 64, torch.float16, padding=4, seed=19)
     for max_seqlen in (30, 1_000_000):
-        out, lse = attention_triton(
-            batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, max_seqlen, max_seqlen, 0.125, True,
-            config=SMALL,
-        )  # fmt: skip
+        call = VarlenCall(
+            batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, max_seqlen, max_seqlen, 0.125, True
+        )
+        out, lse = attention_triton(call, config=SMALL)
         assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 0.125, True)
     assert grids[0] == grids[1]
     # Tq // BLOCK_M + B slots per head, plus the programs that mark padding rows.
@@ -141,7 +141,7 @@ def test_causal_odd_head_dims():
     """Dims that are not 2^a + 2^b pad the second QK part and the V tile, with masks."""
     batch = make_batch([21, 9], HEADS, 80, 48, torch.float16, seed=4)
     out, lse = attention_triton(
-        batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 21, 21, 0.2, causal=True, config=SMALL
+        VarlenCall(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 21, 21, 0.2, True), config=SMALL
     )
     assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 0.2, True)
 
@@ -152,7 +152,8 @@ def test_negative_scale():
     batch = make_batch([40], HEADS, 64, 64, torch.float16, seed=5)
     for causal in (True, False):
         out, lse = attention_triton(
-            batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 40, 40, -0.125, causal, config=SMALL
+            VarlenCall(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 40, 40, -0.125, causal),
+            config=SMALL,
         )
         assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, -0.125, causal)
 
@@ -161,7 +162,7 @@ def test_negative_scale():
 def test_all_sequences_empty_and_no_sequences():
     q, k, v = make_qkv(6, HEADS, 64, 64, torch.float16)
     for cu in (cu_seqlens_of([0, 0]), cu_seqlens_of([])):
-        _, lse = attention_triton(q, k, v, cu, cu, 0, 0, 0.125, causal=True, config=SMALL)
+        _, lse = attention_triton(VarlenCall(q, k, v, cu, cu, 0, 0, 0.125, True), config=SMALL)
         _check_padding(lse, 0)
 
 
@@ -175,7 +176,7 @@ def test_chunk_nan_beyond_slices_does_not_leak():
     q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, 64, 64, torch.float16, seed=7)
     k = torch.cat([k, torch.full_like(k[:20], math.nan)])
     v = torch.cat([v, torch.full_like(v[:20], math.nan)])
-    out, lse = attention_triton(q, k, v, cu_q, cu_k, 12, 13, 0.125, causal=False, config=SMALL)
+    out, lse = attention_triton(VarlenCall(q, k, v, cu_q, cu_k, 12, 13, 0.125, False), config=SMALL)
     assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.125, False)
 
 
@@ -198,7 +199,7 @@ def test_key_loops_match_reference(loop, causal):
     k[cu_k[0] + 20 : cu_k[0] + 24] *= 8.0  # row maxima grow by far more than 2^8 after the first tile
     q = torch.cat([q, torch.full_like(q[:5], math.nan)])
     config = AttentionConfig(16, 16, 4, 1, **flags)
-    out, lse = attention_triton(q, k, v, cu_q, cu_k, 32, 40, 0.1, causal=causal, config=config)
+    out, lse = attention_triton(VarlenCall(q, k, v, cu_q, cu_k, 32, 40, 0.1, causal), config=config)
     n = sum(lengths_q)
     assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.1, causal)
     assert torch.isneginf(lse[:, n:]).all(), "padding rows must have lse -inf"
@@ -219,7 +220,9 @@ def test_overlapped_loop_over_many_tiles(causal, blocks):
     q = torch.cat([q, torch.full_like(q[:3], math.nan)])  # padding rows
     k[cu_k[0] + 70 : cu_k[0] + 72] *= 6.0
     config = AttentionConfig(*blocks, 4, 1, overlap_softmax=True)  # 32x16: 2 diagonal tiles
-    out, lse = attention_triton(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), 0.1, causal=causal, config=config)
+    out, lse = attention_triton(
+        VarlenCall(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), 0.1, causal), config=config
+    )
     assert_attention_close(out, lse, q, k, v, cu_q, cu_k, 0.1, causal)
 
 
@@ -245,7 +248,7 @@ def test_key_loops_isolate_sequences(loop, causal):
     poison_sequences(k, v, cu_k, [*poisoned, len(lengths_k)])
     q = torch.cat([q, torch.full_like(q[:3], math.nan)])
     config = AttentionConfig(16, 16, 4, 1, **KEY_LOOPS[loop])
-    out, lse = attention_triton(q, k, v, cu_q, cu_k, 20, 32, 0.1, causal=causal, config=config)
+    out, lse = attention_triton(VarlenCall(q, k, v, cu_q, cu_k, 20, 32, 0.1, causal), config=config)
     clean = sorted(set(range(len(lengths_q))) - poisoned)
     assert_sequences_close(out, lse, q, k, v, cu_q, cu_k, 0.1, causal, clean)
     assert torch.isneginf(lse[:, sum(lengths_q) :]).all(), "padding rows must have lse -inf"
@@ -278,7 +281,8 @@ def test_fuzz_ragged_batches(data, causal, dims, dtype, block):
         q, k, v, cu_q, cu_k = _chunk_inputs(lengths_q, lengths_k, dqk, dv, dtype, seed=9, padding=padding)
     config = AttentionConfig(*block, 4, 1)
     out, lse = attention_triton(
-        q, k, v, cu_q, cu_k, max(lengths_q) + slack, max(lengths_k) + slack, dqk**-0.5, causal, config=config
+        VarlenCall(q, k, v, cu_q, cu_k, max(lengths_q) + slack, max(lengths_k) + slack, dqk**-0.5, causal),
+        config=config,
     )
     assert_attention_close(out, lse, q, k, v, cu_q, cu_k, dqk**-0.5, causal)
     _check_padding(lse, sum(lengths_q))
@@ -296,10 +300,10 @@ def test_launcher_rejects_bad_inputs():
     q, k, v = make_qkv(4, HEADS, 72, 64, torch.float16)
     cu = cu_seqlens_of([4])
     with pytest.raises(ValueError, match="Dqk must be a multiple of 16"):
-        attention_triton(q, k, v, cu, cu, 4, 4, 0.1, causal=True)
+        attention_triton(VarlenCall(q, k, v, cu, cu, 4, 4, 0.1, True))
     q, k, v = make_qkv(4, HEADS, 64, 64, torch.float32)
     with pytest.raises(TypeError, match="bfloat16 or float16"):
-        attention_triton(q, k, v, cu, cu, 4, 4, 0.1, causal=True)
+        attention_triton(VarlenCall(q, k, v, cu, cu, 4, 4, 0.1, True))
 
 
 # --- merge ------------------------------------------------------------------------------------------
@@ -487,8 +491,8 @@ def test_merge_reconstructs_unsplit_attention():
     _, k_a, v_a = make_qkv(sum(lengths_a), HEADS, 64, 64, torch.float16, generator=gen)
     _, k_b, v_b = make_qkv(sum(lengths_b), HEADS, 64, 64, torch.float16, generator=gen)
     cu_q, cu_a, cu_b = cu_seqlens_of(lengths_q), cu_seqlens_of(lengths_a), cu_seqlens_of(lengths_b)
-    part_a = attention_triton(q, k_a, v_a, cu_q, cu_a, 11, 9, 0.125, causal=False, config=SMALL)
-    part_b = attention_triton(q, k_b, v_b, cu_q, cu_b, 11, 14, 0.125, causal=False, config=SMALL)
+    part_a = attention_triton(VarlenCall(q, k_a, v_a, cu_q, cu_a, 11, 9, 0.125, False), config=SMALL)
+    part_b = attention_triton(VarlenCall(q, k_b, v_b, cu_q, cu_b, 11, 14, 0.125, False), config=SMALL)
     out, lse = merge_attn_states_triton(*part_a, *part_b)
     # Padding rows have lse -inf on both sides, so the merge writes clean zeros there.
     _check_empty_rows(out, lse, slice(17, None))
@@ -553,7 +557,7 @@ def test_config_env_var_errors(monkeypatch, text, message):
     with pytest.raises(ValueError, match="MLA_OPS_TRITON_CONFIG") as info:
         q, k, v = make_qkv(4, HEADS, 64, 64, torch.float16)
         cu = cu_seqlens_of([4])
-        attention_triton(q, k, v, cu, cu, 4, 4, 0.1, causal=True)
+        attention_triton(VarlenCall(q, k, v, cu, cu, 4, 4, 0.1, True))
     assert message in str(info.value)
 
 
@@ -594,11 +598,11 @@ def test_gluon_kernel_is_refused_where_it_cannot_run(monkeypatch):
     cu = cu_seqlens_of([4])
     gluon = AttentionConfig(128, 128, 4, 2, overlap_softmax=True, gluon=True, persistent=True)
     with pytest.raises(ValueError, match="asks for the Gluon kernel, but it runs on CUDA devices only") as info:
-        attention_triton(q, k, v, cu, cu, 4, 4, 0.1, causal=True, config=gluon)
+        attention_triton(VarlenCall(q, k, v, cu, cu, 4, 4, 0.1, True), config=gluon)
     assert "drop the 'gluon' flag" in str(info.value)
     monkeypatch.setenv(configs.CONFIG_ENV_VAR, str(gluon))
     with pytest.raises(ValueError, match="asks for the Gluon kernel"):
-        attention_triton(q, k, v, cu, cu, 4, 4, 0.1, causal=False)
+        attention_triton(VarlenCall(q, k, v, cu, cu, 4, 4, 0.1, False))
     monkeypatch.delenv(configs.CONFIG_ENV_VAR)
     assert configs.large_batch_attention_config(torch.device("cpu"), 192, 128, True, torch.bfloat16) is None
     for entry in configs.SM90_LARGE_BATCH_ATTENTION.values():
@@ -1052,16 +1056,16 @@ def test_out_of_resources_steps_down_unless_explicit(monkeypatch, attention_laun
     attention_launches.known = Known()
     monkeypatch.setattr(attention, "attention_config", lambda *a: AttentionConfig(16, 64, 4, 2))
     batch = make_batch([20], HEADS, 64, 64, torch.float16, seed=16)
-    args = (batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 20, 20, 0.125, True)
-    out, lse = attention_triton(*args)
+    call = VarlenCall(batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 20, 20, 0.125, True)
+    out, lse = attention_triton(call)
     assert_attention_close(out, lse, batch.q, batch.k, batch.v, batch.cu_seqlens, batch.cu_seqlens, 0.125, True)
     assert tried == [AttentionConfig(16, 64, 4, 2), AttentionConfig(16, 64, 4, 1), AttentionConfig(16, 32, 4, 1),
                      AttentionConfig(16, 16, 4, 1)]  # fmt: skip
     tried.clear()
-    attention_triton(*args)
+    attention_triton(call)
     assert tried == [AttentionConfig(16, 16, 4, 1)], "the working config is remembered"
     with pytest.raises(RuntimeError, match="does not fit this GPU"):
-        attention_triton(*args, config=AttentionConfig(16, 64, 4, 1))
+        attention_triton(call, config=AttentionConfig(16, 64, 4, 1))
     # The layout names what chose the configuration: an explicit one (or MLA_OPS_TRITON_CONFIG's text), else
     # None for the table, whose entry a step-down changes before any layout of it is remembered.
     assert [layout[-2] for layout in layouts] == [None, None, AttentionConfig(16, 64, 4, 1)]

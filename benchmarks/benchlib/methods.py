@@ -244,21 +244,22 @@ class TritonRaw(Method):
 
     def call(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal) -> Any:
         """``attention_triton`` on these arguments: ``(out [T, H, Dv], lse [H, T])``."""
+        from mla_ops.backends.base import VarlenCall
         from mla_ops.kernels.attention import attention_triton
 
-        return attention_triton(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=causal, config=self.config)
+        return attention_triton(VarlenCall(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal), config=self.config)
 
     def prepare(self, p: Problem) -> Prepared:
         args, causal = p.attention_args(), p.causal
         if not self.fp8:
             return Prepared(lambda: self.call(*args, causal), _pair)
-        from mla_ops.backends.base import Fp8Scales
+        from mla_ops.backends.base import Fp8Scales, VarlenCall
         from mla_ops.kernels.attention import attention_triton
 
         q8, k8, v8, *descales = quantised_inputs(*args[:3])
         scales = Fp8Scales(*descales, p.dtype)
-        fp8_args = (q8, k8, v8, *args[3:], causal)
-        return Prepared(lambda: attention_triton(*fp8_args, config=self.config, scales=scales), _pair)
+        call = VarlenCall(q8, k8, v8, *args[3:], causal)
+        return Prepared(lambda: attention_triton(call, config=self.config, scales=scales), _pair)
 
 
 class ReferenceRaw(Method):

@@ -107,14 +107,14 @@ class TritonBackend(PrefillBackend):
 
             kernel = self._kernel = attention_triton
         if STATE.active and call.q.is_cuda:
-            return kernel(*call, config=_invariant_config(call))
-        return kernel(*call)  # attention_triton takes VarlenCall's fields in its order
+            return kernel(call, config=_invariant_config(call))
+        return kernel(call)
 
     def attention_fp8(self, call: VarlenCall, scales: Fp8Scales) -> tuple[torch.Tensor, torch.Tensor]:
         from ..kernels.attention import attention_triton
 
         config = _invariant_config(call) if STATE.active and call.q.is_cuda else None
-        return attention_triton(*call, config=config, scales=scales)
+        return attention_triton(call, config=config, scales=scales)
 
     def warmup(self, device: torch.device, config: SelectorConfig, num_heads: int) -> None:
         """Compile every kernel variant a model with ``config`` and ``num_heads`` heads will launch.
@@ -158,23 +158,25 @@ class TritonBackend(PrefillBackend):
             if large is not None and gluon_unsupported_reason(q, k, kv[..., dqk:], scale, large) is None:
                 large_configs.append((causal, large))
         for v in (rand(20, num_heads, dv), kv[..., dqk:]):
-            out, lse = attention_triton(q, k, v, cu, cu, max(lengths), max(lengths), scale, causal=True)
-            out_c, lse_c = attention_triton(q, k[:4], v[:4], cu, cu_k, max(lengths), 4, scale, causal=False)
+            out, lse = attention_triton(VarlenCall(q, k, v, cu, cu, max(lengths), max(lengths), scale, True))
+            out_c, lse_c = attention_triton(VarlenCall(q, k[:4], v[:4], cu, cu_k, max(lengths), 4, scale, False))
             merge_attn_states_triton(out_c, lse_c, out, lse)
             for causal, explicit in large_configs:
                 for rows in (12, 16):
                     if causal:
-                        attention_triton(q[:rows], k[:rows], v[:rows], cu, cu, 5, 5, scale, True, config=explicit)
+                        attention_triton(
+                            VarlenCall(q[:rows], k[:rows], v[:rows], cu, cu, 5, 5, scale, True), config=explicit
+                        )
                         continue
                     cu_rows = torch.tensor([0, rows, rows, rows], dtype=torch.int32, device=device)
                     for q_part in (q[:16], q):
                         attention_triton(
-                            q_part, k[:rows], v[:rows], cu, cu_rows, 5, rows, scale, False, config=explicit
+                            VarlenCall(q_part, k[:rows], v[:rows], cu, cu_rows, 5, rows, scale, False), config=explicit
                         )
         # An empty chunk tensor (no context in this chunk for any sequence) takes the pointer path.
         empty_k, empty_v = k[:0], v[:0]
         zeros = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
-        attention_triton(q, empty_k, empty_v, cu, zeros, max(lengths), 0, scale, causal=False)
+        attention_triton(VarlenCall(q, empty_k, empty_v, cu, zeros, max(lengths), 0, scale, False))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -203,14 +205,16 @@ class TritonBackend(PrefillBackend):
             for factor in (per_head, per_tensor):
                 for out_dtype in (torch.bfloat16, torch.float16):
                     scales = Fp8Scales(factor, factor, factor, out_dtype)
-                    attention_triton(q, k, v, cu, cu, 5, 5, scale, True, scales=scales)
-                    attention_triton(q, k[:4], v[:4], cu, cu_k, 5, 4, scale, False, scales=scales)
+                    attention_triton(VarlenCall(q, k, v, cu, cu, 5, 5, scale, True), scales=scales)
+                    attention_triton(VarlenCall(q, k[:4], v[:4], cu, cu_k, 5, 4, scale, False), scales=scales)
                     # The Gluon kernel reads a contiguous transposed copy of either v: its variants differ only in
                     # the factors and the output, while the copy's kernel is compiled for each v's strides.
                     gluon = i == 0 or (factor is per_head and out_dtype == torch.bfloat16)
                     for causal, explicit in large if gluon else ():
                         cu_keys, max_k = (cu, 5) if causal else (cu_k, 4)
-                        attention_triton(q, k, v, cu, cu_keys, 5, max_k, scale, causal, config=explicit, scales=scales)
+                        attention_triton(
+                            VarlenCall(q, k, v, cu, cu_keys, 5, max_k, scale, causal), config=explicit, scales=scales
+                        )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 

@@ -129,15 +129,7 @@ def large_batch_config(
 
 
 def attention_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float,
-    causal: bool,
+    call: VarlenCall,
     *,
     config: AttentionConfig | None = None,
     scales: Fp8Scales | None = None,
@@ -145,19 +137,18 @@ def attention_triton(
     """Ragged (varlen) attention forward with the Triton kernel.
 
     Args:
-        q: ``[Tq, H, Dqk]``, bfloat16 or float16, any strides with a last-dimension stride of 1.
-        k: ``[Tk, H, Dqk]``, same dtype and strides rule.
-        v: ``[Tk, H, Dv]``, same dtype; typically a strided view of a wider ``kv`` tensor.
-        cu_seqlens_q: int32 ``[B+1]`` on q's device: sequence ``b`` is query rows
-            ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``; rows past ``cu_seqlens_q[-1]`` are padding.
-        cu_seqlens_k: int32 ``[B+1]``: its keys are rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of k/v.
-            For the new-tokens path pass ``cu_seqlens_q`` itself.
-        max_seqlen_q: an upper bound of the longest query slice (may be loose; the grid is sized from
-            Tq and B, so a loose bound costs nothing).
-        max_seqlen_k: an upper bound of the longest key slice (only orders the programs for L2).
-        softmax_scale: multiplier of ``q @ k^T``.
-        causal: mask key ``j`` from query ``i`` of a sequence when ``j > i + len_k - len_q``; with
-            ``cu_seqlens_k is cu_seqlens_q`` that is plain causal self-attention.
+        call: the ragged call (:class:`~mla_ops.backends.base.VarlenCall`), whose fields are:
+            ``q`` ``[Tq, H, Dqk]``, bfloat16 or float16, any strides with a last-dimension stride of 1;
+            ``k`` ``[Tk, H, Dqk]``, same dtype and strides rule; ``v`` ``[Tk, H, Dv]``, same dtype, typically a
+            strided view of a wider ``kv`` tensor. ``cu_seqlens_q``, int32 ``[B+1]`` on q's device: sequence
+            ``b`` is query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``; rows past ``cu_seqlens_q[-1]`` are
+            padding. ``cu_seqlens_k``, int32 ``[B+1]``: its keys are rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``
+            of k/v (for the new-tokens path, ``cu_seqlens_q`` itself). ``max_seqlen_q``: an upper bound of the
+            longest query slice (may be loose; the grid is sized from Tq and B, so a loose bound costs
+            nothing). ``max_seqlen_k``: an upper bound of the longest key slice (only orders the programs for
+            L2). ``softmax_scale``: multiplier of ``q @ k^T``. ``causal``: mask key ``j`` from query ``i`` of a
+            sequence when ``j > i + len_k - len_q``; with ``cu_seqlens_k is cu_seqlens_q`` that is plain causal
+            self-attention.
         config: launch configuration; by default ``MLA_OPS_TRITON_CONFIG`` or the table in
             :mod:`mla_ops.kernels.configs` for this device and ``(Dqk, Dv, causal, dtype)``, and for a
             call of at least :data:`TMA_MIN_KEY_ROWS` key rows times heads the large-batch table's
@@ -180,6 +171,7 @@ def attention_triton(
     the current device is the same after the call. Triton compiles and loads a kernel once per
     device, so warm up each device before capturing on it.
     """
+    q, k, v, _, _, _, _, softmax_scale, causal = call
     num_tokens, num_heads, dqk = q.shape
     dv = v.shape[-1]
     dtype = q.dtype
@@ -213,9 +205,7 @@ def attention_triton(
         out_empty = empty((num_tokens, num_heads, dv), out_dtype, device)
         return out_empty, empty((num_heads, num_tokens), torch.float32, device)
 
-    layout, (p_q, p_k, p_v, p_cu_q, p_cu_k), p_descales = _layout(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, config, scales
-    )
+    layout, (p_q, p_k, p_v, p_cu_q, p_cu_k), p_descales = _layout(call, config, scales)
     launches = LAUNCHES
     known = launches.known.get(layout)
     if known is not None and device.index == current_cuda_device():  # launches go to the current device
@@ -249,12 +239,10 @@ def attention_triton(
                     f"attention_triton: the Triton attention config {config} asks for the Gluon kernel, but {reason}; "
                     f"drop the 'gluon' flag (e.g. from {CONFIG_ENV_VAR})"
                 )
-        call = VarlenCall(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
         with on_device(device):
             fixed = launches.launch_sm90(call, out, lse, config, scales)
         _remember(layout, fixed, out, lse)
         return out, lse
-    call = VarlenCall(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
     while True:
         try:
             # Triton launches on the current device and its current stream, not on q's device.
@@ -303,10 +291,8 @@ def batch_invariant_config(
     return config
 
 
-def _layout(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, config, scales=None
-):
-    """``(layout, addresses, descale_addresses)`` of a call of :func:`attention_triton` with these arguments: the
+def _layout(call: VarlenCall, config: AttentionConfig | None, scales: Fp8Scales | None = None) -> tuple:
+    """``(layout, addresses, descale_addresses)`` of :func:`attention_triton`'s ``call``, ``config`` and ``scales``: the
     key of its known launch, the five inputs' device addresses, and an fp8 call's three descale factors' (empty
     otherwise: a separate tuple, so that a bf16 call's hot path unpacks no starred tuple).
 
@@ -319,6 +305,7 @@ def _layout(
     integers (see FixedLaunch), so the layout records what Triton specialises on or checks in
     them: their 16-byte alignment and devices.
     """
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = call
     p_q, p_k, p_v = q.data_ptr(), k.data_ptr(), v.data_ptr()
     p_cu_q, p_cu_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
     inputs = (
@@ -345,11 +332,11 @@ NATIVE_TENSOR_CODES = (0, 1, 2, 3, 4, 5, 6)
 
 def known_native_launch(call: VarlenCall) -> NativeLaunch | None:
     """The launch that :func:`attention_triton` (with its default configuration) repeats for the layout of
-    ``call``'s arguments (:class:`~mla_ops.backends.base.VarlenCall`, the order of :func:`attention_triton`'s),
+    ``call``'s arguments (:class:`~mla_ops.backends.base.VarlenCall`, as :func:`attention_triton` takes it),
     in the form a launcher in C++ takes (:meth:`FixedLaunch.native_launch`, the tensors
     coded as :data:`NATIVE_TENSOR_CODES`); ``None`` where no launch of the layout is known (none made yet)
     or it cannot be made natively."""
-    layout, _, _ = _layout(*call, None)
+    layout, _, _ = _layout(call, None)
     known = LAUNCHES.known.get(layout)
     return None if known is None else known.launch.native_launch(NATIVE_TENSOR_CODES)
 
