@@ -117,6 +117,8 @@ def run_shape(
     names = {m.name for m in methods}
     in_ratio = {m.name for m in methods if m.raw in names} | {m.raw for m in methods if m.raw in names}
     in_ratio |= {m.name for m in methods if m.kind == "op"}  # auto is measured against the fastest forced op
+    if args.versus_best_raw:  # which baseline is the fastest is known once all are timed
+        in_ratio |= {m.name for m in methods if m.kind == "baseline"}
     try:
         problem = P.make_problem(shape, device, dtype, args.seed)
         reference = M.reference_outputs(problem)
@@ -181,6 +183,7 @@ def run_shape(
     R.add_auto_ratio(rows)
     R.add_fp8_ratio(rows)
     _auto_rounds(rows, checked, args, device, progress)
+    _best_raw_rounds(rows, checked, args, device, progress)
     checked.clear()
     problem = reference = None
     if device.type == "cuda":  # hand the shape's gigabytes back before the next one allocates
@@ -197,7 +200,7 @@ def _auto_rounds(
     progress: R.Progress,
 ) -> None:
     """``ratio_auto_best_rounds`` (with its rounds' range) in the ``auto`` row: the fastest forced op's time over
-    auto's, the two measured one after the other in each round (:func:`benchlib.methods.auto_ratio`), where the
+    auto's, the two measured one after the other in each round (:func:`benchlib.methods.rounds_ratio`), where the
     single measurements of the two, minutes apart on a long run, differ by their noise too."""
     auto = next((r for r in rows if r["method"] == "auto" and r.get("best_op")), None)
     if auto is None:
@@ -206,11 +209,38 @@ def _auto_rounds(
     ours, best = checked.get("auto"), checked.get(auto["best_op"])
     if ours is None or best is None or ours.prepared is None or best.prepared is None:
         return
-    ratio = M.auto_ratio(
+    ratio = M.rounds_ratio(
         ours.prepared, best.prepared, device, args.ratio_rounds, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms
     )
     label = f"auto / {auto['best_op']}"
     _record_ratio(auto, "ratio_auto_best", ratio, label, progress, median_key="ratio_auto_best_rounds")
+
+
+def _best_raw_rounds(
+    rows: list[dict[str, Any]],
+    checked: dict[str, M.Checked],
+    args: argparse.Namespace,
+    device: torch.device,
+    progress: R.Progress,
+) -> None:
+    """``ratio_best_rounds`` (with its rounds' range) in the rows of ``--versus-best-raw``'s methods: the fastest
+    raw baseline's time over the method's, the two measured one after the other in each round, as
+    :func:`_auto_rounds` measures auto (``ratio_best`` compares single measurements taken seconds to minutes
+    apart)."""
+    for row in rows:
+        if row["method"] not in args.versus_best_raw:
+            continue
+        best_name = row.get("best_baseline")
+        progress.step(f"{row['shape']} {row['method']} vs {best_name}, {args.ratio_rounds} rounds of both in turn")
+        ours, best = checked.get(row["method"]), checked.get(best_name or "")
+        if ours is None or best is None or ours.prepared is None or best.prepared is None:
+            progress.write(f"  {row['shape']}: no ratio to the best raw baseline for {row['method']}: not ok or none")
+            continue
+        ratio = M.rounds_ratio(
+            ours.prepared, best.prepared, device, args.ratio_rounds, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms
+        )
+        label = f"{row['method']} / {best_name}"
+        _record_ratio(row, "ratio_best", ratio, label, progress, median_key="ratio_best_rounds")
 
 
 def _record_ratio(
@@ -222,12 +252,13 @@ def _record_ratio(
     progress.write(f"  {row['shape']:<30} {label}: {ratio.median:.3f} (rounds {ratio.low:.3f}..{ratio.high:.3f})")
 
 
-def ratio_steps(shape: P.Shape, methods: list[M.Method]) -> int:
-    """How many ratio measurements a shape gets (one progress step each): each op against its raw call, and auto
-    against the fastest forced op."""
+def ratio_steps(shape: P.Shape, methods: list[M.Method], versus_best_raw: Sequence[str] = ()) -> int:
+    """How many ratio measurements a shape gets (one progress step each): each op against its raw call, auto
+    against the fastest forced op, and each of ``versus_best_raw`` against the fastest raw baseline."""
     names = {m.name for m in methods if shape.suite in m.suites}
     raws = sum(1 for m in methods if shape.suite in m.suites and m.kind == "op" and m.raw in names)
-    return raws + ("auto" in names and any(m.kind == "op" and m.name != "auto" for m in methods if m.name in names))
+    auto = "auto" in names and any(m.kind == "op" and m.name != "auto" for m in methods if m.name in names)
+    return raws + auto + len(names & set(versus_best_raw))
 
 
 def _result_line(row: dict[str, Any]) -> str:
@@ -281,6 +312,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         help="rounds of each op against its own raw call, samples taken in turns "
         f"(default: {timing.DEFAULT_ROUNDS} on GPU, 3 on CPU)",
+    )
+    parser.add_argument(
+        "--versus-best-raw",
+        nargs="+",
+        metavar="METHOD",
+        default=[],
+        help="methods (e.g. TRITON triton_raw) to measure against the shape's fastest raw baseline in --ratio-rounds "
+        "rounds of both in turn as well (ratio_best_rounds): 'best raw' compares single measurements, which differ "
+        "by several percent on their own",
     )
     cli.add_device(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or counter")
@@ -368,12 +408,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         not_measured=not_measured,
     )
 
+    unknown = sorted(set(args.versus_best_raw) - {m.name for m in methods})
+    if unknown:
+        raise SystemExit(
+            f"bench_prefill.py: --versus-best-raw: {', '.join(unknown)} not timed in this run; "
+            f"the methods timed: {', '.join(m.name for m in methods)}"
+        )
     print(f"device: {env['gpu']} ({device}), dtype {args.dtype}, (Dqk, Dv) = ({P.DQK}, {P.DV})")
     print("timing: " + ", ".join(m.name for m in methods))
     for name, why in not_measured.items():
         print(f"not measured: {name}: {why}")
     count = sum(1 for s in shapes for m in methods if s.suite in m.suites)
-    count += sum(ratio_steps(s, methods) for s in shapes)
+    count += sum(ratio_steps(s, methods, args.versus_best_raw) for s in shapes)
     if args.list:
         for s in shapes:
             print(f"  {s.id:<32} {s.label}")

@@ -288,7 +288,8 @@ def _assert_canonical_files(out_dir: Path, stem: str) -> None:
 @pytest.fixture(scope="module")
 def prefill_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_prefill")
-    printed = _main(BP, ["--device", "cpu", "--out", str(out), *FAST, "--ratio-rounds", "2"])
+    argv = ["--device", "cpu", "--out", str(out), *FAST, "--ratio-rounds", "2", "--versus-best-raw", "REFERENCE"]
+    printed = _main(BP, argv)
     return out, printed
 
 
@@ -309,6 +310,10 @@ def test_cpu_run_writes_csv(prefill_run):
     # The reference checked against itself: its LSE must agree exactly with the ground truth.
     assert all(float(r["lse_err"]) == 0.0 for r in ops)
     assert all(r["best_baseline"] == "sdpa_cpu" and float(r["ratio_best"]) > 0 for r in ops)
+    # --versus-best-raw REFERENCE: against that baseline in rounds of both in turn too, in its rows alone.
+    for r in ops:
+        assert 0 < float(r["ratio_best_min"]) <= float(r["ratio_best_rounds"]) <= float(r["ratio_best_max"]), r
+    assert not any(r["ratio_best_rounds"] for r in rows if r["method"] != "REFERENCE")
     # The op with no override, against the fastest forced backend (on CPU both are REFERENCE).
     auto = [r for r in rows if r["method"] == "auto"]
     assert len(auto) == len(ops) and all(r["kind"] == "op" and r["status"] == "ok" for r in auto)
@@ -353,6 +358,8 @@ def test_cpu_run_writes_markdown_and_env(prefill_run):
     for title in R.SUITE_TITLES.values():
         assert f"## {title}" in md
     assert "REFERENCE / reference_raw" in md
+    assert "REFERENCE / best raw, rounds" in md and "auto / best raw, rounds" not in md
+    assert "REFERENCE / sdpa_cpu: " in printed
     assert "REFERENCE fp8+quant / best bf16 op" in md
     assert "## FP8 against the best bf16 op" in md and "- **REFERENCE fp8**, H=2: " in md
     # auto against the fastest forced op, summarised by time and by pace (test_auto_summary has the lines' rules).
@@ -392,6 +399,8 @@ def test_no_fp8_leaves_the_fp8_rows_out():
 
     assert "REFERENCE fp8, REFERENCE fp8+quant" in timed()
     assert "fp8" not in timed("--no-fp8")
+    with pytest.raises(SystemExit, match=r"--versus-best-raw: TRITON not timed in this run; the methods timed: "):
+        timed("--versus-best-raw", "TRITON")
 
 
 def test_from_csv_rerenders_the_report(prefill_run, tmp_path):

@@ -965,22 +965,24 @@ def overhead_ratio(
         return timing.interleaved_ratio(raw.fn, op.fn, device, rounds, **timing_kwargs)
 
 
-def auto_ratio(
-    auto: Prepared, forced: Prepared, device: torch.device, rounds: int = timing.DEFAULT_ROUNDS, **timing_kwargs: Any
+def rounds_ratio(
+    ours: Prepared, theirs: Prepared, device: torch.device, rounds: int = timing.DEFAULT_ROUNDS, **timing_kwargs: Any
 ) -> timing.RoundsRatio:
-    """The forced op's time / the automatic choice's (above 1: auto is faster): in each of ``rounds`` rounds both are
-    measured, one after the other in an order reversed every other round (:func:`timing.alternating`), each inside
-    its own context; the median of the rounds' ratios and their range. Not sample by sample as
-    :func:`overhead_ratio`: forcing a backend and lifting it clears the routing caches (and re-reads the cost
-    tables), which would land in every sample; a measurement's warm-up calls take it here."""
+    """``theirs``'s time / ``ours``'s (above 1: ours is faster): in each of ``rounds`` rounds both are measured, one
+    after the other in an order reversed every other round (:func:`timing.alternating`), each inside its own
+    context; the median of the rounds' ratios and their range. Used for auto against the fastest forced op and for
+    an op against the fastest raw baseline, whose single measurements, minutes apart in a long run, differ by their
+    noise too. Not sample by sample as :func:`overhead_ratio`: forcing a backend and lifting it clears the routing
+    caches (and re-reads the cost tables), which would land in every sample; a measurement's warm-up calls take it
+    here."""
     series = timing.alternating(
-        {"auto": auto.fn, "forced": forced.fn}, device, rounds, reverse_odd_rounds=True,
-        contexts={"auto": auto.context, "forced": forced.context}, **timing_kwargs,
+        {"ours": ours.fn, "theirs": theirs.fn}, device, rounds, reverse_odd_rounds=True,
+        contexts={"ours": ours.context, "theirs": theirs.context}, **timing_kwargs,
     )  # fmt: skip
-    ratios = [f / a for f, a in zip(series["forced"], series["auto"])]
+    ratios = [t / o for t, o in zip(series["theirs"], series["ours"])]
     return timing.RoundsRatio(
         median=statistics.median(ratios), low=min(ratios), high=max(ratios), rounds=rounds,
-        numerator_ms=statistics.median(series["forced"]), denominator_ms=statistics.median(series["auto"]),
+        numerator_ms=statistics.median(series["theirs"]), denominator_ms=statistics.median(series["ours"]),
     )  # fmt: skip
 
 

@@ -618,6 +618,9 @@ PREFILL_FIELDS = [
     "ratio_raw_max",
     "best_baseline",
     "ratio_best",
+    "ratio_best_rounds",
+    "ratio_best_min",
+    "ratio_best_max",
     "best_op",
     "ratio_auto_best",
     "ratio_auto_best_pace",
@@ -791,6 +794,8 @@ def render_prefill_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> 
             if m in raw_of:
                 columns.append((f"{m} / {raw_of[m]}", m, "ratio_raw"))
             columns.append((f"{m} / best raw", m, "ratio_best"))
+            if any(cell.get((s, m), {}).get("ratio_best_rounds") is not None for s in shapes):
+                columns.append((f"{m} / best raw, rounds", m, "ratio_best_rounds"))
             if any(cell.get((s, m), {}).get("ratio_auto_best") is not None for s in shapes):
                 columns.append((f"{m} / best op", m, "ratio_auto_best"))
             if any(cell.get((s, m), {}).get("ratio_auto_best_pace") is not None for s in shapes):
@@ -809,7 +814,8 @@ def render_prefill_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> 
             parts += [
                 f"Ratios ({suite}): throughput of the method / throughput of the named call (above 1: the method "
                 "is faster). Against its own raw call an op's ratio is the median over alternating rounds; against "
-                "the best raw baseline it compares the single measurements of the table above"
+                "the best raw baseline it compares the single measurements of the table above, and with ', rounds' "
+                "the median over rounds of both measured in turn"
             ]
             parts += ["", markdown_table(headers, table), ""]
     crossover = fp8_crossover(rows)
