@@ -139,7 +139,7 @@ def test_eager_call_reads_nothing_back_to_the_host(backend) -> None:
     with mla_ops.prefill_backend(backend):
         for args, kwargs in calls.values():  # compiles the Triton kernels, which may synchronise
             integration.mla_ops_attention_forward(torch.nn.Module(), *args, **kwargs)
-        integration._layouts.clear()
+        integration.LAYOUTS.clear()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
 import subprocess
@@ -103,3 +104,46 @@ def test_public_functions_are_documented_and_typed() -> None:
         if inspect.isfunction(obj):
             hints = inspect.signature(obj)
             assert hints.return_annotation is not inspect.Signature.empty, f"mla_ops.{name} lacks a return type"
+
+
+def _package_attributes_named(path: Path) -> list[tuple[int, str, str]]:
+    """``(line, module, attribute)`` for each ``alias.attribute`` in ``path`` where ``alias`` names an ``mla_ops``
+    module (``import mla_ops.x as alias``, ``from mla_ops import x as alias``, ``import mla_ops``)."""
+    import importlib
+
+    tree = ast.parse(path.read_text())
+    modules: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "mla_ops":
+                    modules[a.asname or a.name] = a.name
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "mla_ops":
+            for a in node.names:
+                name = f"{node.module}.{a.name}"
+                try:
+                    importlib.import_module(name)
+                except ImportError:
+                    continue  # a function or class, not a module
+                modules[a.asname or a.name] = name
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            found.append((node.lineno, modules[node.value.id], node.attr))
+    return found
+
+
+def test_gpu_tests_name_attributes_that_exist() -> None:
+    """The GPU tests run only where CUDA is, so a rename in the package would first show there: on CPU, every
+    ``module.attribute`` they read from an ``mla_ops`` module must exist."""
+    import importlib
+
+    missing = []
+    for path in sorted((ROOT / "tests").glob("test_gpu_*.py")):
+        for line, module, attr in _package_attributes_named(path):
+            if not hasattr(importlib.import_module(module), attr):
+                missing.append(f"{path.name}:{line}: {module}.{attr}")
+    assert not missing, "attributes the GPU tests read that the package does not have:\n" + "\n".join(missing)
+    # The walk sees a module imported under an alias inside a function, as test_gpu_transformers.py does.
+    named = _package_attributes_named(ROOT / "tests" / "test_gpu_transformers.py")
+    assert ("mla_ops.integrations.transformers", "LAYOUTS") in {(m, a) for _, m, a in named}
