@@ -155,6 +155,8 @@ def run_shape(
             result.prepared = None  # hand its buffers back now
         checked[method.name] = result
         row.update(status=result.status, time_ms=result.time_ms, rel_err=result.rel_err, lse_err=result.lse_err)
+        if isinstance(method, M.AutoOpMethod):
+            row["auto_route"] = method.routed(problem)
         if result.time_ms is not None:
             row.update(host_ms=result.host_ms, pace_ms=max(result.time_ms, result.host_ms or 0.0))
         row["note"] = result.note

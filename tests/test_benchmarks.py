@@ -318,6 +318,7 @@ def test_cpu_run_writes_csv(prefill_run):
     auto = [r for r in rows if r["method"] == "auto"]
     assert len(auto) == len(ops) and all(r["kind"] == "op" and r["status"] == "ok" for r in auto)
     assert all(r["best_op"] == "REFERENCE" and float(r["ratio_auto_best"]) > 0 for r in auto)
+    assert all(r["auto_route"] == "REFERENCE" for r in auto) and not any(r["auto_route"] for r in ops)
     assert all(float(r["ratio_auto_best_pace"]) > 0 for r in auto)
     # ... and against it in rounds of both measured in turn, which a single measurement's noise moves less.
     for r in auto:
@@ -478,6 +479,12 @@ def test_auto_summary():
     only_large = shape("large", 1.0, 0.95, 0.95, None)
     assert R.auto_summary(only_large) == "- by time, best op >= 0.2 ms: median 0.950, minimum 0.950 (large), 1 shape"
     assert R.auto_summary(shape("x", 1.0, 1.0, None, None)) == ""
+    # Where the rows say which backend auto was routed to, a line sets it beside the fastest forced op.
+    rows[1]["auto_route"], rows[3]["auto_route"] = "FLASHINFER", "TRITON"
+    assert R.auto_summary(rows).splitlines()[-1] == (
+        "- routed to the fastest forced op on 1 of 2 shapes; elsewhere (routed, fastest, auto / fastest by time): "
+        "small (FLASHINFER, TRITON, 0.840)"
+    )
 
 
 def test_append_merges_runs_of_different_shapes(tmp_path):

@@ -149,6 +149,15 @@ class AutoOpMethod(OpMethod):
     def forced(self) -> str | None:
         return None
 
+    @staticmethod
+    def routed(p: Problem) -> str:
+        """The backend the ops route ``p``'s call to outside CUDA graphs (what this method runs), by the
+        selector's per-call rule (``mla_ops.selector.route_call``), for the report to set beside the fastest."""
+        from mla_ops.backends.base import VarlenCall
+        from mla_ops.selector import route_call
+
+        return route_call(VarlenCall(*p.attention_args(), p.causal)).name
+
 
 class Fp8OpMethod(Method):
     """A backend through ``mla_ops.prefill_fp8`` / ``mla_ops.prefill_context_chunk_fp8`` under ``prefill_backend``,

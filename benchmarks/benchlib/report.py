@@ -622,6 +622,7 @@ PREFILL_FIELDS = [
     "ratio_best_min",
     "ratio_best_max",
     "best_op",
+    "auto_route",
     "ratio_auto_best",
     "ratio_auto_best_pace",
     "ratio_auto_best_rounds",
@@ -630,7 +631,7 @@ PREFILL_FIELDS = [
     "ratio_best_bf16",
     "note",
 ]
-_PREFILL_TEXT = ("method", "series", "shape", "label", "raw_method", "best_baseline", "best_op", "note")
+_PREFILL_TEXT = ("method", "series", "shape", "label", "raw_method", "best_baseline", "best_op", "auto_route", "note")
 
 SUITE_TITLES = {
     "causal": "Causal new-tokens path (`mla_ops.prefill`), TFLOP/s",
@@ -860,6 +861,15 @@ def auto_summary(rows: list[dict[str, Any]]) -> str:
         # Both kinds of shape: "all shapes" adds a line; else it would repeat the one kind's.
         shown = groups if all(groups.values()) else {name: g for name, g in groups.items() if name != "all shapes"}
         lines += [_auto_line(f"{label}, {name}", group, key) for name, group in shown.items() if group]
+    routed = [r for r in rows if r["method"] == "auto" and r.get("auto_route") and r.get("best_op")]
+    if routed:
+        others = [r for r in routed if r["auto_route"] != r["best_op"]]
+        line = f"- routed to the fastest forced op on {len(routed) - len(others)} of {len(routed)} shapes"
+        if others:
+            line += "; elsewhere (routed, fastest, auto / fastest by time): " + "; ".join(
+                f"{r['shape']} ({r['auto_route']}, {r['best_op']}, {r['ratio_auto_best']:.3f})" for r in others
+            )
+        lines.append(line)
     return "\n".join(lines)
 
 
