@@ -184,8 +184,7 @@ def run_shape(
     R.add_best_baseline(rows)
     R.add_auto_ratio(rows)
     R.add_fp8_ratio(rows)
-    _auto_rounds(rows, checked, args, device, progress)
-    _best_raw_rounds(rows, checked, args, device, progress)
+    _rounds_ratios(rows, checked, args, device, progress)
     checked.clear()
     problem = reference = None
     if device.type == "cuda":  # hand the shape's gigabytes back before the next one allocates
@@ -194,55 +193,31 @@ def run_shape(
     return rows
 
 
-def _auto_rounds(
+def _rounds_ratios(
     rows: list[dict[str, Any]],
     checked: dict[str, M.Checked],
     args: argparse.Namespace,
     device: torch.device,
     progress: R.Progress,
 ) -> None:
-    """``ratio_auto_best_rounds`` (with its rounds' range) in the ``auto`` row: the fastest forced op's time over
-    auto's, the two measured one after the other in each round (:func:`benchlib.methods.rounds_ratio`), where the
-    single measurements of the two, minutes apart on a long run, differ by their noise too."""
-    auto = next((r for r in rows if r["method"] == "auto" and r.get("best_op")), None)
-    if auto is None:
-        return
-    progress.step(f"{auto['shape']} auto vs {auto['best_op']}, {args.ratio_rounds} rounds of both in turn")
-    ours, best = checked.get("auto"), checked.get(auto["best_op"])
-    if ours is None or best is None or ours.prepared is None or best.prepared is None:
-        return
-    ratio = M.rounds_ratio(
-        ours.prepared, best.prepared, device, args.ratio_rounds, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms
-    )
-    label = f"auto / {auto['best_op']}"
-    _record_ratio(auto, "ratio_auto_best", ratio, label, progress, median_key="ratio_auto_best_rounds")
-
-
-def _best_raw_rounds(
-    rows: list[dict[str, Any]],
-    checked: dict[str, M.Checked],
-    args: argparse.Namespace,
-    device: torch.device,
-    progress: R.Progress,
-) -> None:
-    """``ratio_best_rounds`` (with its rounds' range) in the rows of ``--versus-best-raw``'s methods: the fastest
-    raw baseline's time over the method's, the two measured one after the other in each round, as
-    :func:`_auto_rounds` measures auto (``ratio_best`` compares single measurements taken seconds to minutes
-    apart)."""
-    for row in rows:
-        if row["method"] not in args.versus_best_raw:
-            continue
-        best_name = row.get("best_baseline")
-        progress.step(f"{row['shape']} {row['method']} vs {best_name}, {args.ratio_rounds} rounds of both in turn")
-        ours, best = checked.get(row["method"]), checked.get(best_name or "")
+    """The ratios measured in rounds of two methods one after the other (:func:`benchlib.methods.rounds_ratio`),
+    each with its rounds' range: ``ratio_auto_best_rounds`` in the ``auto`` row (the fastest forced op's time over
+    auto's) and ``ratio_best_rounds`` in the rows of ``--versus-best-raw``'s methods (the fastest raw baseline's
+    time over the method's). ``ratio_auto_best`` and ``ratio_best`` compare single measurements, taken seconds to
+    minutes apart, which differ by their noise too."""
+    pairs = [(r, r["best_op"], "ratio_auto_best") for r in rows if r["method"] == "auto" and r.get("best_op")]
+    pairs += [(r, r.get("best_baseline"), "ratio_best") for r in rows if r["method"] in args.versus_best_raw]
+    for row, theirs, key in pairs:
+        progress.step(f"{row['shape']} {row['method']} vs {theirs}, {args.ratio_rounds} rounds of both in turn")
+        ours, best = checked.get(row["method"]), checked.get(theirs or "")
         if ours is None or best is None or ours.prepared is None or best.prepared is None:
-            progress.write(f"  {row['shape']}: no ratio to the best raw baseline for {row['method']}: not ok or none")
+            progress.write(f"  {row['shape']}: no {key} in rounds for {row['method']}: it or {theirs} is not ok")
             continue
         ratio = M.rounds_ratio(
             ours.prepared, best.prepared, device, args.ratio_rounds, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms
         )
-        label = f"{row['method']} / {best_name}"
-        _record_ratio(row, "ratio_best", ratio, label, progress, median_key="ratio_best_rounds")
+        label = f"{row['method']} / {theirs}"
+        _record_ratio(row, key, ratio, label, progress, median_key=f"{key}_rounds")
 
 
 def _record_ratio(
