@@ -117,8 +117,9 @@ def run_shape(
     names = {m.name for m in methods}
     in_ratio = {m.name for m in methods if m.raw in names} | {m.raw for m in methods if m.raw in names}
     in_ratio |= {m.name for m in methods if m.kind == "op"}  # auto is measured against the fastest forced op
-    if args.versus_best_raw:  # which baseline is the fastest is known once all are timed
-        in_ratio |= {m.name for m in methods if m.kind == "baseline"}
+    # With --versus-best-raw the fastest correct baseline so far keeps its buffers too (as add_best_baseline picks
+    # it: the least time_ms of an ok row), and hands them back once a faster one comes.
+    fastest: str | None = None
     try:
         problem = P.make_problem(shape, device, dtype, args.seed)
         reference = M.reference_outputs(problem)
@@ -151,7 +152,13 @@ def run_shape(
             row["status"], row["note"] = "error", setup_error
             continue
         result = M.check_and_time(method, problem, reference, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
-        if method.name not in in_ratio:
+        keep = method.name in in_ratio
+        ok_baseline = args.versus_best_raw and method.kind == "baseline" and result.status == "ok" and result.time_ms
+        if ok_baseline and (fastest is None or result.time_ms < checked[fastest].time_ms):
+            if fastest is not None and fastest not in in_ratio:
+                checked[fastest].prepared = None
+            fastest, keep = method.name, True
+        if not keep:
             result.prepared = None  # hand its buffers back now
         checked[method.name] = result
         row.update(status=result.status, time_ms=result.time_ms, rel_err=result.rel_err, lse_err=result.lse_err)
