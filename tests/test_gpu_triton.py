@@ -506,7 +506,7 @@ def test_relaunches_call_the_c_launcher_where_its_forwarding_is_known():
 
     from mla_ops.kernels import attention, merge
     from mla_ops.kernels.launch import FixedLaunch
-    from mla_ops.kernels.triton_compat import SUPPORTED_RELEASES
+    from mla_ops.kernels.triton_compat import SUPPORTED_RELEASES, release
 
     batch = make_batch([40, 24], 16, 192, 128, torch.bfloat16, device=DEVICE, seed=9)
     for _ in range(2):
@@ -514,7 +514,7 @@ def test_relaunches_call_the_c_launcher_where_its_forwarding_is_known():
         mla_ops.merge_attn_states(out, lse, out, lse)
     fixed = [known.launch for cache in (attention.LAUNCHES, merge.LAUNCHES) for known in cache.known.values()]
     natives = [f.native is not None for f in fixed if isinstance(f, FixedLaunch) and not f.needs_scratch]
-    if ".".join(triton.__version__.split(".")[:2]) not in SUPPORTED_RELEASES:
+    if release(triton.__version__) not in SUPPORTED_RELEASES:
         pytest.skip(f"Triton {triton.__version__}: its launcher's forwarding is not one this package knows")
     assert natives and all(natives)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import re
 import subprocess
@@ -109,8 +110,6 @@ def test_public_functions_are_documented_and_typed() -> None:
 def _package_attributes_named(path: Path) -> list[tuple[int, str, str]]:
     """``(line, module, attribute)`` for each ``alias.attribute`` in ``path`` where ``alias`` names an ``mla_ops``
     module (``import mla_ops.x as alias``, ``from mla_ops import x as alias``, ``import mla_ops``)."""
-    import importlib
-
     tree = ast.parse(path.read_text())
     modules: dict[str, str] = {}
     for node in ast.walk(tree):
@@ -136,8 +135,6 @@ def _package_attributes_named(path: Path) -> list[tuple[int, str, str]]:
 def test_gpu_tests_name_attributes_that_exist() -> None:
     """The GPU tests run only where CUDA is, so a rename in the package would first show there: on CPU, every
     ``module.attribute`` they read from an ``mla_ops`` module must exist."""
-    import importlib
-
     missing = []
     for path in sorted((ROOT / "tests").glob("test_gpu_*.py")):
         for line, module, attr in _package_attributes_named(path):

@@ -1222,9 +1222,9 @@ def test_the_installed_tritons_launcher_is_known_and_launched_as_its_call_would(
     import triton
 
     from mla_ops.kernels import launch
-    from mla_ops.kernels.triton_compat import SUPPORTED_RELEASES
+    from mla_ops.kernels.triton_compat import SUPPORTED_RELEASES, release
 
-    if ".".join(triton.__version__.split(".")[:2]) not in SUPPORTED_RELEASES:
+    if release(triton.__version__) not in SUPPORTED_RELEASES:
         pytest.skip(f"Triton {triton.__version__} is not a supported release")
     try:
         from triton.backends.nvidia.driver import CudaLauncher
