@@ -350,10 +350,12 @@ def test_cpu_run_writes_markdown_and_env(prefill_run):
     md = (out / "prefill.md").read_text()
     env = json.loads((out / "prefill.env.json").read_text())
     for key in ("gpu", "sm_clock_mhz", "mem_clock_mhz", "date", "torch", "cuda", "triton", "flashinfer",
-                "flash_attn", "flash_attn.cute (FA4)", "mla_ops", "timer", "ratio_rounds", "backends"):  # fmt: skip
+                "flash_attn", "flash_attn.cute (FA4)", "mla_ops", "timer", "ratio_rounds", "backends",
+                "cost_table"):  # fmt: skip
         assert key in env, key
         assert f"**{key}**" in md or key == "backends"
     assert env["torch"] == torch.__version__
+    assert env["cost_table"] == "none: routing by size is for CUDA devices"
     assert env["backends"]["REFERENCE"]["valid"] and env["backends"]["REFERENCE"]["implementation"]
     assert "| REFERENCE | yes |" in md
     for title in R.SUITE_TITLES.values():
@@ -1387,3 +1389,26 @@ def test_triton_raw_fp8_runs_the_kernel_on_quantised_inputs():
     checked = M.check_and_time(method, problem, M.reference_outputs(problem), timed=False)
     assert checked.status == "ok", checked
     assert 0 < checked.rel_err <= M.FP8_OUT_TOL and checked.lse_err <= M.FP8_LSE_TOL
+
+
+def test_routing_table_names_the_table_that_routes_auto(monkeypatch) -> None:
+    """A GPU run records which cost table routed its auto rows, with the GPU and date it was measured on."""
+    import mla_ops
+    from mla_ops import cost_table
+
+    data = {"schema": 1, "gpu": "NVIDIA H100 80GB HBM3", "capability": "9.0", "versions": {}, "command": "tune",
+            "created": "2026-12-06T06:00:00Z", "host_us": {"TRITON": 10.0}, "entries": []}  # fmt: skip
+    table = cost_table.parse(data)
+    seen = []
+
+    def fake_source(capability):
+        seen.append(capability)
+        return table, "tuned: /cache/sm90.json"
+
+    monkeypatch.setattr(cost_table, "table_source", fake_source)
+    monkeypatch.setattr(mla_ops.DeviceCapability, "of", classmethod(lambda cls, device: cls(9, 0)))
+    got = R.routing_table(torch.device("cuda"))
+    assert got == "tuned: /cache/sm90.json (measured on NVIDIA H100 80GB HBM3, 2026-12-06T06:00:00Z)"
+    assert seen == [mla_ops.DeviceCapability(9, 0)]
+    monkeypatch.setattr(cost_table, "table_source", lambda capability: (None, "none: fixed order"))
+    assert R.routing_table(torch.device("cuda")) == "none: fixed order"

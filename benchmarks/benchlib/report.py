@@ -197,6 +197,18 @@ def auto_selected(device: torch.device, dtype: torch.dtype, dqk: int, dv: int) -
     return f"{name} (forced by {mla_ops.selector.ENV_VAR}={env})" if env else name
 
 
+def routing_table(device: torch.device) -> str:
+    """The cost table that routes this device's calls by size (:func:`mla_ops.cost_table.table_source`): where it
+    comes from, the GPU it was measured on and when, since an ``auto`` row's route depends on it."""
+    import mla_ops
+    from mla_ops import cost_table
+
+    if device.type != "cuda":
+        return "none: routing by size is for CUDA devices"
+    table, source = cost_table.table_source(mla_ops.DeviceCapability.of(device))
+    return source if table is None else f"{source} (measured on {table.gpu}, {table.created})"
+
+
 def collect_env(
     device: torch.device,
     dtype: torch.dtype,
@@ -244,6 +256,7 @@ def collect_env(
         "dtype": str(dtype).removeprefix("torch."),
         "head_dims (Dqk, Dv)": f"({dqk}, {dv})",
         "auto_selected_backend": auto_selected(device, dtype, dqk, dv),
+        "cost_table": routing_table(device),
         "timer": timing.describe(device),
         "backends": {
             row["name"]: {"valid": row["valid"], "reasons": row["reasons"], "implementation": row["implementation"]}
