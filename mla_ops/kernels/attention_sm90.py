@@ -235,6 +235,14 @@ def _load_keys(ka_desc, kb_desc, k_smem_a, k_smem_b, k_ready, k_empty, g, row, c
     _tma_load(kb_desc, [row, col_k + D_A], k_ready.index(stage), k_smem_b.index(stage))
 
 
+@gluon.constexpr_function
+def _value_width(v_smem_type, fp8):
+    """``D_V`` of the value ring, from its type: ``[STAGES, BN, D_V]``, or with ``fp8`` the transposed tiles
+    ``[STAGES, D_V, BN]`` (keys contiguous), as :func:`_attn_fwd_sm90` allocates it. The producer and the
+    consumers read it alike."""
+    return v_smem_type.shape[1] if fp8 else v_smem_type.shape[2]
+
+
 @gluon.jit
 def _load_values(v_desc, v_smem, v_ready, v_empty, g, row, FP8: gl.constexpr):
     """Tile ``g`` of the value ring: rows ``row`` on of ``v_desc`` (one sequence's and head's values); ``FP8``: columns
@@ -262,10 +270,7 @@ def _produce_item(
     ``BN + sequence_column(k_start, b)``), ``stride_vh`` its head stride and ``stride_vt`` its channel stride."""
     BN: gl.constexpr = ka_desc.block_type.shape[0]
     D_A: gl.constexpr = ka_desc.block_type.shape[1]
-    if FP8:
-        D_V: gl.constexpr = v_smem.type.shape[1]
-    else:
-        D_V: gl.constexpr = v_smem.type.shape[2]
+    D_V: gl.constexpr = _value_width(v_smem.type, FP8)
     STAGES: gl.constexpr = k_smem_a.type.shape[0]
     col_k = h * stride_kh
     if num_tiles > 0:  # the first keys before Q, which waits for the previous item's last scores
@@ -507,10 +512,7 @@ def _consume_item(
     alike, fp32); ``p_smem`` ``[2, 64, BN]`` e4m3 is the warpgroup's own pair of probability buffers
     (:func:`_step`). Otherwise those are ``None``."""
     BN: gl.constexpr = k_smem_a.type.shape[1]
-    if FP8:
-        D_V: gl.constexpr = v_smem.type.shape[1]
-    else:
-        D_V: gl.constexpr = v_smem.type.shape[2]
+    D_V: gl.constexpr = _value_width(v_smem.type, FP8)
     STAGES: gl.constexpr = k_smem_a.type.shape[0]
     # wgmma's K per instruction: 32 bytes of each operand row (16 for 16-bit inputs, 32 for e4m3).
     K_MMA: gl.constexpr = 256 // v_smem.dtype.primitive_bitwidth
