@@ -39,8 +39,8 @@ def _summary(capability, dtype, dims) -> str:
     return f"{order} -> {rules[-1].split(': ', 1)[-1]}"
 
 
-def _cli_rules(*args: str) -> str:
-    """The selection-rules block of ``python -m mla_ops info`` with ``args`` (it ignores what is installed)."""
+def _cli_info(*args: str) -> str:
+    """What ``python -m mla_ops info`` with ``args`` prints, with no backend forced; it must succeed."""
     result = subprocess.run(
         [sys.executable, "-m", "mla_ops", "info", *args],
         capture_output=True,
@@ -48,8 +48,14 @@ def _cli_rules(*args: str) -> str:
         check=True,
         env={**os.environ, sel.ENV_VAR: ""},
     )
-    start = result.stdout.index("Selection rules")
-    return result.stdout[start : result.stdout.index("\n\n", start)]
+    return result.stdout
+
+
+def _cli_rules(*args: str) -> str:
+    """The selection-rules block of ``python -m mla_ops info`` with ``args`` (it ignores what is installed)."""
+    stdout = _cli_info(*args)
+    start = stdout.index("Selection rules")
+    return stdout[start : stdout.index("\n\n", start)]
 
 
 class TestSnapshots(expecttest.TestCase):
@@ -418,16 +424,10 @@ def test_routing_looks_up_a_cache_after_the_first_call(monkeypatch: pytest.Monke
 
 @pytest.mark.parametrize(("capability", "expected_cap"), [("9.0", SM90), ("10.0", SM100), ("8.0", SM80)])
 def test_info_cli_prints_the_rules_table(capability, expected_cap) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "mla_ops", "info", "--capability", capability],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, sel.ENV_VAR: ""},
-    )
-    assert selection_rules(expected_cap, SelectorConfig(torch.bfloat16, DEEPSEEK)) in result.stdout
-    assert "On this machine (compute capability" in result.stdout
-    assert "Dispatch keys of torch.ops.mla.*" in result.stdout
+    stdout = _cli_info("--capability", capability)
+    assert selection_rules(expected_cap, SelectorConfig(torch.bfloat16, DEEPSEEK)) in stdout
+    assert "On this machine (compute capability" in stdout
+    assert "Dispatch keys of torch.ops.mla.*" in stdout
 
 
 def test_info_cli_rejects_bad_capability() -> None:
