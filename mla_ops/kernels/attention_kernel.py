@@ -388,6 +388,19 @@ def _fill_padding_lse(
         tl.store(Lse + hh.to(tl.int64) * stride_lse_h + t, neg_inf, mask=idx < count)
 
 
+@triton.jit
+def head_and_slot(pid, num_heads, num_slots, heads_per_group):
+    """Program ``pid < num_heads * num_slots`` -> ``(head, slot)``. Heads form groups of ``heads_per_group`` whose
+    K/V fits in L2 (:func:`mla_ops.kernels.programs.program_layout`); inside a group the slots run in order and the
+    heads fastest. The Gluon kernel (:mod:`mla_ops.kernels.attention_sm90`) numbers its work items so too."""
+    group_size = heads_per_group * num_slots
+    group = pid // group_size
+    r = pid - group * group_size
+    heads_here = tl.minimum(heads_per_group, num_heads - group * heads_per_group)
+    slot = r // heads_here
+    return group * heads_per_group + (r - slot * heads_here), slot
+
+
 @triton.jit(
     do_not_specialize=[
         "stride_lse_h",
@@ -452,14 +465,7 @@ def attn_fwd_kernel(
         )  # fmt: skip
         return
 
-    # Program -> (head, slot). Heads form groups of `heads_per_group` whose K/V fits in L2; inside a
-    # group the slots run in order and the heads fastest.
-    group_size = heads_per_group * num_slots
-    group = pid // group_size
-    r = pid - group * group_size
-    heads_here = tl.minimum(heads_per_group, num_heads - group * heads_per_group)
-    slot = r // heads_here
-    h = group * heads_per_group + (r - slot * heads_here)
+    h, slot = head_and_slot(pid, num_heads, num_slots, heads_per_group)
 
     # Slot -> sequence: b is the last sequence whose first slot cu_seqlens_q[b] // BLOCK_M + b is
     # <= slot. One vector pass per SEQ_CHUNK sequences (a single pass for typical batches).

@@ -25,6 +25,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..backends.base import Fp8Scales, VarlenCall
 from ..runtime.alloc import empty, template
+from .attention_kernel import head_and_slot
 from .configs import head_dim_split
 from .launch import NATIVE_COUNTER_CODE, FixedLaunch, LaunchPlan, NativeLaunch, TorchScratch, pointer_alignment
 from .programs import program_layout
@@ -195,13 +196,7 @@ def _work_item(w, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, he
     head ``h``, the query rows ``m0`` on of the sequence at ``q_start`` (``len_q`` rows), its keys
     (``len_k`` rows from ``k_start``) and its ``num_tiles`` key tiles; ``real`` is false for the slots no
     block fills."""
-    # Item -> (head, slot): heads grouped for L2, slots in order, heads fastest (as attention_kernel.py).
-    group_size = heads_per_group * num_slots
-    group = w // group_size
-    r = w - group * group_size
-    heads_here = gl.minimum(heads_per_group, num_heads - group * heads_per_group)
-    slot = r // heads_here
-    h = group * heads_per_group + (r - slot * heads_here)
+    h, slot = head_and_slot(w, num_heads, num_slots, heads_per_group)  # the tl.dot kernel's numbering
     if B_GIVEN:
         b = b_given
     else:

@@ -1,6 +1,7 @@
 """How the attention kernels number their programs: packed query-block slots, head groups for L2, and
 the extra programs that fill the padding rows' LSE. Shared by :mod:`mla_ops.kernels.attention_kernel` and
-:mod:`mla_ops.kernels.attention_sm90`, whose kernels decode the numbering in the same way.
+:mod:`mla_ops.kernels.attention_sm90`, whose kernels decode the numbering in the same way (program to head and
+slot: :func:`mla_ops.kernels.attention_kernel.head_and_slot`, which both call).
 Design: docs/design/triton-kernels.md (The ``tl.dot`` kernel).
 """
 
