@@ -1410,5 +1410,8 @@ def test_routing_table_names_the_table_that_routes_auto(monkeypatch) -> None:
     got = R.routing_table(torch.device("cuda"))
     assert got == "tuned: /cache/sm90.json (measured on NVIDIA H100 80GB HBM3, 2026-12-06T06:00:00Z)"
     assert seen == [mla_ops.DeviceCapability(9, 0)]
+    undated = cost_table.parse({**data, "created": ""})
+    monkeypatch.setattr(cost_table, "table_source", lambda capability: (undated, "committed: sm90.json"))
+    assert R.routing_table(torch.device("cuda")) == "committed: sm90.json (measured on NVIDIA H100 80GB HBM3, undated)"
     monkeypatch.setattr(cost_table, "table_source", lambda capability: (None, "none: fixed order"))
     assert R.routing_table(torch.device("cuda")) == "none: fixed order"

@@ -206,7 +206,8 @@ def routing_table(device: torch.device) -> str:
     if device.type != "cuda":
         return "none: routing by size is for CUDA devices"
     table, source = cost_table.table_source(mla_ops.DeviceCapability.of(device))
-    return source if table is None else f"{source} (measured on {table.gpu}, {table.created})"
+    # Worded as `python -m mla_ops info` words it ("undated" where the table records no date).
+    return source if table is None else f"{source} (measured on {table.gpu}, {table.created or 'undated'})"
 
 
 def collect_env(
