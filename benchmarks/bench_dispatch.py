@@ -340,23 +340,25 @@ def measure_merge(args: argparse.Namespace, device: torch.device) -> list[dict[s
 
     import mla_ops
     from mla_ops import native
+    from mla_ops.backends.base import MergeCall
     from mla_ops.runtime.merge_dispatch import merge_kernel
 
     p = P.make_problem(P.Shape("merge", args.heads, (args.tokens,)), device, getattr(torch, args.dtype), args.seed)
     merge_args = p.merge
+    merge_call = MergeCall(*merge_args)
     kernel = merge_kernel(device)  # on CUDA: builds and loads the native merge where it can
     backend = f"{kernel.__module__}.{kernel.__qualname__}" + ("" if device.type == "cuda" else " (CPU key)")
     row: dict[str, Any] = {"path": "merge_attn_states", "backend": backend, "tokens": args.tokens, "heads": args.heads}
     fns = {
         "api_us": lambda: mla_ops.merge_attn_states(*merge_args),
         "op_us": lambda: torch.ops.mla.merge_attn_states(*merge_args),
-        "direct_us": lambda: kernel(*merge_args),
+        "direct_us": lambda: kernel(merge_call),
     }
     triton = None  # the Triton merge as the op's Python kernel calls it, where the op runs the native one
     if device.type == "cuda" and native.is_loaded():
         from mla_ops.kernels.merge import merge_attn_states_triton
 
-        triton = fns["triton_us"] = lambda: merge_attn_states_triton(*merge_args, check=check_merge_inputs)
+        triton = fns["triton_us"] = lambda: merge_attn_states_triton(merge_call, check=check_merge_inputs)
     parts = merge_parts(merge_args, device)
     if parts is not None:
         fns["raw_us"], fns["alloc_us"], fns["launch_us"] = parts

@@ -223,6 +223,7 @@ def sweep_merge(args: argparse.Namespace, device: torch.device, writer: Any, met
     """Time every merge configuration at T=16384, H=128, Dv=128 (one LSE row in seven empty)."""
     import torch
 
+    from mla_ops.backends.base import MergeCall
     from mla_ops.kernels.merge import merge_attn_states_triton
 
     shape = P.Shape("merge", 128, (16384,))
@@ -233,8 +234,9 @@ def sweep_merge(args: argparse.Namespace, device: torch.device, writer: Any, met
     moved = shape.merge_bytes(2)
     log(f"merge T={shape.q_lens[0]} H={shape.heads} Dv={P.DV} bf16: {moved / 1e9:.2f} GB moved per call")
     best = None
+    call = MergeCall(*p.merge)
     for block_t, warps in MERGE_CANDIDATES:
-        run = lambda block_t=block_t, warps=warps: merge_attn_states_triton(*p.merge, block_t=block_t, num_warps=warps)
+        run = lambda block_t=block_t, warps=warps: merge_attn_states_triton(call, block_t=block_t, num_warps=warps)
         rel, lse_err = M.compare(*run(), *reference)
         ok = rel <= tol and lse_err is not None and lse_err <= M.LSE_TOL
         ms = timing.measure(run, device, warmup_ms=args.warmup, rep_ms=args.rep).median_ms

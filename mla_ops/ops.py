@@ -13,7 +13,7 @@ import re
 import torch
 
 from . import meta, native
-from .backends.base import Fp8Scales, VarlenCall
+from .backends.base import Fp8Scales, MergeCall, VarlenCall
 from .meta.checks import (
     attention_inputs_are_valid,
     check_attention_inputs,
@@ -182,7 +182,7 @@ def _prefill_with_chunk(q, k, v, cu_seqlens, max_seqlen, k_chunk, v_chunk, cu_se
             native.remember_attention(native.PREFILL, new)
         if route_call(chunk) is backend:
             native.remember_attention(native.PREFILL_CONTEXT_CHUNK, chunk)
-    return merge_kernel(device)(out_c, lse_c, out, lse, prefix_lse_base2=base2_c, suffix_lse_base2=base2)
+    return merge_kernel(device)(MergeCall(out_c, lse_c, out, lse, base2_c, base2))
 
 
 _prefill, _prefill_context_chunk = _attention_kernels(in_graph=False, remember=True)
@@ -199,7 +199,7 @@ def _merge(prefix_out, prefix_lse, suffix_out, suffix_lse):
     except AttributeError:  # None for a Tensor argument (a raw call): the check names the argument
         check_merge_inputs(prefix_out, prefix_lse, suffix_out, suffix_lse)
         raise
-    return merge_kernel(device)(prefix_out, prefix_lse, suffix_out, suffix_lse, check=check_merge_inputs)
+    return merge_kernel(device)(MergeCall(prefix_out, prefix_lse, suffix_out, suffix_lse), check=check_merge_inputs)
 
 
 #: The public ops' eager kernels by op name, as registered for CPU and CUDA: what a call runs after the

@@ -10,13 +10,14 @@ and ``tests/test_gpu_multi.py`` (NCCL).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .api import prefill_with_context
-from .model import AttentionFn, LatentChunk, MLAAttention, MLAConfig
+from .model import AttentionFn, MLAAttention, MLAConfig
 
 __all__ = ["TensorParallelMLAAttention", "heads_per_rank", "shard_state_dict"]
 
@@ -176,22 +177,14 @@ class TensorParallelMLAAttention(MLAAttention):
             dist.all_reduce(partial, group=self.group)
         return partial
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        max_seqlen: int,
-        context: Sequence[LatentChunk] = (),
-    ) -> torch.Tensor:
-        """Attention output ``[T, hidden_size]``, the same on every rank of the group.
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Attention output ``[T, hidden_size]``, the same on every rank of the group: :meth:`partial_forward`,
+        then :meth:`all_reduce`.
 
-        Args:
-            hidden: ``[T, hidden_size]``, the same on every rank (replicated activations).
-            positions, cu_seqlens, max_seqlen, context: as for :meth:`MLAAttention.forward`, the same on
-                every rank.
+        Takes the arguments of :meth:`MLAAttention.forward` (``hidden``, ``positions``, ``cu_seqlens``,
+        ``max_seqlen``, ``context``), each the same on every rank (replicated activations).
         """
-        return self.all_reduce(self.partial_forward(hidden, positions, cu_seqlens, max_seqlen, context))
+        return self.all_reduce(self.partial_forward(*args, **kwargs))
 
     def extra_repr(self) -> str:
         heads = f"{self.config.num_heads} of {self.full_config.num_heads}"

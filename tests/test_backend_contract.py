@@ -30,7 +30,7 @@ from utils import DEEPSEEK_DIMS, GraphBuffers, RaggedBatch, assert_attention_clo
 
 import mla_ops
 from mla_ops import DeviceCapability, MLADimensions, SelectorConfig
-from mla_ops.backends.base import PrefillBackend, VarlenCall
+from mla_ops.backends.base import MergeCall, PrefillBackend, VarlenCall
 from mla_ops.backends.flash_attn import FlashAttnBackend
 from mla_ops.backends.flashinfer import FlashInferBackend
 from mla_ops.backends.reference import ReferenceBackend
@@ -388,11 +388,11 @@ def test_attention_for_merge_merges_to_what_attention_merges_to(installed):
          True),
     ]  # fmt: skip
     merge = merge_kernel(torch.device(device))
-    want = merge(*(t for args in calls for t in installed.attention(*args)))
+    want = merge(MergeCall(*(t for args in calls for t in installed.attention(*args))))
     parts = [installed.backend.attention_for_merge(VarlenCall(*args)) for args in calls]
     (out_c, lse_c, base2_c), (out, lse, base2) = parts
     assert lse_c.shape == lse.shape == want[1].shape and lse_c.dtype == lse.dtype == torch.float32
-    got = merge(out_c, lse_c, out, lse, prefix_lse_base2=base2_c, suffix_lse_base2=base2)
+    got = merge(MergeCall(out_c, lse_c, out, lse, base2_c, base2))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

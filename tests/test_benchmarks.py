@@ -1185,6 +1185,7 @@ def test_raw_layer_attention_matches_prefill_with_context():
 def _fake_flashinfer(plans: list) -> types.ModuleType:
     """A stand-in for ``flashinfer``: a ragged wrapper computing with the reference, with FlashInfer's
     conventions (base-2 LSE ``[T, H]``), and ``merge_state`` on base-2 LSEs."""
+    from mla_ops.backends.base import MergeCall
     from mla_ops.backends.reference import attention_reference, merge_attn_states_reference
 
     class Wrapper:
@@ -1201,7 +1202,7 @@ def _fake_flashinfer(plans: list) -> types.ModuleType:
             return out, (lse / math.log(2)).t().contiguous()
 
     def merge_state(v_a, s_a, v_b, s_b):
-        out, lse = merge_attn_states_reference(v_a, s_a.t() * math.log(2), v_b, s_b.t() * math.log(2))
+        out, lse = merge_attn_states_reference(MergeCall(v_a, s_a.t() * math.log(2), v_b, s_b.t() * math.log(2)))
         return out, (lse / math.log(2)).t()
 
     return types.SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=Wrapper, merge_state=merge_state)

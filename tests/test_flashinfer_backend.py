@@ -22,7 +22,7 @@ from utils import DEEPSEEK_DIMS, assert_attention_close, cu_seqlens_of, make_bat
 
 import mla_ops
 from mla_ops.backends import flashinfer as fib
-from mla_ops.backends.base import VarlenCall
+from mla_ops.backends.base import MergeCall, VarlenCall
 from mla_ops.backends.flashinfer import FlashInferBackend
 from mla_ops.backends.reference import merge_attn_states_reference
 from mla_ops.selector import backend_installed
@@ -130,11 +130,11 @@ def test_lse_conversion_makes_split_halves_merge_to_unsplit_attention():
     out_a, lse_a = _attention_base2(q, k[:7], v[:7], scale)
     out_b, lse_b = _attention_base2(q, k[7:], v[7:], scale)
     merged, _ = merge_attn_states_reference(
-        out_a, fib.lse_base2_to_natural(lse_a), out_b, fib.lse_base2_to_natural(lse_b)
+        MergeCall(out_a, fib.lse_base2_to_natural(lse_a), out_b, fib.lse_base2_to_natural(lse_b))
     )
     torch.testing.assert_close(merged, full, rtol=1e-5, atol=1e-5)
     # Without the conversion (the base-2 LSE merged as if natural) the same merge is wrong.
-    wrong, _ = merge_attn_states_reference(out_a, lse_a.t().contiguous(), out_b, lse_b.t().contiguous())
+    wrong, _ = merge_attn_states_reference(MergeCall(out_a, lse_a.t().contiguous(), out_b, lse_b.t().contiguous()))
     assert (wrong - full).abs().max() > 1e-2
 
 
@@ -332,7 +332,7 @@ def test_context_chunks_get_their_own_wrappers(fi):
         out, lse = fi.prefill_batch(batch)
         for c in chunks:
             out_c, lse_c = fi.chunk(batch.q, c.k, c.v, batch.cu_seqlens, c.cu_seqlens, max(lengths), c.max_seqlen)
-            out, lse = merge_attn_states_reference(out_c, lse_c, out, lse)
+            out, lse = merge_attn_states_reference(MergeCall(out_c, lse_c, out, lse))
     assert fi.plans == 3  # one plan per chunk and one for the new tokens, for all ten layers
     assert len({id(w) for w in fi.created if w.run_log}) == 3
     assert sorted(w.planned["causal"] for w in fi.created) == [False, False, True]

@@ -21,6 +21,7 @@ from utils import native_library_or_skip
 
 import mla_ops
 from mla_ops import native
+from mla_ops.backends.base import MergeCall
 from mla_ops.backends.reference import merge_attn_states_reference
 from mla_ops.runtime.merge_dispatch import merge_kernel
 
@@ -85,8 +86,8 @@ def test_matches_the_reference_and_the_triton_merge(shape, dtype, layout):
     got = torch.ops.mla.merge_attn_states(*inputs)
     assert got[0].shape == shape and got[0].dtype == dtype and got[0].is_contiguous()
     assert got[1].shape == shape[1::-1] and got[1].dtype == torch.float32 and got[1].is_contiguous()
-    _assert_merge_close(got, merge_attn_states_reference(*inputs), dtype)
-    _assert_merge_close(got, merge_attn_states_triton(*inputs), dtype)
+    _assert_merge_close(got, merge_attn_states_reference(MergeCall(*inputs)), dtype)
+    _assert_merge_close(got, merge_attn_states_triton(MergeCall(*inputs)), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -120,7 +121,7 @@ def test_empty_sides_infinities_and_nan(dtype):
     assert (out[3:5] == 0).all() and torch.isneginf(lse[:, 3:5]).all()
     assert out[5:7].isnan().all() and lse[:, 5:7].isnan().all()
     _assert_merge_close(
-        (out[7:], lse[:, 7:]), merge_attn_states_reference(prefix[7:], a[:, 7:], suffix[7:], b[:, 7:]), dtype
+        (out[7:], lse[:, 7:]), merge_attn_states_reference(MergeCall(prefix[7:], a[:, 7:], suffix[7:], b[:, 7:])), dtype
     )
 
 
@@ -128,9 +129,9 @@ def test_base2_lse_is_converting_first_bit_for_bit():
     po, pl, so, sl = _inputs(33, 16, 128, torch.bfloat16, seed=3)
     pl[0, 0], sl[1, 1], sl[2, 2] = -math.inf, math.inf, math.nan
     for base2 in ((True, False), (False, True), (True, True)):
-        got = native.merge(po, pl, so, sl, prefix_lse_base2=base2[0], suffix_lse_base2=base2[1])
+        got = native.merge(MergeCall(po, pl, so, sl, prefix_lse_base2=base2[0], suffix_lse_base2=base2[1]))
         converted = [lse * math.log(2.0) if flag else lse for lse, flag in zip((pl, sl), base2)]
-        want = native.merge(po, converted[0], so, converted[1])
+        want = native.merge(MergeCall(po, converted[0], so, converted[1]))
         # Bits, not values: the NaN rows must match too.
         assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
         assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32))

@@ -26,7 +26,7 @@ from utils import (
 )
 
 import mla_ops
-from mla_ops.backends.base import VarlenCall
+from mla_ops.backends.base import MergeCall, VarlenCall
 from mla_ops.backends.reference import merge_attn_states_reference
 from mla_ops.backends.triton import TritonBackend
 from mla_ops.runtime.merge_dispatch import merge_kernel
@@ -463,7 +463,7 @@ def test_merge_matches_reference(shape, dtype):
     prefix_out[::5, 0] = math.nan  # ignored: that side is empty there
     suffix_out[::3, 0] = math.nan
     out, lse = mla_ops.merge_attn_states(prefix_out, prefix_lse, suffix_out, suffix_lse)
-    ref_out, ref_lse = merge_attn_states_reference(prefix_out, prefix_lse, suffix_out, suffix_lse)
+    ref_out, ref_lse = merge_attn_states_reference(MergeCall(prefix_out, prefix_lse, suffix_out, suffix_lse))
     assert out.is_contiguous() and lse.is_contiguous() and out.dtype == dtype
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
@@ -489,8 +489,8 @@ def test_merge_relaunches_its_layout_on_new_tensors():
             suffix_lse[:, ::2] = -math.inf
             suffix_out = suffix_out.clone()
             suffix_out[::2] = math.nan
-        out, lse = merge_attn_states_triton(prefix_out, prefix_lse, suffix_out, suffix_lse)
-        ref_out, ref_lse = merge_attn_states_reference(prefix_out, prefix_lse, suffix_out, suffix_lse)
+        out, lse = merge_attn_states_triton(MergeCall(prefix_out, prefix_lse, suffix_out, suffix_lse))
+        ref_out, ref_lse = merge_attn_states_reference(MergeCall(prefix_out, prefix_lse, suffix_out, suffix_lse))
         torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-5)
         torch.testing.assert_close(out.float(), ref_out.float(), rtol=1e-2, atol=1e-2)
         results.append(out)
@@ -529,7 +529,7 @@ def test_merge_op_checks_a_known_layout_changed_in_any_way():
     good = (prefix_out, prefix_lse, suffix_out, suffix_lse)
     for _ in range(3):
         out, lse = torch.ops.mla.merge_attn_states(*good)
-    ref_out, ref_lse = merge_attn_states_reference(*good)
+    ref_out, ref_lse = merge_attn_states_reference(MergeCall(*good))
     torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(out.float(), ref_out.float(), rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="prefix_lse"):

@@ -13,6 +13,7 @@ from utils import cu_seqlens_of
 
 import mla_ops
 from mla_ops.api import SEQUENTIAL_MERGE_MAX_CHUNKS
+from mla_ops.backends.base import MergeCall
 from mla_ops.backends.reference import ReferenceBackend, merge_attn_states_reference
 from mla_ops.cli.demo import attention_fp64
 from mla_ops.runtime import graph_trees
@@ -216,17 +217,17 @@ def _merge_inputs():
     return prefix, prefix_lse, suffix, suffix_lse
 
 
-def _merge_triton(*args):
+def _merge_triton(call):
     pytest.importorskip("triton", reason="the Triton merge kernel needs triton (runs in its interpreter on CPU)")
     from mla_ops.kernels.merge import merge_attn_states_triton
 
-    return merge_attn_states_triton(*args)
+    return merge_attn_states_triton(call)
 
 
 @pytest.mark.parametrize("merge", [merge_attn_states_reference, _merge_triton], ids=["reference", "triton"])
 def test_merge_keeps_nan_and_drops_empty_sides(merge) -> None:
     prefix, prefix_lse, suffix, suffix_lse = _merge_inputs()
-    out, lse = merge(prefix, prefix_lse, suffix, suffix_lse)
+    out, lse = merge(MergeCall(prefix, prefix_lse, suffix, suffix_lse))
     assert torch.isnan(lse[0, 1]) and torch.isnan(out[1, 0]).all()  # NaN in, NaN out
     assert torch.isnan(lse[1, 2]) and torch.isnan(out[2, 1]).all()
     assert not torch.isnan(out[1, 1]).any() and not torch.isnan(lse[1, 1])  # the row's other head is fine
@@ -234,7 +235,7 @@ def test_merge_keeps_nan_and_drops_empty_sides(merge) -> None:
     assert (out[4] == 0).all() and torch.isneginf(lse[:, 4]).all()
     valid = [0, 5]
     ref_out, ref_lse = merge_attn_states_reference(
-        prefix[valid], prefix_lse[:, valid], suffix[valid], suffix_lse[:, valid]
+        MergeCall(prefix[valid], prefix_lse[:, valid], suffix[valid], suffix_lse[:, valid])
     )
     torch.testing.assert_close(out[valid], ref_out)
     torch.testing.assert_close(lse[:, valid], ref_lse)
@@ -243,7 +244,7 @@ def test_merge_keeps_nan_and_drops_empty_sides(merge) -> None:
 def test_fp32_accumulation_keeps_nan() -> None:
     prefix, prefix_lse, suffix, suffix_lse = _merge_inputs()
     out, lse = mla_ops.api._merge_in_fp32([(prefix, prefix_lse), (suffix, suffix_lse)])
-    ref_out, ref_lse = merge_attn_states_reference(prefix, prefix_lse, suffix, suffix_lse)
+    ref_out, ref_lse = merge_attn_states_reference(MergeCall(prefix, prefix_lse, suffix, suffix_lse))
     assert torch.equal(torch.isnan(lse), torch.isnan(ref_lse))
     assert torch.equal(torch.isnan(out), torch.isnan(ref_out))
     finite = ~torch.isnan(ref_out)

@@ -29,7 +29,7 @@ pytest.importorskip("triton", reason="the Triton kernels need triton installed (
 from sequence_isolation import assert_sequences_close, poison_sequences
 from utils import assert_attention_close, cu_seqlens_of, make_batch, make_qkv
 
-from mla_ops.backends.base import VarlenCall
+from mla_ops.backends.base import MergeCall, VarlenCall
 from mla_ops.backends.reference import merge_attn_states_reference
 from mla_ops.backends.triton import TritonBackend
 from mla_ops.kernels import configs
@@ -339,8 +339,8 @@ def test_merge_matches_reference_with_empty_sides(dtype):
     suffix_out[4:10, :2] = math.nan
     # Very different magnitudes: one side's weight underflows to 0.
     prefix_lse[2, 20], suffix_lse[2, 20] = 200.0, -200.0
-    got = merge_attn_states_triton(prefix_out, prefix_lse, suffix_out, suffix_lse, block_t=8)
-    want = merge_attn_states_reference(prefix_out, prefix_lse, suffix_out, suffix_lse)
+    got = merge_attn_states_triton(MergeCall(prefix_out, prefix_lse, suffix_out, suffix_lse), block_t=8)
+    want = merge_attn_states_reference(MergeCall(prefix_out, prefix_lse, suffix_out, suffix_lse))
     _assert_merge_close(got, want)
     out, lse = got
     assert torch.isneginf(lse[:2, 4:6]).all() and torch.equal(out[4:6, :2], torch.zeros_like(out[4:6, :2]))
@@ -358,10 +358,12 @@ def test_merge_strided_inputs():
     prefix_lse = torch.randn(num_tokens, heads, generator=gen).t()
     suffix_lse = torch.randn(num_tokens, heads, generator=gen).t()
     assert not prefix_lse.is_contiguous()
-    got = merge_attn_states_triton(prefix_out, prefix_lse, suffix_out, suffix_lse)
-    _assert_merge_close(got, merge_attn_states_reference(prefix_out, prefix_lse, suffix_out, suffix_lse))
+    got = merge_attn_states_triton(MergeCall(prefix_out, prefix_lse, suffix_out, suffix_lse))
+    _assert_merge_close(got, merge_attn_states_reference(MergeCall(prefix_out, prefix_lse, suffix_out, suffix_lse)))
     # Contiguous copies take the kernel without stride arguments: the same bits.
-    dense = merge_attn_states_triton(*(t.contiguous() for t in (prefix_out, prefix_lse, suffix_out, suffix_lse)))
+    dense = merge_attn_states_triton(
+        MergeCall(*(t.contiguous() for t in (prefix_out, prefix_lse, suffix_out, suffix_lse)))
+    )
     assert torch.equal(dense[0].view(torch.int16), got[0].view(torch.int16))
     assert torch.equal(dense[1].view(torch.int32), got[1].view(torch.int32))
 
@@ -384,12 +386,12 @@ def test_merge_reads_a_base2_lse_as_if_converted_first(merge):
     for base2 in ((True, False), (False, True), (True, True)):
         pl = prefix_lse2 if base2[0] else prefix_lse2 * ln2
         sl = suffix_lse2 if base2[1] else suffix_lse2 * ln2
-        got = fn(prefix_out, pl, suffix_out, sl, prefix_lse_base2=base2[0], suffix_lse_base2=base2[1])
-        want = fn(prefix_out, prefix_lse2 * ln2, suffix_out, suffix_lse2 * ln2)
+        got = fn(MergeCall(prefix_out, pl, suffix_out, sl, prefix_lse_base2=base2[0], suffix_lse_base2=base2[1]))
+        want = fn(MergeCall(prefix_out, prefix_lse2 * ln2, suffix_out, suffix_lse2 * ln2))
         assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16)), base2  # bf16 bits
         assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32)), base2  # fp32 bits, NaN too
     # Without the keyword the same numbers are read as natural log: a different result, so the flag matters.
-    plain = fn(prefix_out, prefix_lse2, suffix_out, suffix_lse2)
+    plain = fn(MergeCall(prefix_out, prefix_lse2, suffix_out, suffix_lse2))
     assert not torch.equal(plain[1].nan_to_num(), want[1].nan_to_num())
 
 
@@ -422,9 +424,9 @@ def test_merge_checks_each_layout_once_on_host_stand_ins(monkeypatch, merge_laun
     gen = torch.Generator().manual_seed(3)
     po, so = (torch.randn(8, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
     pl, sl = torch.randn(2, 8, generator=gen), torch.randn(2, 8, generator=gen)
-    out, lse = merge.merge_attn_states_triton(po, pl, so, sl, check=check)
+    out, lse = merge.merge_attn_states_triton(MergeCall(po, pl, so, sl), check=check)
     assert (checks, launches) == ([4], ["first"]) and out.shape == (8, 2, 64) and lse.shape == (2, 8)
-    out2, _ = merge.merge_attn_states_triton(po.clone(), pl, so, sl, check=check)
+    out2, _ = merge.merge_attn_states_triton(MergeCall(po.clone(), pl, so, sl), check=check)
     assert checks == [4] and len(launches) == 2 and launches[-1][4] == out2.data_ptr()  # no check, relaunched
     bad = [
         (po, torch.randn(2, 9), so, sl, ValueError),  # an LSE of another shape
@@ -435,28 +437,26 @@ def test_merge_checks_each_layout_once_on_host_stand_ins(monkeypatch, merge_laun
     for prefix_out, prefix_lse, suffix_out, suffix_lse, error in bad:
         before = len(checks)
         if error is None:
-            merge.merge_attn_states_triton(prefix_out, prefix_lse, suffix_out, suffix_lse, check=check)
+            merge.merge_attn_states_triton(MergeCall(prefix_out, prefix_lse, suffix_out, suffix_lse), check=check)
         else:
             with pytest.raises(error):
-                merge.merge_attn_states_triton(prefix_out, prefix_lse, suffix_out, suffix_lse, check=check)
+                merge.merge_attn_states_triton(MergeCall(prefix_out, prefix_lse, suffix_out, suffix_lse), check=check)
         assert len(checks) == before + 1
     with torch.enable_grad(), pytest.raises(RuntimeError, match="inference-only"):
-        merge.merge_attn_states_triton(po.requires_grad_(), pl, so, sl, check=check)
+        merge.merge_attn_states_triton(MergeCall(po.requires_grad_(), pl, so, sl), check=check)
     po.requires_grad_(False)
     # Known from a call without a check: the first call with one checks it.
     other = torch.randn(4, 2, 64).to(torch.bfloat16), torch.randn(2, 4)
-    merge.merge_attn_states_triton(*other, *other)
+    merge.merge_attn_states_triton(MergeCall(*other, *other))
     before = len(checks)
-    merge.merge_attn_states_triton(*other, *other, check=check)
-    merge.merge_attn_states_triton(*other, *other, check=check)
+    merge.merge_attn_states_triton(MergeCall(*other, *other), check=check)
+    merge.merge_attn_states_triton(MergeCall(*other, *other), check=check)
     assert len(checks) == before + 1
 
 
 def test_merge_zero_tokens():
-    out, lse = merge_attn_states_triton(
-        torch.empty(0, 2, 64, dtype=torch.float16), torch.empty(2, 0),
-        torch.empty(0, 2, 64, dtype=torch.float16), torch.empty(2, 0),
-    )  # fmt: skip
+    empty_out, empty_lse = torch.empty(0, 2, 64, dtype=torch.float16), torch.empty(2, 0)
+    out, lse = merge_attn_states_triton(MergeCall(empty_out, empty_lse, empty_out, empty_lse))
     assert out.shape == (0, 2, 64) and lse.shape == (2, 0)
 
 
@@ -493,7 +493,7 @@ def test_merge_reconstructs_unsplit_attention():
     cu_q, cu_a, cu_b = cu_seqlens_of(lengths_q), cu_seqlens_of(lengths_a), cu_seqlens_of(lengths_b)
     part_a = attention_triton(VarlenCall(q, k_a, v_a, cu_q, cu_a, 11, 9, 0.125, False), config=SMALL)
     part_b = attention_triton(VarlenCall(q, k_b, v_b, cu_q, cu_b, 11, 14, 0.125, False), config=SMALL)
-    out, lse = merge_attn_states_triton(*part_a, *part_b)
+    out, lse = merge_attn_states_triton(MergeCall(*part_a, *part_b))
     # Padding rows have lse -inf on both sides, so the merge writes clean zeros there.
     _check_empty_rows(out, lse, slice(17, None))
     k = torch.cat([k_a[:9], k_b[:14], k_a[9:], k_b[14:]])

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mla_ops.backends.base import VarlenCall
+from mla_ops.backends.base import MergeCall, VarlenCall
 
 from . import timing
 from .methods import relative_difference
@@ -93,7 +93,7 @@ def _dispatch_ops() -> tuple[Any, Any, Any]:
             return _targets["backend"].attention(VarlenCall(q, k, v, cu_q, cu_k, max_q, max_k, scale, False))
 
         def merge(prefix_out, prefix_lse, suffix_out, suffix_lse):
-            return _targets["merge"](prefix_out, prefix_lse, suffix_out, suffix_lse)
+            return _targets["merge"](MergeCall(prefix_out, prefix_lse, suffix_out, suffix_lse))
 
         for name, kernel in zip(_OP_NAMES, (prefill, chunk, merge)):
             library.impl(name, kernel, "CPU")
@@ -131,7 +131,10 @@ def backend_attention(backend: Any, device: Any, for_merge: bool = False) -> Cal
         def chunk(q, k, v, cu_q, cu_k, max_q, max_k, scale):
             return backend.attention(VarlenCall(q, k, v, cu_q, cu_k, max_q, max_k, scale, False))
 
-        return _chained(causal, chunk, merge)
+        def merge_op(prefix_out, prefix_lse, suffix_out, suffix_lse):
+            return merge(MergeCall(prefix_out, prefix_lse, suffix_out, suffix_lse))
+
+        return _chained(causal, chunk, merge_op)
 
     def attention(q, k, v, cu_seqlens, max_seqlen, chunks, softmax_scale):
         out, lse, base2 = backend.attention_for_merge(
@@ -141,7 +144,7 @@ def backend_attention(backend: Any, device: Any, for_merge: bool = False) -> Cal
             out_c, lse_c, base2_c = backend.attention_for_merge(
                 VarlenCall(q, k_c, v_c, cu_seqlens, cu_k, max_seqlen, max_k, softmax_scale, False)
             )
-            out, lse = merge(out_c, lse_c, out, lse, prefix_lse_base2=base2_c, suffix_lse_base2=base2)
+            out, lse = merge(MergeCall(out_c, lse_c, out, lse, base2_c, base2))
             base2 = False
         return out, lse
 

@@ -746,10 +746,11 @@ class MergeDirect(Method):
         return None
 
     def prepare(self, p: Problem) -> Prepared:
+        from mla_ops.backends.base import MergeCall
         from mla_ops.runtime.merge_dispatch import merge_kernel
 
-        fn, args = merge_kernel(p.device), p.merge
-        return Prepared(lambda: fn(*args), _pair)
+        fn, call = merge_kernel(p.device), MergeCall(*p.merge)
+        return Prepared(lambda: fn(call), _pair)
 
 
 class FlashInferMerge(Method):
@@ -784,10 +785,11 @@ class TorchEagerMerge(Method):
     implementation = "mla_ops.backends.reference.merge_attn_states_reference (eager PyTorch, fp32)"
 
     def prepare(self, p: Problem) -> Prepared:
+        from mla_ops.backends.base import MergeCall
         from mla_ops.backends.reference import merge_attn_states_reference
 
-        args = p.merge
-        return Prepared(lambda: merge_attn_states_reference(*args), _pair)
+        call = MergeCall(*p.merge)
+        return Prepared(lambda: merge_attn_states_reference(call), _pair)
 
 
 # --- checking and timing ------------------------------------------------------------------------------
@@ -809,11 +811,12 @@ def reference_outputs(p: Problem, sample: bool | None = None) -> tuple[torch.Ten
     device): :func:`check_and_time` compares those rows."""
     import torch
 
+    from mla_ops.backends.base import MergeCall
     from mla_ops.backends.reference import attention_reference, merge_attn_states_reference
 
     if p.shape.suite == "merge":
         a, lse_a, b, lse_b = p.merge
-        return merge_attn_states_reference(a.float(), lse_a, b.float(), lse_b)
+        return merge_attn_states_reference(MergeCall(a.float(), lse_a, b.float(), lse_b))
     if sample is None:
         sample = sum(p.q_lens) > SAMPLED_CHECK_ROWS
     if not sample:
@@ -1009,6 +1012,7 @@ class RawLayerAttention:
     """
 
     def __init__(self, raw: Method, device: torch.device) -> None:
+        from mla_ops.backends.base import MergeCall
         from mla_ops.runtime.merge_dispatch import merge_kernel
 
         self.raw, self.device = raw, device
@@ -1017,7 +1021,8 @@ class RawLayerAttention:
 
             self.merge = flashinfer.merge_state
         else:
-            self.merge = merge_kernel(device)
+            kernel = merge_kernel(device)
+            self.merge = lambda *parts: kernel(MergeCall(*parts))
         self._wrappers: dict[tuple[int, int], Any] = {}
 
     def plan(

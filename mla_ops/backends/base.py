@@ -24,7 +24,7 @@ Design: docs/design/backends.md.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar, NamedTuple
 
 import torch
@@ -60,6 +60,30 @@ class VarlenCall(NamedTuple):
     max_seqlen_k: int
     softmax_scale: float
     causal: bool
+
+
+class MergeCall(NamedTuple):
+    """One merge of two partial attention results over disjoint key sets, as the ops hand it to a merge
+    function (:mod:`mla_ops.runtime.merge_dispatch`): the argument list of the reference, Triton and native
+    merges, in one value.
+
+    ``prefix_out``/``suffix_out`` ``[T, H, Dv]`` bf16 or fp16, last-dimension stride 1; ``prefix_lse``/
+    ``suffix_lse`` float32 ``[H, T]``, any strides, where ``-inf`` or ``+inf`` marks a side that attended to no
+    key. ``prefix_lse_base2``/``suffix_lse_base2``: that side's LSE is in base 2 (``log2`` of the sum), as some
+    libraries return it; the merge converts it (``lse * ln 2``) as it reads it.
+    """
+
+    prefix_out: torch.Tensor
+    prefix_lse: torch.Tensor
+    suffix_out: torch.Tensor
+    suffix_lse: torch.Tensor
+    prefix_lse_base2: bool = False
+    suffix_lse_base2: bool = False
+
+
+#: An input check a merge function calls with a :class:`MergeCall`'s four tensors before it merges them; it
+#: raises for inputs it refuses (``mla.merge_attn_states`` passes :func:`mla_ops.meta.checks.check_merge_inputs`).
+MergeCheck = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 class Fp8Scales(NamedTuple):

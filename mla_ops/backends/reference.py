@@ -8,14 +8,13 @@ Design: docs/design/backends.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
 from ..meta.checks import check_cu_seqlens_values
 from ..runtime.capture import is_capturing
 from ..specs import FP8_DTYPE, SUPPORTED_DTYPES, DeviceCapability, SelectorConfig
-from .base import Fp8Scales, PrefillBackend, VarlenCall
+from .base import Fp8Scales, MergeCall, MergeCheck, PrefillBackend, VarlenCall
 
 _CHUNK = "mla.prefill_context_chunk"
 _LN2 = math.log(2.0)
@@ -91,31 +90,20 @@ def attention_reference(
 
 
 def merge_attn_states_reference(
-    prefix_out: torch.Tensor,
-    prefix_lse: torch.Tensor,
-    suffix_out: torch.Tensor,
-    suffix_lse: torch.Tensor,
-    *,
-    prefix_lse_base2: bool = False,
-    suffix_lse_base2: bool = False,
-    check: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
+    call: MergeCall, *, check: MergeCheck | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two partial attention results through their log-sum-exp, in fp32.
-
-    Args:
-        prefix_out, suffix_out: ``[T, H, Dv]``, bf16 or fp16.
-        prefix_lse, suffix_lse: float32 ``[H, T]``, natural log. ``-inf`` and ``+inf`` both mean
-            "this side attended to no key" and give it zero weight.
-        prefix_lse_base2, suffix_lse_base2: that side's LSE is in base 2 (``log2`` of the sum);
-            it is converted (``lse * ln 2``) before the merge.
-        check: an input check called with the four tensors first (it raises for inputs it refuses), as
-            :func:`mla_ops.kernels.merge.merge_attn_states_triton` takes it.
+    """Merge two partial attention results (:class:`~mla_ops.backends.base.MergeCall`) through their
+    log-sum-exp, in fp32. ``-inf`` and ``+inf`` LSEs both mean "this side attended to no key" and give it zero
+    weight; a base-2 side is converted (``lse * ln 2``) first. ``check``, when given, is called with the four
+    tensors first (it raises for inputs it refuses), as :func:`mla_ops.kernels.merge.merge_attn_states_triton`
+    takes it.
 
     Returns:
         ``out`` ``[T, H, Dv]`` in the dtype of ``prefix_out`` and ``lse`` float32 ``[H, T]``. When
         both sides are empty the row is ``out = 0``, ``lse = -inf``: never NaN. A NaN LSE on either
         side makes the row NaN in ``out`` and ``lse``.
     """
+    prefix_out, prefix_lse, suffix_out, suffix_lse, prefix_lse_base2, suffix_lse_base2 = call
     if check is not None:
         check(prefix_out, prefix_lse, suffix_out, suffix_lse)
     if prefix_lse_base2:

@@ -18,7 +18,7 @@ from ..invariance import STATE
 from ..kernels.configs import AttentionConfig, table_large_batch_config
 from ..kernels.triton_compat import gluon_triton_reason
 from ..specs import FP8_DTYPE, SUPPORTED_DTYPES, DeviceCapability, SelectorConfig
-from .base import Fp8Scales, PrefillBackend, VarlenCall, dtype_name
+from .base import Fp8Scales, MergeCall, PrefillBackend, VarlenCall, dtype_name
 
 #: Head sizes the kernel is built for: the QK split and the Dv tile are powers of two up to 256.
 MAX_HEAD_DIM = 256
@@ -160,7 +160,7 @@ class TritonBackend(PrefillBackend):
         for v in (rand(20, num_heads, dv), kv[..., dqk:]):
             out, lse = attention_triton(VarlenCall(q, k, v, cu, cu, max(lengths), max(lengths), scale, True))
             out_c, lse_c = attention_triton(VarlenCall(q, k[:4], v[:4], cu, cu_k, max(lengths), 4, scale, False))
-            merge_attn_states_triton(out_c, lse_c, out, lse)
+            merge_attn_states_triton(MergeCall(out_c, lse_c, out, lse))
             for causal, explicit in large_configs:
                 for rows in (12, 16):
                     if causal:

@@ -13,12 +13,11 @@ Design: docs/design/triton-kernels.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
 
+from ..backends.base import MergeCall, MergeCheck
 from ..runtime.alloc import empty, template
 from ..runtime.capture import current_cuda_device, on_device
 from .configs import merge_config
@@ -129,26 +128,18 @@ def _merge_contiguous_kernel(
 
 
 def merge_attn_states_triton(
-    prefix_out: torch.Tensor,
-    prefix_lse: torch.Tensor,
-    suffix_out: torch.Tensor,
-    suffix_lse: torch.Tensor,
+    call: MergeCall,
     *,
-    prefix_lse_base2: bool = False,
-    suffix_lse_base2: bool = False,
     block_t: int | None = None,
     num_warps: int | None = None,
-    check: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
+    check: MergeCheck | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two partial attention results over disjoint key sets.
 
     Args:
-        prefix_out, suffix_out: ``[T, H, Dv]``, bfloat16 or float16, last-dimension stride 1.
-        prefix_lse, suffix_lse: float32 ``[H, T]``, natural log, any strides. ``-inf`` or ``+inf``
-            marks a side with no keys; that side's output is ignored (it may hold NaN).
-        prefix_lse_base2, suffix_lse_base2: that side's LSE is in base 2 (``log2`` of the sum), as
-            some libraries return it; the kernel converts it as it loads it. The result is the same,
-            bit for bit, as converting first (``lse * ln 2``) in fp32.
+        call: the two results (:class:`~mla_ops.backends.base.MergeCall`). A side marked with no keys
+            (``-inf`` or ``+inf`` LSE) is not read (its output may hold NaN). A base-2 LSE is converted as it
+            is loaded, with the same result, bit for bit, as converting first (``lse * ln 2``) in fp32.
         block_t, num_warps: launch overrides (tests and tuning); by default from
             :func:`mla_ops.kernels.configs.merge_config`.
         check: an input check, called with the four tensors before anything is launched; it raises for
@@ -167,6 +158,7 @@ def merge_attn_states_triton(
     # overrides, and whether autograd would record the call (which the op's check refuses). The outputs
     # are fresh, contiguous and aligned. A layout launched before is launched again with the addresses
     # passed as integers (see mla_ops.kernels.launch).
+    prefix_out, prefix_lse, suffix_out, suffix_lse, prefix_lse_base2, suffix_lse_base2 = call
     p_po, p_pl, p_so, p_sl = prefix_out.data_ptr(), prefix_lse.data_ptr(), suffix_out.data_ptr(), suffix_lse.data_ptr()
     device_index = prefix_out.get_device()
     layout = (

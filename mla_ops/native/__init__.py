@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - not POSIX: PyTorch's own lock file onl
     fcntl = None
 
 if TYPE_CHECKING:
-    from ..backends.base import VarlenCall
+    from ..backends.base import MergeCall, MergeCheck, VarlenCall
 
 __all__ = [
     "LOADER",
@@ -376,16 +376,7 @@ def launch_status() -> str:
     return "a layout's repeated calls launched from C++ once the native library is loaded (by the first CUDA call)"
 
 
-def merge(
-    prefix_out: torch.Tensor,
-    prefix_lse: torch.Tensor,
-    suffix_out: torch.Tensor,
-    suffix_lse: torch.Tensor,
-    *,
-    prefix_lse_base2: bool = False,
-    suffix_lse_base2: bool = False,
-    check: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def merge(call: MergeCall, *, check: MergeCheck | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The native merge (loaded first: see :func:`load`), with the arguments of
     :func:`mla_ops.kernels.merge.merge_attn_states_triton` and its results: ``out`` ``[T, H, Dv]`` contiguous
     in the inputs' dtype, ``lse`` float32 ``[H, T]`` contiguous, on the inputs' device and its current stream.
@@ -394,10 +385,8 @@ def merge(
     is called first.
     """
     if check is not None:
-        check(prefix_out, prefix_lse, suffix_out, suffix_lse)
-    return torch.ops.mla_native.merge_attn_states(
-        prefix_out, prefix_lse, suffix_out, suffix_lse, prefix_lse_base2, suffix_lse_base2
-    )
+        check(call[0], call[1], call[2], call[3])
+    return torch.ops.mla_native.merge_attn_states(*call)
 
 
 #: The attention ops as :func:`remember_attention` numbers them (``op`` in ``attention_launch.cpp``).

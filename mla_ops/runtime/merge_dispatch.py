@@ -16,16 +16,15 @@ from .. import native
 from ..backends.reference import merge_attn_states_reference
 from .capture import is_capturing
 
-#: ``(prefix_out, prefix_lse, suffix_out, suffix_lse, *, prefix_lse_base2=False, suffix_lse_base2=False,
-#: check=None) -> (out, lse)``: both merge functions take the keywords that mark a side's LSE as base 2, and
-#: an input check to call first (the Triton kernel calls it once per layout of its inputs).
+#: ``(call: MergeCall, *, check=None) -> (out, lse)``: every merge function takes the two results in one
+#: :class:`~mla_ops.backends.base.MergeCall`, and an input check to call first (the Triton kernel calls it
+#: once per layout of its inputs).
 MergeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def merge_kernel(device: torch.device) -> MergeFn:
-    """The merge function for tensors on ``device``: ``(prefix_out, prefix_lse, suffix_out, suffix_lse)``, with
-    the keywords ``prefix_lse_base2`` and ``suffix_lse_base2`` for a side whose LSE is in base 2 and ``check``
-    for an input check (see :data:`MergeFn`).
+    """The merge function for tensors on ``device``: it takes a :class:`~mla_ops.backends.base.MergeCall`, and
+    the keyword ``check`` for an input check (see :data:`MergeFn`).
 
     The first call for a CUDA device outside CUDA-graph capture builds and loads the native merge
     (:func:`mla_ops.native.load`, which compiles once per machine); a call during capture, before that,
