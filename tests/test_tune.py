@@ -75,7 +75,10 @@ def test_tune_writes_the_table_that_the_selector_then_uses(user_tables, sizing_t
     assert len(data["entries"]) == len(shapes)
     assert all(entry["host_us"] == standins.STANDIN_HOST_US for entry in data["entries"])  # each class's own
     assert {name for name, _ in sizing_timer.measured} == {"FLASHINFER", "FLASH_ATTN", "TRITON"}
-    assert len(sizing_timer.measured) == 3 * len(shapes) and {ms for _, ms in sizing_timer.measured} == {2.0}
+    # Every backend in each of the rounds (more for a near-tie), each round the asked-for milliseconds of calls.
+    counts = {name: sum(1 for n, _ in sizing_timer.measured if n == name) for name in standins.STANDIN_HOST_US}
+    assert len(set(counts.values())) == 1 and counts["TRITON"] >= tune.DEFAULT_ROUNDS * len(shapes)
+    assert {ms for _, ms in sizing_timer.measured} == {2.0}
     out = capsys.readouterr()
     assert f"wrote {path}" in out.out
     assert "about" in out.err and f"{3 * len(shapes)}/{3 * len(shapes)}" in out.err and "[####" in out.err
@@ -100,6 +103,53 @@ def test_tune_measures_through_the_op_and_writes_where_asked(tmp_path, sizing_ti
     cost_table.write(table, output)
     assert set(cost_table.load(output).device_us[("bfloat16", 192, 128)]) == {s.size_class() for s in shapes}
     assert progress.getvalue().count("\n") >= 3  # the plan, then a line per tenth where the stream is no terminal
+
+
+class ScriptedTimer:
+    """A timer that returns, for the backend under override, the next of its scripted ``(host_us, device_us)``
+    rounds (the last one again once they run out), and logs the order in which backends were timed."""
+
+    def __init__(self, script: dict[str, list[tuple[float, float]]]) -> None:
+        self.script = {name: list(rounds) for name, rounds in script.items()}
+        self.order: list[str] = []
+
+    def __call__(self, fn, rep_ms: float, shape: tune.TuneShape) -> tuple[float, float]:
+        name = sel.current_override().name
+        self.order.append(name)
+        rounds = self.script[name]
+        return rounds.pop(0) if len(rounds) > 1 else rounds[0]
+
+
+MEMBERS = [sel.B.FLASHINFER, sel.B.FLASH_ATTN, sel.B.TRITON]
+SHAPE = tune.TuneShape(True, 2, (4,))
+
+
+def test_backends_are_timed_in_interleaved_rounds_in_alternating_order() -> None:
+    timer = ScriptedTimer({"FLASHINFER": [(5.0, 100.0)], "FLASH_ATTN": [(5.0, 200.0)], "TRITON": [(5.0, 300.0)]})
+    samples = tune.measure_shape(_machine(timer), lambda: None, SHAPE, MEMBERS, 1.0, rounds=3)
+    forward, backward = ["FLASHINFER", "FLASH_ATTN", "TRITON"], ["TRITON", "FLASH_ATTN", "FLASHINFER"]
+    assert timer.order == forward + backward + forward  # no near-tie: the 3 rounds asked for
+    assert samples["FLASH_ATTN"] == [(5.0, 200.0)] * 3
+
+
+def test_a_near_tie_gets_more_rounds_and_an_outlier_round_does_not_decide() -> None:
+    # FLASH_ATTN is 2 % faster than FLASHINFER, except in one round disturbed by something else on the GPU.
+    timer = ScriptedTimer({
+        "FLASHINFER": [(5.0, 100.0)],
+        "FLASH_ATTN": [(5.0, 98.0), (5.0, 160.0), (5.0, 98.0)],
+        "TRITON": [(5.0, 300.0)],
+    })  # fmt: skip
+    samples = tune.measure_shape(_machine(timer), lambda: None, SHAPE, MEMBERS, 1.0, rounds=3)
+    assert tune.near_tie(samples)
+    assert {len(rounds) for rounds in samples.values()} == {7}  # 2 * 3 + 1: the most a near-tie gets
+    best = min(samples, key=lambda name: tune._predicted(samples[name]))
+    assert best == "FLASH_ATTN"  # the median drops the disturbed round
+    # Apart by more than NEAR_TIE: no extra rounds.
+    timer = ScriptedTimer({"FLASHINFER": [(5.0, 100.0)], "FLASH_ATTN": [(5.0, 90.0)], "TRITON": [(5.0, 300.0)]})
+    assert {len(r) for r in tune.measure_shape(_machine(timer), lambda: None, SHAPE, MEMBERS, 1.0, 3).values()} == {3}
+    # Host-bound: the prediction is the host time, so equal device times far below it are no near-tie.
+    timer = ScriptedTimer({"FLASHINFER": [(50.0, 10.0)], "FLASH_ATTN": [(100.0, 10.0)], "TRITON": [(15.0, 10.0)]})
+    assert not tune.near_tie(tune.measure_shape(_machine(timer), lambda: None, SHAPE, MEMBERS, 1.0, 1))
 
 
 def test_the_default_grid_has_one_shape_per_size_class() -> None:
@@ -137,6 +187,7 @@ def test_tune_without_a_gpu_is_one_line(capsys) -> None:
     [
         (["--heads", "0"], "--heads must be at least 1, got 0"),
         (["--rep-ms", "-1"], "--rep-ms must be a positive number of milliseconds, got -1.0"),
+        (["--rounds", "0"], "--rounds must be at least 1, got 0"),
         (["--dims", "1,x,2"], "--dims must be three integers"),
         (["--output", "."], "--output .: is a directory"),
     ],

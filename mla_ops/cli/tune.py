@@ -1,10 +1,13 @@
 """``python -m mla_ops tune``: measure this machine's backend cost table.
 
 For each shape of a grid (bench_prefill.py's shapes and small, host-bound ones, at the heads asked for), each
-valid backend runs the op under an override: warm-up calls first (FlashInfer and FlashAttention-4 compile on
-first use), then one loop of calls timed on the host (the host cost) and one behind a GPU sleep, timed with CUDA
-events (the device time, with the host's issue hidden). Each shape's size class gets the backends' device and host
-times, each backend the median of its host times too (:class:`mla_ops.cost_table.CostTable`); the table is written
+valid backend runs the op under an override, in rounds: in each round every backend in turn (the order reversed
+every other round) makes a warm-up call (FlashInfer and FlashAttention-4 compile on first use), then one loop of
+calls timed on the host (the host cost) and one behind a GPU sleep, timed with CUDA events (the device time, with the
+host's issue hidden). Where the two fastest backends of a shape are within :data:`NEAR_TIE` of each other after the
+rounds asked for, more rounds are measured, up to twice as many and one. Each shape's size class gets the backends'
+median device and host times, each backend the median of its host times too
+(:class:`mla_ops.cost_table.CostTable`); the table is written
 atomically to ``$MLA_OPS_CACHE_DIR/tables/sm<NN>.json`` (else ``$XDG_CACHE_HOME/mla_ops/tables/...``, else
 ``~/.cache/mla_ops/tables/...``) or ``--output``. The measuring loop takes its device, capability and timer
 from a :class:`Machine`, so that tests run it against stand-ins on CPU.
@@ -35,9 +38,9 @@ from ..selector import clear_cache, prefill_backend, validate_backend
 from ..specs import DEEPSEEK_V3, DeviceCapability, MLADimensions, SelectorConfig
 from .info import check_settings, parse_device, parse_dims
 
-#: ``timer(fn, rep_ms, shape) -> (host_us, device_us)``: one call of ``fn``'s host cost and device time, measured
-#: over about ``rep_ms`` milliseconds of calls after a warm-up; ``shape`` (a :class:`TuneShape`) is the call's, for
-#: a timer that models a GPU rather than timing one (tests).
+#: ``timer(fn, rep_ms, shape) -> (host_us, device_us)``: one round of ``fn``'s host cost and device time per call,
+#: measured over about ``rep_ms`` milliseconds of calls after a warm-up call; ``shape`` (a :class:`TuneShape`) is the
+#: call's, for a timer that models a GPU rather than timing one (tests).
 Timer = Callable[[Callable[[], object], float, "TuneShape"], tuple[float, float]]
 
 
@@ -124,38 +127,34 @@ def _inputs(shape: TuneShape, config: SelectorConfig, device: torch.device) -> C
 
 
 def cuda_timer(device: torch.device) -> Timer:
-    """A :data:`Timer` on ``device``: after two warm-up calls, the host cost is the wall time per call of a loop
-    of calls (before it synchronises), and the device time the CUDA-event time per call of a second loop issued
-    behind a GPU sleep long enough to hide the host's issue; the median of three rounds of each."""
+    """A :data:`Timer` on ``device``: after a warm-up call (the first compiles and plans) and one call timed to size
+    the loops, the host cost is the wall time per call of a loop of calls (before it synchronises), and the device
+    time the CUDA-event time per call of a second loop issued behind a GPU sleep long enough to hide the host's
+    issue."""
     cycles_per_ms = _sleep_rate(device)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def timer(fn: Callable[[], object], rep_ms: float, shape: TuneShape) -> tuple[float, float]:
         fn()
-        fn()  # the first calls compile and plan; the second shows a warm call
         torch.cuda.synchronize(device)
         start = time.perf_counter()
         fn()
         torch.cuda.synchronize(device)
         one_ms = max((time.perf_counter() - start) * 1e3, 1e-3)
         reps = max(3, min(1000, int(rep_ms / one_ms)))
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        hosts, devices = [], []
-        for _ in range(3):
-            start = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            host_ms = (time.perf_counter() - start) * 1e3
-            torch.cuda.synchronize(device)
-            hosts.append(host_ms * 1e3 / reps)
-            # The sleep outlasts the issue of the loop, so the events time the kernels back to back.
-            torch.cuda._sleep(int(cycles_per_ms * (2 * host_ms + 1)))
-            begin.record()
-            for _ in range(reps):
-                fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            devices.append(begin.elapsed_time(end) * 1e3 / reps)
-        return statistics.median(hosts), statistics.median(devices)
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        host_ms = (time.perf_counter() - start) * 1e3
+        torch.cuda.synchronize(device)
+        # The sleep outlasts the issue of the loop, so the events time the kernels back to back.
+        torch.cuda._sleep(int(cycles_per_ms * (2 * host_ms + 1)))
+        begin.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return host_ms * 1e3 / reps, begin.elapsed_time(end) * 1e3 / reps
 
     return timer
 
@@ -221,8 +220,48 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-#: Seconds one measurement takes beyond its three rounds of calls (warm-up, sleeps, synchronisation), roughly.
-_OVERHEAD_S = 0.05
+#: Seconds one round of one backend takes beyond its two loops of calls (warm-up, sleep, synchronisation), roughly.
+_OVERHEAD_S = 0.02
+#: Rounds per backend and shape unless ``--rounds`` says otherwise.
+DEFAULT_ROUNDS = 3
+#: Two backends whose predicted times (the larger of host and device time, medians over the rounds) differ by less
+#: than this fraction of the faster one's are a near-tie: their shape gets more rounds, up to ``2 * rounds + 1``.
+NEAR_TIE = 0.05
+
+
+def _predicted(samples: Sequence[tuple[float, float]]) -> float:
+    """A backend's predicted time from its rounds' ``(host_us, device_us)``, as the table predicts a measured class:
+    the larger of the median host and the median device time."""
+    return max(statistics.median(h for h, _ in samples), statistics.median(d for _, d in samples))
+
+
+def near_tie(samples: dict[str, list[tuple[float, float]]]) -> bool:
+    """Whether the two fastest backends of ``samples`` (rounds of ``(host_us, device_us)`` per backend) are within
+    :data:`NEAR_TIE` of each other."""
+    times = sorted(_predicted(s) for s in samples.values())
+    return len(times) > 1 and times[1] - times[0] < NEAR_TIE * times[0]
+
+
+def measure_shape(
+    machine: Machine,
+    fn: Callable[[], object],
+    shape: TuneShape,
+    members: Sequence[PrefillBackendEnum],
+    rep_ms: float,
+    rounds: int,
+) -> dict[str, list[tuple[float, float]]]:
+    """``members``' rounds of ``(host_us, device_us)`` on one shape: ``rounds`` rounds, and more while the two
+    fastest are a :func:`near_tie`, up to ``2 * rounds + 1``. In each round every backend is timed in turn, in an
+    order reversed every other round, so that a drift of the GPU's clocks or temperature over the shape's rounds
+    weighs on every backend alike."""  # fmt: skip
+    samples: dict[str, list[tuple[float, float]]] = {member.name: [] for member in members}
+    done = 0
+    while done < rounds or (done < 2 * rounds + 1 and near_tie(samples)):
+        for member in members if done % 2 == 0 else reversed(members):
+            with prefill_backend(member), torch.no_grad():
+                samples[member.name].append(machine.timer(fn, rep_ms, shape))
+        done += 1
+    return samples
 
 
 def measure(
@@ -233,8 +272,10 @@ def measure(
     rep_ms: float,
     command: str,
     progress: TextIO | None = None,
+    rounds: int = DEFAULT_ROUNDS,
 ) -> CostTable:
-    """Measure every valid backend of ``members`` on every shape and configuration; returns the table.
+    """Measure every valid backend of ``members`` on every shape and configuration, in ``rounds`` rounds (more
+    for a near-tie: :func:`measure_shape`); returns the table.
 
     A backend is measured through the op under an override (``prefill_backend``), so its time includes the
     op's dispatch and checks as a user's call does. Backends that are not valid for a configuration here are
@@ -253,9 +294,10 @@ def measure(
     if not jobs:
         raise ValueError("no backend is valid here for the configurations asked for; nothing to measure")
     total = len(jobs) * len(shapes)
-    estimate = total * (3 * 2 * rep_ms / 1e3 + _OVERHEAD_S)
+    estimate = total * rounds * (2 * rep_ms / 1e3 + _OVERHEAD_S)
     progress.write(
-        f"tune: {len(shapes)} shapes x {len(jobs)} backend configurations = {total} measurements, about "
+        f"tune: {len(shapes)} shapes x {len(jobs)} backend configurations = {total} measurements of {rounds} rounds "
+        f"(more for near-ties), about "
         f"{_duration(estimate)}, plus the libraries' first-use compiles (FlashInfer's can take minutes on a bare "
         "machine: `python -m mla_ops warmup` first)\n"
     )
@@ -265,9 +307,9 @@ def measure(
     class_hosts: dict[cost_table.ConfigKey, dict[SizeClass, dict[str, list[float]]]] = {}
     done = 0
     bar.update(done, "")
-    # Shape by shape, every backend of a configuration in turn on the same inputs: the backends compared on one
-    # class are timed seconds apart, in one thermal and clock state (a GPU under minutes of load runs slower than
-    # a rested one, and backend by backend the last would be timed on the hottest).
+    # Shape by shape, the backends of a configuration in interleaved rounds on the same inputs: the backends
+    # compared on one class are timed within seconds of each other, in one thermal and clock state (a GPU under
+    # minutes of load runs slower than a rested one, and backend by backend the last would be timed on the hottest).
     by_config: dict[SelectorConfig, list[PrefillBackendEnum]] = {}
     for config, member in jobs:
         by_config.setdefault(config, []).append(member)
@@ -276,14 +318,15 @@ def measure(
         for shape in shapes:
             fn = _inputs(shape, config, machine.device)
             size = shape.size_class()
-            for member in config_members:
-                with prefill_backend(member), torch.no_grad():
-                    host, device = machine.timer(fn, rep_ms, shape)
-                hosts.setdefault(member.name, []).append(host)
-                device_us.setdefault(key, {}).setdefault(size, {})[member.name] = device
-                class_hosts.setdefault(key, {}).setdefault(size, {}).setdefault(member.name, []).append(host)
-                done += 1
-                bar.update(done, f"{member.name} {shape.label()}")
+            samples = measure_shape(machine, fn, shape, config_members, rep_ms, rounds)
+            for name, rounds_of in samples.items():
+                host = statistics.median(h for h, _ in rounds_of)
+                hosts.setdefault(name, []).append(host)
+                device_us.setdefault(key, {}).setdefault(size, {})[name] = statistics.median(d for _, d in rounds_of)
+                class_hosts.setdefault(key, {}).setdefault(size, {}).setdefault(name, []).append(host)
+            done += len(config_members)
+            extra = f" ({len(next(iter(samples.values())))} rounds: near-tie)" if near_tie(samples) else ""
+            bar.update(done, f"{shape.label()}{extra}")
             del fn
     host_us = {name: cost_table.measured_host_cost(samples) for name, samples in hosts.items()}
     class_host_us = {
@@ -320,6 +363,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rep-ms", type=float, default=20.0, help="milliseconds of calls per round of a measurement (default 20)"
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=DEFAULT_ROUNDS,
+        help="interleaved rounds per backend and shape; a near-tie gets up to twice as many and one "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
         "--output", default=None, help="where to write the table (default: the user cache, which the selector reads)"
     )
     parser.add_argument("--device", default="cuda", help="CUDA device to measure (default %(default)s)")
@@ -332,6 +382,8 @@ def main(args: argparse.Namespace, machine: Machine | None = None) -> int:
     heads = args.heads or [16, 128]
     if any(h < 1 for h in heads):
         raise ValueError(f"--heads must be at least 1, got {min(heads)}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     if not (args.rep_ms > 0 and math.isfinite(args.rep_ms)):
         raise ValueError(f"--rep-ms must be a positive number of milliseconds, got {args.rep_ms}")
     check_settings()
@@ -352,7 +404,8 @@ def main(args: argparse.Namespace, machine: Machine | None = None) -> int:
     configs = [SelectorConfig(dtype, dims) for dtype in dtypes for dims in dims_list]
     command = "python -m mla_ops tune " + " ".join(shlex.quote(a) for a in sys.argv[2:] if sys.argv[1:2] == ["tune"])
     print(f"tune: {machine.name} (compute capability {machine.capability}), writing {output}")
-    table = measure(machine, default_shapes(heads, args.quick), configs, members, args.rep_ms, command.strip())
+    shapes = default_shapes(heads, args.quick)
+    table = measure(machine, shapes, configs, members, args.rep_ms, command.strip(), rounds=args.rounds)
     cost_table.write(table, output)
     clear_cache()  # this process routes by the new table from now on
     print(f"tune: wrote {output} ({sum(len(c) for c in table.device_us.values())} size classes)")
