@@ -4,7 +4,9 @@
 On a tiny problem (default T=16 tokens in one sequence, H=16, (Dqk, Dv) = (192, 128)), where the
 kernels take a few microseconds, it measures per call:
 
-1. ``mla_ops.selector.route_call(call)`` alone (the warm routing lookup the ops make, size class included);
+1. ``mla_ops.selector.route_call(call)`` alone, the warm routing lookup the ops make: under the row's
+   backend forced (*routing*), and with none forced (*auto routing*: the automatic choice, by the call's size
+   class where this GPU has a cost table);
 2. ``torch.ops.mla.prefill`` end to end (and ``mla_ops.prefill``, the Python wrapper over it);
 3. the backend's ``attention`` method called directly (no dispatch, no input checks);
 4. the raw library call its backend makes (FlashInfer's planned wrapper, the FlashAttention
@@ -52,6 +54,7 @@ FIELDS = R.Fields(
     "tokens",
     "heads",
     ("routing_us", "routing µs", ".2f"),
+    ("routing_auto_us", "auto routing µs", ".2f"),
     ("api_us", "mla_ops.* µs", ".2f"),
     ("op_us", "torch.ops.mla.* µs", ".2f"),
     ("direct_us", "direct µs", ".2f"),
@@ -268,6 +271,10 @@ def measure_backend(
         if "raw_us" in fns:
             record_interleaved(out, fns["op_us"], fns["raw_us"], device, args)
         chunks = [] if path == "prefill" else [cu_k]
+        # No backend forced: the route the ops take by default, by size class where a cost table ranks the backends.
+        with mla_ops.prefill_backend(None):
+            auto_route = {"routing_auto_us": lambda: route_call(call)}
+            record_series(out, per_call_series(auto_route, {"routing_auto_us": 10 * args.iters}, device, args.rounds))
         captured = record_graph_op(out, notes, name, lambda: op(*op_args), device, args, cu_q, chunks)
         if captured and "raw_us" in out:
             try:
@@ -545,8 +552,8 @@ def measure_host_issue(
 def print_row(result: dict[str, Any]) -> None:
     """A row's per-call figures on one line, and its note."""
     keys = (
-        "routing_us", "api_us", "op_us", "direct_us", "raw_us", "graph_op_us", "graph_raw_us", "host_issue_us",
-        "host_issue_raw_us",
+        "routing_us", "routing_auto_us", "api_us", "op_us", "direct_us", "raw_us", "graph_op_us", "graph_raw_us",
+        "host_issue_us", "host_issue_raw_us",
     )  # fmt: skip
     figures = ", ".join(f"{k} {R.fmt(result.get(k), '.2f')}" for k in keys if k in result)
     print(f"  {figures}  {result.get('note', '')}")
@@ -568,7 +575,9 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         "*raw, op's outputs*: for FLASHINFER, whose raw call returns a base-2 [T, H] LSE, the library's own "
         'call that returns the op\'s natural-log [H, T] one (run(..., lse_base="ln", lse_layout="HN")); the '
         "other raw calls return the op's outputs already. "
-        "*graph* columns: device time per call inside a replayed CUDA graph. *host issue* columns (the "
+        "*routing*: mla_ops.selector.route_call alone under the row's backend forced; *auto routing*: with none "
+        "forced, the automatic route (by the call's size class where this GPU has a cost table, as the ops route "
+        "by default). *graph* columns: device time per call inside a replayed CUDA graph. *host issue* columns (the "
         f"*{HOST_ISSUE_PATH}* rows): the host time of issuing one call on a chunk whose kernel outlasts it "
         "(time.perf_counter around back-to-back calls that queue on the device; for TRITON on SM90 the Gluon "
         "kernel's call), the op's and the raw library call's. The *dispatch floor* row is an op "

@@ -559,7 +559,7 @@ def test_dispatch_cpu_run(default_out, written):
     for path in ("prefill", "prefill_context_chunk"):
         r = rows[(path, "REFERENCE")]
         assert r["auto_selected"] == "True"
-        for key in ("routing_us", "api_us", "op_us", "direct_us", "raw_us"):
+        for key in ("routing_us", "routing_auto_us", "api_us", "op_us", "direct_us", "raw_us"):
             assert float(r[key]) > 0, key
         # Medians of per-round differences (test_record_series_pairs_each_round), bracketed by their quartiles.
         assert math.isfinite(float(r["op_minus_direct_us"]))
