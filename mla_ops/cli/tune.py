@@ -253,7 +253,7 @@ def measure_shape(
     """``members``' rounds of ``(host_us, device_us)`` on one shape: ``rounds`` rounds, and more while the two
     fastest are a :func:`near_tie`, up to ``2 * rounds + 1``. In each round every backend is timed in turn, in an
     order reversed every other round, so that a drift of the GPU's clocks or temperature over the shape's rounds
-    weighs on every backend alike."""  # fmt: skip
+    weighs on every backend alike."""
     samples: dict[str, list[tuple[float, float]]] = {member.name: [] for member in members}
     done = 0
     while done < rounds or (done < 2 * rounds + 1 and near_tie(samples)):
