@@ -229,10 +229,15 @@ DEFAULT_ROUNDS = 3
 NEAR_TIE = 0.05
 
 
+def _medians(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """A backend's ``(host_us, device_us)`` on a shape: the medians of its rounds', which the table keeps."""
+    return statistics.median(h for h, _ in samples), statistics.median(d for _, d in samples)
+
+
 def _predicted(samples: Sequence[tuple[float, float]]) -> float:
     """A backend's predicted time from its rounds' ``(host_us, device_us)``, as the table predicts a measured class:
     the larger of the median host and the median device time."""
-    return max(statistics.median(h for h, _ in samples), statistics.median(d for _, d in samples))
+    return max(_medians(samples))
 
 
 def near_tie(samples: dict[str, list[tuple[float, float]]]) -> bool:
@@ -320,9 +325,9 @@ def measure(
             size = shape.size_class()
             samples = measure_shape(machine, fn, shape, config_members, rep_ms, rounds)
             for name, rounds_of in samples.items():
-                host = statistics.median(h for h, _ in rounds_of)
+                host, device = _medians(rounds_of)
                 hosts.setdefault(name, []).append(host)
-                device_us.setdefault(key, {}).setdefault(size, {})[name] = statistics.median(d for _, d in rounds_of)
+                device_us.setdefault(key, {}).setdefault(size, {})[name] = device
                 class_hosts.setdefault(key, {}).setdefault(size, {}).setdefault(name, []).append(host)
             done += len(config_members)
             extra = f" ({len(next(iter(samples.values())))} rounds: near-tie)" if near_tie(samples) else ""
