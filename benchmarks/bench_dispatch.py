@@ -4,9 +4,10 @@
 On a tiny problem (default T=16 tokens in one sequence, H=16, (Dqk, Dv) = (192, 128)), where the
 kernels take a few microseconds, it measures per call:
 
-1. ``mla_ops.selector.route_call(call)`` alone, the warm routing lookup the ops make: under the row's
-   backend forced (*routing*), and with none forced (*auto routing*: the automatic choice, by the call's size
-   class where this GPU has a cost table);
+1. ``mla_ops.selector.route_checked(call, sizes)`` alone, the warm routing lookup the ops make after their
+   input check (``sizes``: what the check read, ``mla_ops.meta.checks.checked_attention_sizes``): under the
+   row's backend forced (*routing*), and with none forced (*auto routing*: the automatic choice, by the call's
+   size class where this GPU has a cost table);
 2. ``torch.ops.mla.prefill`` end to end (and ``mla_ops.prefill``, the Python wrapper over it);
 3. the backend's ``attention`` method called directly (no dispatch, no input checks);
 4. the raw library call its backend makes (FlashInfer's planned wrapper, the FlashAttention
@@ -230,7 +231,8 @@ def measure_backend(
 
     import mla_ops
     from mla_ops.backends.base import VarlenCall
-    from mla_ops.selector import route_call
+    from mla_ops.meta.checks import checked_attention_sizes
+    from mla_ops.selector import route_checked
 
     name, backend = row["name"], row["backend"]
     out = row_start(path, name, args, auto)
@@ -238,6 +240,7 @@ def measure_backend(
     q, k, v, cu_q, cu_k, max_q, max_k, scale = p.attention_args()
     call = VarlenCall(q, k, v, cu_q, cu_q if path == "prefill" else cu_k, max_q, max_q if path == "prefill" else max_k,
                       scale, path == "prefill")  # fmt: skip
+    sizes = checked_attention_sizes(*call)
     if path == "prefill":
         op_args = (q, k, v, cu_q, max_q, scale)
         op, api = torch.ops.mla.prefill, mla_ops.prefill
@@ -246,7 +249,7 @@ def measure_backend(
         op, api = torch.ops.mla.prefill_context_chunk, mla_ops.prefill_context_chunk
     with mla_ops.prefill_backend(name):
         fns = {
-            "routing_us": lambda: route_call(call),
+            "routing_us": lambda: route_checked(call, sizes),
             "api_us": lambda: api(*op_args),
             "op_us": lambda: op(*op_args),
             "direct_us": M.DirectMethod(name, backend).prepare(p).fn,
@@ -273,7 +276,7 @@ def measure_backend(
         chunks = [] if path == "prefill" else [cu_k]
         # No backend forced: the route the ops take by default, by size class where a cost table ranks the backends.
         with mla_ops.prefill_backend(None):
-            auto_route = {"routing_auto_us": lambda: route_call(call)}
+            auto_route = {"routing_auto_us": lambda: route_checked(call, sizes)}
             record_series(out, per_call_series(auto_route, {"routing_auto_us": 10 * args.iters}, device, args.rounds))
         captured = record_graph_op(out, notes, name, lambda: op(*op_args), device, args, cu_q, chunks)
         if captured and "raw_us" in out:
@@ -343,11 +346,11 @@ def measure_merge(args: argparse.Namespace, device: torch.device) -> list[dict[s
     """The merge op against the function it dispatches to (the native merge where it is loaded), and, where
     the op runs the native merge, the Triton merge as the op's Python kernel would call it, for comparison."""
     import torch
-    from mla_ops.meta.checks import check_merge_inputs
 
     import mla_ops
     from mla_ops import native
     from mla_ops.backends.base import MergeCall
+    from mla_ops.meta.checks import check_merge_inputs
     from mla_ops.runtime.merge_dispatch import merge_kernel
 
     p = P.make_problem(P.Shape("merge", args.heads, (args.tokens,)), device, getattr(torch, args.dtype), args.seed)
@@ -575,9 +578,10 @@ def render_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         "*raw, op's outputs*: for FLASHINFER, whose raw call returns a base-2 [T, H] LSE, the library's own "
         'call that returns the op\'s natural-log [H, T] one (run(..., lse_base="ln", lse_layout="HN")); the '
         "other raw calls return the op's outputs already. "
-        "*routing*: mla_ops.selector.route_call alone under the row's backend forced; *auto routing*: with none "
-        "forced, the automatic route (by the call's size class where this GPU has a cost table, as the ops route "
-        "by default). *graph* columns: device time per call inside a replayed CUDA graph. *host issue* columns (the "
+        "*routing*: mla_ops.selector.route_checked alone (the route from the sizes the op's input check read) "
+        "under the row's backend forced; *auto routing*: with none forced, the automatic route (by the call's "
+        "size class where this GPU has a cost table, as the ops route by default). *graph* columns: device time "
+        "per call inside a replayed CUDA graph. *host issue* columns (the "
         f"*{HOST_ISSUE_PATH}* rows): the host time of issuing one call on a chunk whose kernel outlasts it "
         "(time.perf_counter around back-to-back calls that queue on the device; for TRITON on SM90 the Gluon "
         "kernel's call), the op's and the raw library call's. The *dispatch floor* row is an op "

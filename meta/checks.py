@@ -89,18 +89,26 @@ def _check_scale(op: str, softmax_scale: object) -> None:
 _BF16, _FP16, _FP32, _INT32, _FP8 = torch.bfloat16, torch.float16, torch.float32, torch.int32, FP8_DTYPE
 
 
-def attention_inputs_are_valid(
+#: What :func:`checked_attention_sizes` returns of accepted inputs: ``(device, dtype, q_shape, rows_k, head_dim_v,
+#: len_cu_seqlens_q)``, that is ``q``'s device and dtype, its shape ``(T, H, Dqk)``, ``k``'s rows, ``v``'s last
+#: dimension and ``cu_seqlens_q``'s length (sequences + 1): every size the ops route a call by.
+AttentionSizes = tuple[torch.device, torch.dtype, torch.Size, int, int, int]
+
+
+def checked_attention_sizes(
     q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, self_attention, fp8: bool = False
-) -> bool:
-    """Whether :func:`check_attention_inputs` would accept these inputs, in one expression: this runs on
-    every eager call, so it avoids helper calls and message formatting (the ops' kernels call it first and
-    :func:`check_attention_inputs` only when it says no, for the error that explains the problem). An
-    argument that is not a tensor (``None`` for a raw op's ``Tensor``) makes it say no as well. ``fp8``: the
-    rules of the fp8 ops, whose ``q``/``k``/``v`` are :data:`~mla_ops.specs.FP8_DTYPE`."""
+) -> AttentionSizes | None:
+    """The sizes of these inputs (:data:`AttentionSizes`) where :func:`check_attention_inputs` would accept them,
+    else ``None``, in one expression: this runs on every eager call, so it avoids helper calls and message
+    formatting (the ops' kernels call it first and :func:`check_attention_inputs` only when it says no, for the
+    error that explains the problem). It returns the sizes it read for the check, so that the ops' routing
+    (:func:`mla_ops.selector.route_checked`) reads none of them again. An argument that is not a tensor (``None``
+    for a raw op's ``Tensor``) makes it say no as well. ``fp8``: the rules of the fp8 ops, whose ``q``/``k``/``v``
+    are :data:`~mla_ops.specs.FP8_DTYPE`."""
     # The try is free until it catches (Python 3.11+): only a call with a non-tensor pays for it.
     try:
         qs, ks, vs, dt, dev = q.shape, k.shape, v.shape, q.dtype, q.device
-        return (
+        valid = (
             len(qs) == 3
             and len(ks) == 3
             and len(vs) == 3
@@ -124,7 +132,7 @@ def attention_inputs_are_valid(
             and (vs[0] == 0 or v.stride()[2] == 1)  # v is usually a strided view of kv
             and cu_q.dtype is _INT32
             and cu_q.dim() == 1
-            and cu_q.shape[0] >= 1
+            and (seqs_1 := cu_q.shape[0]) >= 1
             and cu_q.device == dev
             and type(max_q) is int
             and 0 <= max_q <= MAX_SEQLEN_LIMIT
@@ -136,7 +144,7 @@ def attention_inputs_are_valid(
                 else (
                     cu_k.dtype is _INT32
                     and cu_k.dim() == 1
-                    and cu_k.shape[0] == cu_q.shape[0]
+                    and cu_k.shape[0] == seqs_1
                     and cu_k.device == dev
                     and type(max_k) is int
                     and 0 <= max_k <= MAX_SEQLEN_LIMIT
@@ -144,7 +152,8 @@ def attention_inputs_are_valid(
             )
         )
     except AttributeError:
-        return False
+        return None
+    return (dev, dt, qs, ks[0], vs[2], seqs_1) if valid else None
 
 
 #: The arguments of ``mla.prefill_context_chunk`` in its schema's order: ``(q, k, v, cu_seqlens_q,
@@ -165,8 +174,11 @@ def check_attention_inputs(op: str, inputs: AttentionInputs, self_attention: boo
     stride or value; each message names the argument and says what to pass instead.
     """
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale = inputs
-    if attention_inputs_are_valid(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, self_attention, fp8
+    if (
+        checked_attention_sizes(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, self_attention, fp8
+        )
+        is not None
     ):
         return
     _check_rank3(op, "q", q, "[T, H, Dqk]")
@@ -271,7 +283,7 @@ def check_fp8_scale_values(op: str, descales: Sequence[torch.Tensor]) -> None:
 
 def merge_tensors_are_valid(prefix_out, prefix_lse, suffix_out, suffix_lse) -> bool:
     """Whether :func:`check_merge_inputs` would accept these four *tensors*, in one expression, as
-    :func:`attention_inputs_are_valid` for the attention inputs: :func:`check_merge_inputs` asks it first,
+    :func:`checked_attention_sizes` for the attention inputs: :func:`check_merge_inputs` asks it first,
     and looks for the problem to report only when it says no."""
     shape, dt, dev = prefix_out.shape, prefix_out.dtype, prefix_out.device
     return (

@@ -15,17 +15,17 @@ import torch
 from . import meta, native
 from .backends.base import Fp8Scales, MergeCall, VarlenCall
 from .meta.checks import (
-    attention_inputs_are_valid,
     check_attention_inputs,
     check_chunk_values,
     check_fp8_scale_values,
     check_fp8_scales,
     check_merge_inputs,
+    checked_attention_sizes,
 )
 from .runtime.capture import current_cuda_device, on_device
 from .runtime.graph_trees import IN_GRAPH_TWINS, check_graph_trees
 from .runtime.merge_dispatch import merge_kernel
-from .selector import route_call, route_fused
+from .selector import route_call, route_checked, route_fused
 
 NAMESPACE = "mla"
 
@@ -97,11 +97,15 @@ def _attention_kernels(in_graph: bool, remember: bool):
     (:func:`mla_ops.native.remember_attention`), after the input check accepted the inputs."""
 
     def run(op: int, name: str, call: VarlenCall):
-        # The inputs are checked once per op call, with the op's name in every message.
-        if not attention_inputs_are_valid(*call):
+        # The inputs are checked once per op call, with the op's name in every message; the route reads the
+        # sizes the check read.
+        sizes = checked_attention_sizes(*call)
+        if sizes is None:
             check_attention_inputs(name, call[:8], call.causal)
-        device = call.q.device
-        backend = route_call(call, in_graph)
+            # The full check accepted what the one expression did not: the route reads the sizes itself.
+            backend, device = route_call(call, in_graph), call.q.device
+        else:
+            backend, device = route_checked(call, sizes, in_graph), sizes[0]
         if device.type != "cuda" or device.index == current_cuda_device():  # on_device's no-switch case, inline
             result = backend.attention(call)
             # Only where the device is current: the C++ kernel hands other calls back (see remember_attention).
@@ -125,7 +129,8 @@ def _attention_kernels(in_graph: bool, remember: bool):
 def _run_fp8(name: str, call: VarlenCall, q_descale, k_descale, v_descale, out_dtype):
     """The kernel of the fp8 ops: check ``call`` and the scales, then run the backend the call routes to (only
     backends whose ``dtypes`` list fp8 can be chosen for its dtype)."""
-    if not attention_inputs_are_valid(*call, fp8=True):
+    sizes = checked_attention_sizes(*call, fp8=True)
+    if sizes is None:
         check_attention_inputs(name, call[:8], call.causal, fp8=True)
     q = call.q
     descales = (q_descale, k_descale, v_descale)
@@ -135,7 +140,7 @@ def _run_fp8(name: str, call: VarlenCall, q_descale, k_descale, v_descale, out_d
     # One factor per head for the kernels: a per-tensor factor becomes a stride-0 view, no copy.
     heads = q.shape[1]
     scales = Fp8Scales(*(d.reshape(-1).expand(heads) for d in descales), out_dtype)
-    backend = route_call(call)
+    backend = route_call(call) if sizes is None else route_checked(call, sizes)
     with on_device(q.device):
         return backend.attention_fp8(call, scales)
 
@@ -155,9 +160,9 @@ def _prefill_with_chunk(q, k, v, cu_seqlens, max_seqlen, k_chunk, v_chunk, cu_se
     # are as wide as the new tokens', which the merge of the two ops' outputs would check.
     new = VarlenCall(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
     chunk = VarlenCall(q, k_chunk, v_chunk, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, softmax_scale, False)
-    if not attention_inputs_are_valid(*new):
+    if checked_attention_sizes(*new) is None:
         check_attention_inputs("mla.prefill", new[:8], True)
-    if not attention_inputs_are_valid(*chunk):
+    if checked_attention_sizes(*chunk) is None:
         check_attention_inputs("mla.prefill_context_chunk", chunk[:8], False)
     dv = v.shape[2]
     if v_chunk.shape[2] != dv:

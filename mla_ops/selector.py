@@ -2,11 +2,12 @@
 
 The priority lists per capability family, the override (``set_prefill_backend``, ``prefill_backend``,
 ``MLA_OPS_PREFILL_BACKEND``), the batch-invariant mode (``set_batch_invariant``, ``batch_invariant``,
-``MLA_OPS_BATCH_INVARIANT``), cached selection (:func:`select_backend`) and per-call routing (:func:`route_call`,
-:func:`route_fused`, :func:`route`, :func:`backend_for`), with ``in_graph`` for CUDA-graph trees. Where a cost
-table ranks the backends of a configuration (:mod:`mla_ops.cost_table`), a call's route depends on its size
-class too (:class:`SizedRoute`). :func:`backend_installed` swaps in another backend instance for tests. The
-capability is an argument everywhere, so any GPU's rules can be computed on a machine without one.
+``MLA_OPS_BATCH_INVARIANT``), cached selection (:func:`select_backend`) and per-call routing
+(:func:`route_checked`, :func:`route_call`, :func:`route_fused`, :func:`route`, :func:`backend_for`), with
+``in_graph`` for CUDA-graph trees. Where a cost table ranks the backends of a configuration
+(:mod:`mla_ops.cost_table`), a call's route depends on its size class too (:class:`SizedRoute`).
+:func:`backend_installed` swaps in another backend instance for tests. The capability is an argument
+everywhere, so any GPU's rules can be computed on a machine without one.
 Design: docs/design/backends.md (Selection, Size classes).
 """
 
@@ -24,6 +25,7 @@ from . import cost_table, invariance, native
 from .backends.base import PrefillBackend, VarlenCall
 from .backends.flashinfer_trtllm import trtllm_serves
 from .backends.registry import PrefillBackendEnum, replace_backend
+from .meta.checks import AttentionSizes
 from .specs import DeviceCapability, MLADimensions, SelectorConfig
 
 logger = logging.getLogger("mla_ops")
@@ -517,25 +519,38 @@ def route_call(call: VarlenCall, in_graph: bool = False) -> PrefillBackend:
     """The backend the ops run for ``call`` (:class:`~mla_ops.backends.base.VarlenCall`, validated): the
     configuration's route, and where a cost table ranks the backends, the best for the call's size class.
 
-    Reads only shapes and ints (no device sync). A warm call costs a dict lookup per configuration, and where
-    sizes matter one more per size class (benchmarks/bench_dispatch.py measures it).
+    Reads only shapes and ints (no device sync). The ops call :func:`route_checked` with the sizes their input
+    check read instead; this reads them itself.
     """
     q = call.q
-    rows, heads, dqk = q.shape
-    entry = _routes.get((q.device, q.dtype, dqk, call.v.shape[2], in_graph))
+    return route_checked(
+        call, (q.device, q.dtype, q.shape, call.k.shape[0], call.v.shape[2], call.cu_seqlens_q.shape[0]), in_graph
+    )
+
+
+def route_checked(call: VarlenCall, sizes: AttentionSizes, in_graph: bool = False) -> PrefillBackend:
+    """:func:`route_call` for a call whose sizes are known: ``sizes`` is what
+    :func:`mla_ops.meta.checks.checked_attention_sizes` returned for ``call`` when it accepted it, so the ops read
+    each size once, for the check and the route.
+
+    A warm call costs a dict lookup per configuration, and where sizes matter one more per size class
+    (benchmarks/bench_dispatch.py measures it).
+    """
+    device, dtype, (rows, heads, dqk), rows_k, dv, seqs_1 = sizes
+    entry = _routes.get((device, dtype, dqk, dv, in_graph))
     if entry is None:
-        entry = _route_entry(q.device, q.dtype, dqk, call.v.shape[2], in_graph)
+        entry = _route_entry(device, dtype, dqk, dv, in_graph)
     if type(entry) is not SizedRoute:
         return entry
     # SizeClass.of(...)'s fields, inline: this runs on every call, where a NamedTuple's constructor and another
     # function call would cost more than the lookup. New tokens: k has q's rows and max_seqlen_k is max_seqlen_q.
-    seqs = (call.cu_seqlens_q.shape[0] - 1).bit_length()
+    seqs = (seqs_1 - 1).bit_length()
     if call.causal:
         r, m = rows.bit_length(), call.max_seqlen_q.bit_length()
         key = (True, r, r, heads.bit_length(), seqs, m, m)
     else:
         key = (
-            False, rows.bit_length(), call.k.shape[0].bit_length(), heads.bit_length(), seqs,
+            False, rows.bit_length(), rows_k.bit_length(), heads.bit_length(), seqs,
             call.max_seqlen_q.bit_length(), call.max_seqlen_k.bit_length(),
         )  # fmt: skip
     backend = entry.chosen.get(key)

@@ -8,7 +8,8 @@
    ``python -m mla_ops info`` prints (its "automatic choice when every library is installed"),
    ``select_backend`` with every library present, and the ops' routing from what a tensor shows,
    ``(dtype, Dqk, Dv)``; and where a cost table ranks the backends by size class, info's size-class table,
-   ``select_backend(size=...)`` and the ops' per-call route (``route_call``) from a call's shapes, which are all
+   ``select_backend(size=...)`` and the per-call route from a call's shapes (``route_call``, and ``route_checked``
+   from the sizes the ops' input check read), which are all
    the native library's launch layouts record (tests/test_cost_table.py), in and out of the batch-invariant mode.
 """
 
@@ -29,7 +30,16 @@ from mla_ops.backends.flash_attn import FlashAttnBackend
 from mla_ops.backends.flashinfer import FlashInferBackend
 from mla_ops.cli.info import selection_rules, size_class_table
 from mla_ops.cost_table import SizeClass, size_class
-from mla_ops.selector import _routes, backend_installed, route, route_call, routing_entry, select_backend
+from mla_ops.meta.checks import checked_attention_sizes
+from mla_ops.selector import (
+    _routes,
+    backend_installed,
+    route,
+    route_call,
+    route_checked,
+    routing_entry,
+    select_backend,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Import name -> source folder, as pyproject.toml's package-dir maps them.
@@ -256,7 +266,12 @@ def test_size_classes_info_selection_and_routing_agree(tmp_path, capability, inv
     disagreements, chosen = [], set()
     for size in MEASURED_SIZES + UNMEASURED_SIZES:
         assert size_class(_call_of(size)) == size
-        views = [select_backend(capability, config, size=size).name, route_call(_call_of(size)).name]
+        call = _call_of(size)
+        views = [
+            select_backend(capability, config, size=size).name,
+            route_call(call).name,
+            route_checked(call, checked_attention_sizes(*call)).name,
+        ]
         if size in info:
             views.append(info[size])
         if not ranked:  # one backend for every size: the rules' choice

@@ -16,6 +16,7 @@ from mla_ops import DeviceCapability, MLADimensions, SelectorConfig, cost_table
 from mla_ops import selector as sel
 from mla_ops.backends.base import VarlenCall
 from mla_ops.cost_table import SizeClass
+from mla_ops.meta.checks import checked_attention_sizes
 
 SM90, SM80 = DeviceCapability(9, 0), DeviceCapability(8, 0)
 CONFIG = SelectorConfig(torch.bfloat16, MLADimensions(128, 64, 128))
@@ -100,6 +101,12 @@ def test_the_ops_hot_path_computes_the_size_class_of_a_call(tables, all_installe
     assert size in entry.chosen  # route_call cached the call's class under its fields: the same class
     assert len(entry.chosen) == 1, "one entry per class met"
     assert routed is sel.select_backend(SM90, CONFIG, size=size)
+    # The ops route from the sizes their input check read: the same class, the same backend.
+    sizes = checked_attention_sizes(*call)
+    assert sizes is not None
+    met = dict(entry.chosen)
+    assert sel.route_checked(call, sizes) is routed
+    assert entry.chosen == met, "route_checked found the class route_call cached"
 
 
 @pytest.mark.parametrize(("lengths", "context", "padding"), CALLS)

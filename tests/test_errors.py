@@ -10,6 +10,7 @@ import torch
 from utils import cu_seqlens_of, make_batch, make_qkv
 
 import mla_ops
+from mla_ops.meta.checks import check_attention_inputs, checked_attention_sizes
 
 BF16 = torch.bfloat16
 
@@ -133,6 +134,41 @@ def test_device_mismatch_is_named() -> None:
         mla_ops.prefill(g["q"], g["k"], meta_v, g["cu_seqlens"], 4)
     with pytest.raises(ValueError, match=re.escape("cu_seqlens is on meta but q is on cpu; move it to cpu")):
         mla_ops.prefill(g["q"], g["k"], g["v"], g["cu_seqlens"].to("meta"), 4)
+
+
+def test_the_ops_check_returns_the_sizes_they_route_by() -> None:
+    # The ops' one-expression check hands its sizes to the route (mla_ops.selector.route_checked): exactly the
+    # sizes of the inputs where it accepts them, and None wherever the full check may have to explain a problem.
+    g = _good()
+    q, k, v, cu = g["q"], g["k"], g["v"], g["cu_seqlens"]
+    new = (q, k, v, cu, cu, 4, 4, 0.1, True)
+    assert checked_attention_sizes(*new) == (q.device, BF16, q.shape, 7, 128, 3)
+    cq, k_c, v_c, cu_q, cu_k, max_q, max_k = _chunk_args()
+    assert checked_attention_sizes(cq, k_c, v_c, cu_q, cu_k, max_q, max_k, 0.1, False) == (
+        q.device,
+        BF16,
+        q.shape,
+        5,
+        128,
+        3,
+    )
+    bad = {
+        "float32 q": {0: q.float()},
+        "no k": {1: None},
+        "int64 offsets": {3: cu.long()},
+        "k of other heads": {1: torch.randn(7, 4, 192, dtype=BF16)},
+        "v of other rows": {2: v[:6]},
+        "negative bound": {5: -1},
+        "non-finite scale": {7: float("inf")},
+        "self-attention over other rows": {1: k[:6], 2: v[:6]},
+    }
+    for name, overrides in bad.items():
+        args = list(new)
+        for i, value in overrides.items():
+            args[i] = value
+        assert checked_attention_sizes(*args) is None, name
+        with pytest.raises((TypeError, ValueError)):
+            check_attention_inputs("mla.prefill", tuple(args[:8]), True)
 
 
 def _assert_refused(op, op_name: str, args: list, overrides: dict, error: type[Exception], message: str) -> None:

@@ -16,13 +16,13 @@ import sys
 
 import pytest
 import torch
-from mla_ops.meta.checks import check_merge_inputs
 from utils import native_library_or_skip
 
 import mla_ops
 from mla_ops import native
 from mla_ops.backends.base import MergeCall
 from mla_ops.backends.reference import merge_attn_states_reference
+from mla_ops.meta.checks import check_merge_inputs
 from mla_ops.runtime.merge_dispatch import merge_kernel
 
 pytestmark = pytest.mark.gpu

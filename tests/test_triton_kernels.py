@@ -399,9 +399,8 @@ def test_merge_checks_each_layout_once_on_host_stand_ins(monkeypatch, merge_laun
     """``check=``: called before a layout's first launch and not again for it; called again for any change of
     shape, stride, dtype, device or grad recording (all that mla.merge_attn_states' check reads), and for a
     layout known only from calls without a check. The launches are stand-ins, so this runs on CPU tensors."""
-    from mla_ops.meta.checks import check_merge_inputs
-
     from mla_ops.kernels import merge
+    from mla_ops.meta.checks import check_merge_inputs
 
     launches, checks = [], []
 
