@@ -3,12 +3,12 @@
 For each shape of a grid (bench_prefill.py's shapes and small, host-bound ones, at the heads asked for), each
 valid backend runs the op under an override, in rounds: in each round every backend in turn (the order reversed
 every other round) makes a warm-up call (FlashInfer and FlashAttention-4 compile on first use), then one loop of
-calls timed on the host (the host cost) and one behind a GPU sleep, timed with CUDA events (the device time, with the
-host's issue hidden). Where the two fastest backends of a shape are within :data:`NEAR_TIE` of each other after the
-rounds asked for, more rounds are measured, up to twice as many and one. Each shape's size class gets the backends'
-median device and host times, each backend the median of its host times too
-(:class:`mla_ops.cost_table.CostTable`); the table is written
-atomically to ``$MLA_OPS_CACHE_DIR/tables/sm<NN>.json`` (else ``$XDG_CACHE_HOME/mla_ops/tables/...``, else
+calls timed on the host (the host cost) and calls behind a GPU sleep, each timed with CUDA events after an L2 flush
+(the device time, with the host's issue hidden, as the benchmarks time it). Where the two fastest backends of a
+shape are within :data:`NEAR_TIE` of each other after the rounds asked for, more rounds are measured, up to twice
+as many and one. Each shape's size class gets the backends' median device and host times, each backend the median
+of its host times too (:class:`mla_ops.cost_table.CostTable`); the table is written atomically to
+``$MLA_OPS_CACHE_DIR/tables/sm<NN>.json`` (else ``$XDG_CACHE_HOME/mla_ops/tables/...``, else
 ``~/.cache/mla_ops/tables/...``) or ``--output``. The measuring loop takes its device, capability and timer
 from a :class:`Machine`, so that tests run it against stand-ins on CPU.
 Design: docs/design/backends.md (Size classes, tune).
@@ -126,13 +126,28 @@ def _inputs(shape: TuneShape, config: SelectorConfig, device: torch.device) -> C
     return lambda: torch.ops.mla.prefill_context_chunk(q, k, v, cu_q, cu_k, max(shape.q_lens), max(shape.k_lens), scale)
 
 
+#: Bytes zeroed before each call timed on the device: more than any GPU's L2 (the H200's is 50 MiB), as
+#: benchmarks/bench_prefill.py does (and triton.testing.do_bench), so each call starts with its inputs out of L2.
+FLUSH_BYTES = 256 << 20
+
+#: Calls timed one by one on the device per measurement, at most. Each adds a flush, two events and its kernels to
+#: the launch queue, which holds about a thousand entries before issuing blocks (and the GPU sleep below must
+#: outlast the issue of them all).
+MAX_DEVICE_CALLS = 64
+
+
 def cuda_timer(device: torch.device) -> Timer:
     """A :data:`Timer` on ``device``: after a warm-up call (the first compiles and plans) and one call timed to size
     the loops, the host cost is the wall time per call of a loop of calls (before it synchronises), and the device
-    time the CUDA-event time per call of a second loop issued behind a GPU sleep long enough to hide the host's
-    issue."""
+    time the median CUDA-event time of calls issued one by one behind a GPU sleep long enough to hide the host's
+    issue, L2 flushed before each (:data:`FLUSH_BYTES`), as the benchmarks time them: a layer's attention reads its
+    keys and values after other kernels have filled L2, and back-to-back calls of one shape would find part of them
+    there."""
     cycles_per_ms = _sleep_rate(device)
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device)
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(MAX_DEVICE_CALLS)
+    ]
 
     def timer(fn: Callable[[], object], rep_ms: float, shape: TuneShape) -> tuple[float, float]:
         fn()
@@ -147,14 +162,19 @@ def cuda_timer(device: torch.device) -> Timer:
             fn()
         host_ms = (time.perf_counter() - start) * 1e3
         torch.cuda.synchronize(device)
-        # The sleep outlasts the issue of the loop, so the events time the kernels back to back.
-        torch.cuda._sleep(int(cycles_per_ms * (2 * host_ms + 1)))
-        begin.record()
-        for _ in range(reps):
+        timed = events[: min(reps, MAX_DEVICE_CALLS)]
+        # The sleep outlasts the issue of the timed calls with their flushes and events (about 20 µs each), so each
+        # call starts as soon as its flush ends, whatever its host cost.
+        issue_ms = len(timed) * (host_ms / reps + 0.02)
+        torch.cuda._sleep(int(cycles_per_ms * (2 * issue_ms + 1)))
+        for begin, end in timed:
+            flush.zero_()
+            begin.record()
             fn()
-        end.record()
+            end.record()
         torch.cuda.synchronize(device)
-        return host_ms * 1e3 / reps, begin.elapsed_time(end) * 1e3 / reps
+        device_ms = statistics.median(begin.elapsed_time(end) for begin, end in timed)
+        return host_ms * 1e3 / reps, device_ms * 1e3
 
     return timer
 
