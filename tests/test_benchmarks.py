@@ -487,6 +487,13 @@ def test_auto_summary():
         "- routed to the fastest forced op on 1 of 2 shapes; elsewhere (routed, fastest, auto / fastest by time): "
         "small (FLASHINFER, TRITON, 0.840)"
     )
+    # A ratio in rounds below the target where auto ran the fastest op's backend is that backend against itself.
+    rows[3] |= {"ratio_auto_best_rounds": 0.95, "ratio_auto_best_min": 0.94, "ratio_auto_best_max": 1.01}
+    rows[1] |= {"ratio_auto_best_rounds": 0.9, "ratio_auto_best_min": 0.9, "ratio_auto_best_max": 0.9}
+    assert R.auto_summary(rows).splitlines()[-1] == (
+        "- below 0.97 in rounds though routed to the fastest op's own backend (the spread of one backend timed "
+        "against itself; auto / fastest, rounds' range): large (TRITON, 0.950, 0.940..1.010)"
+    )
 
 
 def test_append_merges_runs_of_different_shapes(tmp_path):

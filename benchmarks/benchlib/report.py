@@ -856,6 +856,9 @@ def _speed_cell(r: dict[str, Any] | None, metric: str) -> str:
 #: A shape whose fastest forced op takes less than this (ms) is host-bound: its calls' pace is set by the host.
 HOST_BOUND_MS = 0.2
 
+#: The least auto / fastest forced op the selector aims at on shapes of at least HOST_BOUND_MS.
+AUTO_TARGET = 0.97
+
 
 def auto_summary(rows: list[dict[str, Any]]) -> str:
     """The automatic choice against the fastest forced op over the shapes, by time and by pace: median, minimum
@@ -884,6 +887,21 @@ def auto_summary(rows: list[dict[str, Any]]) -> str:
                 f"{r['shape']} ({r['auto_route']}, {r['best_op']}, {r['ratio_auto_best']:.3f})" for r in others
             )
         lines.append(line)
+        # Where auto ran the fastest op's own backend, a ratio below the target is one backend against itself.
+        spread = [
+            r for r in routed
+            if r["auto_route"] == r["best_op"] and (r.get("ratio_auto_best_rounds") or AUTO_TARGET) < AUTO_TARGET
+        ]  # fmt: skip
+        if spread:
+            lines.append(
+                f"- below {AUTO_TARGET} in rounds though routed to the fastest op's own backend (the spread of one "
+                "backend timed against itself; auto / fastest, rounds' range): "
+                + "; ".join(
+                    f"{r['shape']} ({r['auto_route']}, {r['ratio_auto_best_rounds']:.3f}, "
+                    f"{r['ratio_auto_best_min']:.3f}..{r['ratio_auto_best_max']:.3f})"
+                    for r in spread
+                )
+            )
     return "\n".join(lines)
 
 
