@@ -798,8 +798,12 @@ def test_measure_counts_calls_and_samples():
     assert len(calls) == 3 + 4 * 5 and len(result.samples_ms) == 4
     assert result.min_ms <= result.median_ms <= result.max_ms
     calls.clear()
-    timing.measure(lambda: calls.append(1), CPU, warmup_ms=0.0, rep_ms=0.0, min_samples=7)
-    assert len(calls) >= 1 + 5 + 7  # the untimed first call, the estimate, the samples
+    timing.measure(lambda: calls.append(1), CPU, warmup_ms=0.0, rep_ms=1e-9, min_samples=7)
+    assert len(calls) >= 1 + 1 + 7  # the untimed first call, a one-call estimate (it took rep_ms), the samples
+    assert len(calls) < 1 + 1 + 5 + 7
+    calls.clear()
+    timing.measure(lambda: calls.append(1), CPU, warmup_ms=0.0, rep_ms=1e3, min_samples=7, max_samples=7)
+    assert len(calls) >= 1 + 1 + 5 + 7  # a call far shorter than rep_ms: five more calls estimate its time
 
 
 def test_host_issue_times_rounds_of_back_to_back_calls():
@@ -873,10 +877,10 @@ def test_interleaved_takes_turns_sample_by_sample():
         {"a": lambda: order.append("a"), "b": lambda: order.append("b")}, CPU, warmup_ms=0.0, rep_ms=0.0
     )
     assert len(series["a"]) == len(series["b"]) == 6  # min_samples (rep_ms buys no more), made even
-    # Per function: one untimed call and the five estimate samples, then one warm-up call each, then
-    # the samples in turns, each function first in every other one.
-    assert order[:6] == ["a"] * 6 and order[6:12] == ["b"] * 6 and order[12:14] == ["a", "b"]
-    assert order[14:] == ["a", "b", "b", "a"] * 3
+    # Per function: one untimed call and one estimate sample (it took rep_ms: no five more), then one warm-up
+    # call each, then the samples in turns, each function first in every other one.
+    assert order[:2] == ["a"] * 2 and order[2:4] == ["b"] * 2 and order[4:6] == ["a", "b"]
+    assert order[6:] == ["a", "b", "b", "a"] * 3
 
 
 def test_interleaved_ratio_is_the_median_of_neighbour_ratios_then_of_rounds(monkeypatch):

@@ -115,8 +115,8 @@ def measure(
         fn: what is timed; its result is discarded.
         device: where ``fn`` runs: CUDA events on ``cuda``, ``time.perf_counter`` otherwise.
         warmup_ms, rep_ms: time budgets for the warm-up calls and for the samples, converted to counts
-            from an estimate over five calls (as do_bench does). Ignored where ``warmup_calls`` /
-            ``samples`` give the counts.
+            from an estimate over five calls (as do_bench does), or over one where that one call takes
+            ``rep_ms``. Ignored where ``warmup_calls`` / ``samples`` give the counts.
         samples: take exactly this many samples, with no estimate and no untimed first call (for a
             ``fn`` that consumes one distinct input per call). Warm-up is then ``warmup_calls`` or 0.
         warmup_calls: untimed calls before the samples.
@@ -130,7 +130,7 @@ def measure(
     if samples is None:
         fn()
         synchronize(device)
-        estimate = _estimate_ms(prepare, run, device) / calls_per_sample
+        estimate = _estimate_ms(prepare, run, device, rep_ms) / calls_per_sample
         n_warmup = warmup_calls if warmup_calls is not None else _clamp(warmup_ms / max(estimate, 1e-6), 1, 1000)
         n_samples = _clamp(rep_ms / max(estimate * calls_per_sample, 1e-6), min_samples, max_samples)
     else:
@@ -180,24 +180,32 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _estimate_ms(prepare: Callable[[], None], run: Callable[[], None], device: torch.device) -> float:
-    """Mean time of one sample over five, with what precedes each sample (do_bench's estimate)."""
+def _estimate_ms(prepare: Callable[[], None], run: Callable[[], None], device: torch.device, budget_ms: float) -> float:
+    """Mean time of one sample, with what precedes each: of one sample where it takes at least ``budget_ms`` (the
+    counts derived from the estimate are then at their lower bounds: five more calls of a second-long kernel would
+    buy nothing), else of five more (do_bench's estimate)."""
+    one = _mean_ms(prepare, run, device, 1)
+    return one if one >= budget_ms else _mean_ms(prepare, run, device, 5)
+
+
+def _mean_ms(prepare: Callable[[], None], run: Callable[[], None], device: torch.device, n: int) -> float:
+    """Mean time of ``n`` samples run back to back, with what precedes each."""
     import torch
 
     if device.type != "cuda":
         start = time.perf_counter()
-        for _ in range(5):
+        for _ in range(n):
             prepare()
             run()
-        return (time.perf_counter() - start) * 1e3 / 5
+        return (time.perf_counter() - start) * 1e3 / n
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
-    for _ in range(5):
+    for _ in range(n):
         prepare()
         run()
     end.record()
     torch.cuda.synchronize(device)
-    return begin.elapsed_time(end) / 5
+    return begin.elapsed_time(end) / n
 
 
 def _samples(prepare: Callable[[], None], run: Callable[[], None], device: torch.device, n: int) -> list[float]:
@@ -354,7 +362,8 @@ def interleaved(
     function, with its caches cold, costs the first one more). The number of samples is even. Each
     sample is timed as :func:`measure` times one (``flush_l2``, ``sync_each``, ``calls_per_sample``
     alike); ``rep_ms`` is the budget of one function's samples, from an estimate over five samples of
-    the slowest one, and each function first gets warm-up calls worth ``warmup_ms``.
+    the slowest one (one where that one takes ``rep_ms``), and each function first gets warm-up calls worth
+    ``warmup_ms``.
     """
     prepare = _preparer(device, flush_l2, sync_each)
     runs = {name: _repeated(fn, calls_per_sample) for name, fn in fns.items()}
@@ -362,7 +371,7 @@ def interleaved(
     for name, run in runs.items():
         run()
         synchronize(device)
-        estimates[name] = _estimate_ms(prepare, run, device) / calls_per_sample
+        estimates[name] = _estimate_ms(prepare, run, device, rep_ms) / calls_per_sample
     slowest = max(estimates.values())
     n_samples = _clamp(rep_ms / max(slowest * calls_per_sample, 1e-6), min_samples, max_samples)
     n_samples += n_samples % 2  # as many samples in each order
