@@ -207,7 +207,7 @@ def _rounds_ratios(
     device: torch.device,
     progress: R.Progress,
 ) -> None:
-    """The ratios measured in rounds of two methods one after the other (:func:`benchlib.methods.rounds_ratio`),
+    """The ratios measured in rounds of samples of two methods taken in turns (:func:`benchlib.methods.rounds_ratio`),
     each with its rounds' range: ``ratio_auto_best_rounds`` in the ``auto`` row (the fastest forced op's time over
     auto's) and ``ratio_best_rounds`` in the rows of ``--versus-best-raw``'s methods (the fastest raw baseline's
     time over the method's). ``ratio_auto_best`` and ``ratio_best`` compare single measurements, taken seconds to
@@ -215,7 +215,7 @@ def _rounds_ratios(
     pairs = [(r, r["best_op"], "ratio_auto_best") for r in rows if r["method"] == "auto" and r.get("best_op")]
     pairs += [(r, r.get("best_baseline"), "ratio_best") for r in rows if r["method"] in args.versus_best_raw]
     for row, theirs, key in pairs:
-        progress.step(f"{row['shape']} {row['method']} vs {theirs}, {args.ratio_rounds} rounds of both in turn")
+        progress.step(f"{row['shape']} {row['method']} vs {theirs}, {args.ratio_rounds} rounds of samples in turns")
         ours, best = checked.get(row["method"]), checked.get(theirs or "")
         if ours is None or best is None or ours.prepared is None or best.prepared is None:
             progress.write(f"  {row['shape']}: no {key} in rounds for {row['method']}: it or {theirs} is not ok")
@@ -303,8 +303,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="METHOD",
         default=[],
         help="methods (e.g. TRITON triton_raw) to measure against the shape's fastest raw baseline in --ratio-rounds "
-        "rounds of both in turn as well (ratio_best_rounds): 'best raw' compares single measurements, which differ "
-        "by several percent on their own",
+        "rounds of samples of both in turns as well (ratio_best_rounds): 'best raw' compares single measurements, "
+        "which differ by several percent on their own",
     )
     cli.add_device(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or counter")

@@ -883,6 +883,45 @@ def test_interleaved_takes_turns_sample_by_sample():
     assert order[6:] == ["a", "b", "b", "a"] * 3
 
 
+def test_interleaved_enters_each_functions_context_around_its_samples():
+    # rounds_ratio's use: auto against a forced backend, each sample inside its own setting.
+    log, inside = [], []
+
+    @contextlib.contextmanager
+    def setting(name):
+        inside.append(name)
+        yield
+        inside.pop()
+
+    def fn(name):
+        return lambda: log.append((name, tuple(inside)))
+
+    series = timing.interleaved(
+        {"a": fn("a"), "b": fn("b")}, CPU, warmup_ms=0.0, rep_ms=0.0,
+        contexts={"a": lambda: setting("A"), "b": lambda: setting("B")},
+    )  # fmt: skip
+    assert len(series["a"]) == len(series["b"]) == 6
+    assert all(seen == (name.upper(),) for name, seen in log), "every call, timed or not, inside its own context"
+    assert [name for name, _ in log[6:]] == ["a", "b", "b", "a"] * 3  # the samples in turns, as without contexts
+    assert not inside
+
+
+def test_rounds_ratio_takes_samples_in_turns_within_each_side_s_context(monkeypatch):
+    seen = {}
+
+    def interleaved_ratio(numerator, denominator, device, rounds, **kwargs):
+        seen.update(kwargs, numerator=numerator, denominator=denominator, rounds=rounds)
+        return "ratio"
+
+    monkeypatch.setattr(timing, "interleaved_ratio", interleaved_ratio)
+    ours = M.Prepared(lambda: "ours", None, lambda: "our setting")
+    theirs = M.Prepared(lambda: "theirs", None, lambda: "their setting")
+    assert M.rounds_ratio(ours, theirs, CPU, 3, rep_ms=1.0) == "ratio"
+    assert seen["numerator"]() == "theirs" and seen["denominator"]() == "ours" and seen["rounds"] == 3
+    assert seen["contexts"]["numerator"]() == "their setting" and seen["contexts"]["denominator"]() == "our setting"
+    assert seen["max_samples"] == M.ROUNDS_RATIO_MAX_SAMPLES and seen["rep_ms"] == 1.0
+
+
 def test_interleaved_ratio_is_the_median_of_neighbour_ratios_then_of_rounds(monkeypatch):
     # Samples 2j and 2j + 1 (one in each order) make a pair, whose ratio is that of the sums.
     rounds = iter(

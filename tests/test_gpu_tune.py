@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from mla_ops.cli.tune import TuneShape, _sleep_rate, cuda_timer
+from mla_ops.cli.tune import TuneShape, cuda_timer, sleep_rate
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +29,7 @@ def _busy(us: float) -> None:
 def test_the_device_time_is_the_kernels_alone_behind_a_slow_host() -> None:
     # A call that spends 300 µs on the host and then queues 50 µs of GPU work: the device time must be the 50 µs (the
     # sleep before the timed calls hides their issue), the host cost the 300.
-    cycles = int(_sleep_rate(DEVICE) * 0.05)
+    cycles = int(sleep_rate(DEVICE) * 0.05)
     timer = cuda_timer(DEVICE)
 
     def call() -> None:

@@ -977,24 +977,26 @@ def overhead_ratio(
         return timing.interleaved_ratio(raw.fn, op.fn, device, rounds, **timing_kwargs)
 
 
+#: Samples per function and round of :func:`rounds_ratio` at most: each turn of the two sits behind a GPU sleep
+#: longer than the host's issue of a turn, which forcing a backend and lifting it makes milliseconds long.
+ROUNDS_RATIO_MAX_SAMPLES = 40
+
+
 def rounds_ratio(
     ours: Prepared, theirs: Prepared, device: torch.device, rounds: int = timing.DEFAULT_ROUNDS, **timing_kwargs: Any
 ) -> timing.RoundsRatio:
-    """``theirs``'s time / ``ours``'s (above 1: ours is faster): in each of ``rounds`` rounds both are measured, one
-    after the other in an order reversed every other round (:func:`timing.alternating`), each inside its own
-    context; the median of the rounds' ratios and their range. Used for auto against the fastest forced op and for
-    an op against the fastest raw baseline, whose single measurements, minutes apart in a long run, differ by their
-    noise too. Not sample by sample as :func:`overhead_ratio`: forcing a backend and lifting it clears the routing
-    caches (and re-reads the cost tables), which would land in every sample; a measurement's warm-up calls take it
-    here."""
-    series = timing.alternating(
-        {"ours": ours.fn, "theirs": theirs.fn}, device, rounds, reverse_odd_rounds=True,
-        contexts={"ours": ours.context, "theirs": theirs.context}, **timing_kwargs,
-    )  # fmt: skip
-    ratios = [t / o for t, o in zip(series["theirs"], series["ours"])]
-    return timing.RoundsRatio(
-        median=statistics.median(ratios), low=min(ratios), high=max(ratios), rounds=rounds,
-        numerator_ms=statistics.median(series["theirs"]), denominator_ms=statistics.median(series["ours"]),
+    """``theirs``'s time / ``ours``'s (above 1: ours is faster), each inside its own context (e.g. ``auto`` and a
+    backend forced): per round, the median ratio of neighbouring samples of the two taken in turns sample by
+    sample (:func:`benchlib.timing.interleaved_ratio`), each sample in its function's context; the median over
+    ``rounds`` and their range. Used for auto against the fastest forced op and for an op against the fastest raw
+    baseline, whose single measurements, minutes apart in a long run, differ by their noise too; neighbouring
+    samples milliseconds apart share the GPU's clocks and temperature. Entering a context costs the host
+    milliseconds (forcing a backend clears the routing caches), which the GPU sleep before each turn hides from
+    the samples (:func:`benchlib.timing.interleaved`)."""
+    timing_kwargs.setdefault("max_samples", ROUNDS_RATIO_MAX_SAMPLES)
+    return timing.interleaved_ratio(
+        theirs.fn, ours.fn, device, rounds, contexts={"numerator": theirs.context, "denominator": ours.context},
+        **timing_kwargs,
     )  # fmt: skip
 
 

@@ -830,7 +830,7 @@ def render_prefill_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> 
                 f"Ratios ({suite}): throughput of the method / throughput of the named call (above 1: the method "
                 "is faster). Against its own raw call an op's ratio is the median over alternating rounds; against "
                 "the best raw baseline it compares the single measurements of the table above, and with ', rounds' "
-                "the median over rounds of both measured in turn"
+                "the median over rounds of the ratios of neighbouring samples of both, taken in turns"
             ]
             parts += ["", markdown_table(headers, table), ""]
     crossover = fp8_crossover(rows)
@@ -866,7 +866,7 @@ def auto_summary(rows: list[dict[str, Any]]) -> str:
     :data:`HOST_BOUND_MS` and for the faster, host-bound ones; empty without ``auto`` rows."""
     times = {(r["shape"], r["method"]): r.get("time_ms") for r in rows if r["status"] == "ok"}
     lines = []
-    labels = {"ratio_auto_best": "time", "ratio_auto_best_pace": "pace", "ratio_auto_best_rounds": "rounds in turn"}
+    labels = {"ratio_auto_best": "time", "ratio_auto_best_pace": "pace", "ratio_auto_best_rounds": "samples in turns"}
     for key, label in labels.items():
         autos = [r for r in rows if r["method"] == "auto" and r.get(key) is not None]
         groups = {"all shapes": [], f"best op >= {HOST_BOUND_MS} ms": [], f"best op < {HOST_BOUND_MS} ms": []}

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from mla_ops.cli.tune import sleep_rate
+
 if TYPE_CHECKING:
     import torch
 
@@ -351,6 +353,7 @@ def interleaved(
     sync_each: bool = False,
     min_samples: int = 5,
     max_samples: int = 1000,
+    contexts: Mapping[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
 ) -> dict[str, list[float]]:
     """Samples of several functions taken in turns sample by sample, in milliseconds per call.
 
@@ -364,49 +367,71 @@ def interleaved(
     alike); ``rep_ms`` is the budget of one function's samples, from an estimate over five samples of
     the slowest one (one where that one takes ``rep_ms``), and each function first gets warm-up calls worth
     ``warmup_ms``.
+
+    ``contexts[name]``: makes a context manager entered around each of that function's samples (e.g. a backend
+    forced for it alone). Entering and leaving one may cost the host milliseconds (forcing a backend clears the
+    routing caches, and the next call routes afresh), which must not land in a sample: on CUDA each turn of the
+    functions is then issued behind a GPU sleep longer than the host took to issue the turn before, so that its
+    samples time the device's work alone.
     """
+    contexts = contexts or {}
     prepare = _preparer(device, flush_l2, sync_each)
     runs = {name: _repeated(fn, calls_per_sample) for name, fn in fns.items()}
     estimates = {}
     for name, run in runs.items():
-        run()
-        synchronize(device)
-        estimates[name] = _estimate_ms(prepare, run, device, rep_ms) / calls_per_sample
+        with contexts.get(name, contextlib.nullcontext)():
+            run()
+            synchronize(device)
+            estimates[name] = _estimate_ms(prepare, run, device, rep_ms) / calls_per_sample
     slowest = max(estimates.values())
     n_samples = _clamp(rep_ms / max(slowest * calls_per_sample, 1e-6), min_samples, max_samples)
     n_samples += n_samples % 2  # as many samples in each order
     for name, fn in fns.items():
-        for _ in range(_clamp(warmup_ms / max(estimates[name], 1e-6), 1, 1000)):
-            fn()
+        with contexts.get(name, contextlib.nullcontext)():
+            for _ in range(_clamp(warmup_ms / max(estimates[name], 1e-6), 1, 1000)):
+                fn()
     with gc_paused():
-        times = _interleaved_samples(prepare, runs, device, n_samples)
+        times = _interleaved_samples(prepare, runs, device, n_samples, contexts)
     return {name: [t / calls_per_sample for t in series] for name, series in times.items()}
 
 
 def _interleaved_samples(
-    prepare: Callable[[], None], runs: Mapping[str, Callable[[], None]], device: torch.device, n: int
+    prepare: Callable[[], None],
+    runs: Mapping[str, Callable[[], None]],
+    device: torch.device,
+    n: int,
+    contexts: Mapping[str, Callable[[], contextlib.AbstractContextManager]],
 ) -> dict[str, list[float]]:
     import torch
 
     forward, backward = list(runs.items()), list(reversed(runs.items()))
+    enter = {name: contexts.get(name, contextlib.nullcontext) for name in runs}
     if device.type != "cuda":
         out: dict[str, list[float]] = {name: [] for name in runs}
         for i in range(n):
             for name, run in forward if i % 2 == 0 else backward:
-                prepare()
-                start = time.perf_counter()
-                run()
-                out[name].append((time.perf_counter() - start) * 1e3)
+                with enter[name]():
+                    prepare()
+                    start = time.perf_counter()
+                    run()
+                    out[name].append((time.perf_counter() - start) * 1e3)
         return out
     events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
               for name in runs}  # fmt: skip
+    cycles_per_ms = sleep_rate(device) if contexts else 0.0
+    turn_ms = 5.0  # the host time of issuing the last turn, which the next one's sleep must outlast
     for i in range(n):
+        if contexts:
+            torch.cuda._sleep(int(cycles_per_ms * (2 * turn_ms + 0.5)))
+        start = time.perf_counter()
         for name, run in forward if i % 2 == 0 else backward:
             begin, end = events[name][i]
-            prepare()
-            begin.record()
-            run()
-            end.record()
+            with enter[name]():
+                prepare()
+                begin.record()
+                run()
+                end.record()
+        turn_ms = (time.perf_counter() - start) * 1e3
     torch.cuda.synchronize(device)
     return {name: [b.elapsed_time(e) for b, e in pairs] for name, pairs in events.items()}
 

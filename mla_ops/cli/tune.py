@@ -143,7 +143,7 @@ def cuda_timer(device: torch.device) -> Timer:
     issue, L2 flushed before each (:data:`FLUSH_BYTES`), as the benchmarks time them: a layer's attention reads its
     keys and values after other kernels have filled L2, and back-to-back calls of one shape would find part of them
     there."""
-    cycles_per_ms = _sleep_rate(device)
+    cycles_per_ms = sleep_rate(device)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device)
     events = [
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(MAX_DEVICE_CALLS)
@@ -179,7 +179,7 @@ def cuda_timer(device: torch.device) -> Timer:
     return timer
 
 
-def _sleep_rate(device: torch.device) -> float:
+def sleep_rate(device: torch.device) -> float:
     """GPU clock cycles per millisecond of ``torch.cuda._sleep`` on ``device``."""
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     cycles = 10_000_000
