@@ -27,8 +27,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mla_ops.cli.tune import sleep_rate
-
 if TYPE_CHECKING:
     import torch
 
@@ -418,7 +416,10 @@ def _interleaved_samples(
         return out
     events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
               for name in runs}  # fmt: skip
-    cycles_per_ms = sleep_rate(device) if contexts else 0.0
+    if contexts:
+        from mla_ops.cli.tune import sleep_rate
+
+        cycles_per_ms = sleep_rate(device)
     turn_ms = 5.0  # the host time of issuing the last turn, which the next one's sleep must outlast
     for i in range(n):
         if contexts:
