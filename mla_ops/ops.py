@@ -160,15 +160,18 @@ def _prefill_with_chunk(q, k, v, cu_seqlens, max_seqlen, k_chunk, v_chunk, cu_se
     # are as wide as the new tokens', which the merge of the two ops' outputs would check.
     new = VarlenCall(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, True)
     chunk = VarlenCall(q, k_chunk, v_chunk, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, softmax_scale, False)
-    if checked_attention_sizes(*new) is None:
+    sizes_new, sizes_chunk = checked_attention_sizes(*new), checked_attention_sizes(*chunk)
+    if sizes_new is None:
         check_attention_inputs("mla.prefill", new[:8], True)
-    if checked_attention_sizes(*chunk) is None:
+    if sizes_chunk is None:
         check_attention_inputs("mla.prefill_context_chunk", chunk[:8], False)
     dv = v.shape[2]
     if v_chunk.shape[2] != dv:
         check_chunk_values(v, v_chunk)
     device = q.device
-    backend = route_fused(new, chunk)
+    # The route reads the sizes the checks read where both parts passed in one expression (else it reads them).
+    sizes = None if sizes_new is None or sizes_chunk is None else (sizes_new, sizes_chunk)
+    backend = route_fused(new, chunk, sizes)
     # Neither part's result leaves this op: each may keep its library's base-2 LSE for the merge to read.
     with on_device(device):
         out, lse, base2 = backend.attention_for_merge(new)
@@ -183,9 +186,12 @@ def _prefill_with_chunk(q, k, v, cu_seqlens, max_seqlen, k_chunk, v_chunk, cu_se
         and device.type == "cuda"
         and device.index == current_cuda_device()
     ):
-        if route_call(new) is backend:
+        alone = (route_call(new), route_call(chunk)) if sizes is None else (
+            route_checked(new, sizes_new), route_checked(chunk, sizes_chunk)
+        )  # fmt: skip
+        if alone[0] is backend:
             native.remember_attention(native.PREFILL, new)
-        if route_call(chunk) is backend:
+        if alone[1] is backend:
             native.remember_attention(native.PREFILL_CONTEXT_CHUNK, chunk)
     return merge_kernel(device)(MergeCall(out_c, lse_c, out, lse, base2_c, base2))
 

@@ -315,8 +315,8 @@ class SizedRoute:
         self.key = key
         self._names = [b.name for b in candidates]
         self._by_name = {b.name: b for b in candidates}
-        #: The backend per size class met, by the class's fields (a plain tuple, as :func:`route_call` builds it);
-        #: the fused op's pairs of classes too.
+        #: The backend per size class met, by the class's fields (a plain tuple, as :func:`route_checked` builds
+        #: it); the fused op's pairs of classes too.
         self.chosen: dict[tuple, PrefillBackend] = {}
 
     def _choose(self, sizes: tuple[cost_table.SizeClass, ...]) -> PrefillBackend:
@@ -338,8 +338,13 @@ class SizedRoute:
 
     def for_key(self, key: tuple) -> PrefillBackend:
         """The backend for one call whose :class:`~mla_ops.cost_table.SizeClass` has the fields ``key``, cached
-        under ``key`` alone: the plain tuple that :func:`route_call` builds and looks up in ``chosen``."""
+        under ``key`` alone: the plain tuple that :func:`route_checked` builds and looks up in ``chosen``."""
         return self._remember(key, self._choose((cost_table.SizeClass(*key),)))
+
+    def for_keys(self, keys: tuple[tuple, ...]) -> PrefillBackend:
+        """:meth:`for_key` for the fused op's parts, whose classes have the fields ``keys`` (one plain tuple each),
+        cached under ``keys``, which equals the tuple of the classes that :meth:`for_sizes` caches under."""
+        return self._remember(keys, self._choose(tuple(cost_table.SizeClass(*key) for key in keys)))
 
     def may_run(self) -> list[PrefillBackend]:
         """Every backend this route can choose: the fixed one and the candidates the table measured."""
@@ -522,10 +527,7 @@ def route_call(call: VarlenCall, in_graph: bool = False) -> PrefillBackend:
     Reads only shapes and ints (no device sync). The ops call :func:`route_checked` with the sizes their input
     check read instead; this reads them itself.
     """
-    q = call.q
-    return route_checked(
-        call, (q.device, q.dtype, q.shape, call.k.shape[0], call.v.shape[2], call.cu_seqlens_q.shape[0]), in_graph
-    )
+    return route_checked(call, _sizes_of(call), in_graph)
 
 
 def route_checked(call: VarlenCall, sizes: AttentionSizes, in_graph: bool = False) -> PrefillBackend:
@@ -542,8 +544,7 @@ def route_checked(call: VarlenCall, sizes: AttentionSizes, in_graph: bool = Fals
         entry = _route_entry(device, dtype, dqk, dv, in_graph)
     if type(entry) is not SizedRoute:
         return entry
-    # SizeClass.of(...)'s fields, inline: this runs on every call, where a NamedTuple's constructor and another
-    # function call would cost more than the lookup. New tokens: k has q's rows and max_seqlen_k is max_seqlen_q.
+    # _class_key(call, sizes), inline: this runs on every op call, where the function call costs a fifth of the rest.
     seqs = (seqs_1 - 1).bit_length()
     if call.causal:
         r, m = rows.bit_length(), call.max_seqlen_q.bit_length()
@@ -557,15 +558,44 @@ def route_checked(call: VarlenCall, sizes: AttentionSizes, in_graph: bool = Fals
     return entry.for_key(key) if backend is None else backend
 
 
-def route_fused(new: VarlenCall, chunk: VarlenCall) -> PrefillBackend:
+def route_fused(
+    new: VarlenCall, chunk: VarlenCall, sizes: tuple[AttentionSizes, AttentionSizes] | None = None
+) -> PrefillBackend:
     """The one backend that runs both parts of the fused op (new tokens ``new``, context chunk ``chunk``): the
     least predicted time summed over the two parts' size classes. Where both parts alone route to one backend,
-    this is that backend, so a part that the fused op hands to the native library routes there alone too."""
-    q = new.q
-    entry = _route_entry(q.device, q.dtype, q.shape[2], new.v.shape[2], False)
+    this is that backend, so a part that the fused op hands to the native library routes there alone too.
+    ``sizes``: each part's :func:`~mla_ops.meta.checks.checked_attention_sizes`, where the caller has them."""
+    sizes_new, sizes_chunk = (_sizes_of(new), _sizes_of(chunk)) if sizes is None else sizes
+    device, dtype, (_, _, dqk), _, dv, _ = sizes_new
+    entry = _routes.get((device, dtype, dqk, dv, False))
+    if entry is None:
+        entry = _route_entry(device, dtype, dqk, dv, False)
     if type(entry) is not SizedRoute:
         return entry
-    return entry.for_sizes((cost_table.size_class(new), cost_table.size_class(chunk)))
+    key = (_class_key(new, sizes_new), _class_key(chunk, sizes_chunk))
+    backend = entry.chosen.get(key)
+    return entry.for_keys(key) if backend is None else backend
+
+
+def _sizes_of(call: VarlenCall) -> AttentionSizes:
+    """What :func:`~mla_ops.meta.checks.checked_attention_sizes` returns for ``call``, read without the check."""
+    q = call.q
+    return q.device, q.dtype, q.shape, call.k.shape[0], call.v.shape[2], call.cu_seqlens_q.shape[0]
+
+
+def _class_key(call: VarlenCall, sizes: AttentionSizes) -> tuple:
+    """The fields of ``call``'s :class:`~mla_ops.cost_table.SizeClass` as a plain tuple (equal to the class, and
+    hashed alike), from its checked ``sizes``: inline, where ``SizeClass.of``'s constructor would cost more than
+    the lookup it keys. New tokens: k has q's rows and max_seqlen_k is max_seqlen_q."""
+    _, _, (rows, heads, _), rows_k, _, seqs_1 = sizes
+    seqs = (seqs_1 - 1).bit_length()
+    if call.causal:
+        r, m = rows.bit_length(), call.max_seqlen_q.bit_length()
+        return (True, r, r, heads.bit_length(), seqs, m, m)
+    return (
+        False, rows.bit_length(), rows_k.bit_length(), heads.bit_length(), seqs,
+        call.max_seqlen_q.bit_length(), call.max_seqlen_k.bit_length(),
+    )  # fmt: skip
 
 
 def host_planner_for(q: torch.Tensor, v: torch.Tensor) -> PrefillBackend | None:

@@ -109,6 +109,27 @@ def test_the_ops_hot_path_computes_the_size_class_of_a_call(tables, all_installe
     assert entry.chosen == met, "route_checked found the class route_call cached"
 
 
+def test_the_fused_op_routes_its_two_parts_by_their_classes(tables, all_installed) -> None:
+    # route_fused builds both parts' classes inline, from the checks' sizes or from the calls; the pair must be
+    # (size_class(new), size_class(chunk)), which select_backend and info use, cached under one key.
+    _write(tables[0], standins.cost_table(MEASURED))
+    entry = sel.routing_entry(SM90, CONFIG)
+    assert isinstance(entry, sel.SizedRoute)
+    sel._routes[(torch.device("cpu"), torch.bfloat16, 192, 128, False)] = entry
+    chosen = set()
+    for lengths, context in (([5, 0, 9], [2, 0, 3]), ([3000], [40000]), ([12, 1], [40, 4])):
+        new, chunk = _call(lengths), _call(lengths, context)
+        pair = (cost_table.size_class(new), cost_table.size_class(chunk))
+        routed = sel.route_fused(new, chunk)
+        assert routed is sel.select_backend(SM90, CONFIG, size=pair)
+        met = dict(entry.chosen)
+        sizes = (checked_attention_sizes(*new), checked_attention_sizes(*chunk))
+        assert sel.route_fused(new, chunk, sizes) is routed
+        assert entry.chosen == met, "the checks' sizes found the pair route_fused cached"
+        chosen.add(routed.name)
+    assert len(chosen) > 1, "the calls reach more than one backend, so the pairs' classes decided"
+
+
 @pytest.mark.parametrize(("lengths", "context", "padding"), CALLS)
 def test_calls_of_one_native_layout_share_a_size_class(lengths, context, padding) -> None:
     # The native library repeats a TRITON launch for every call of a remembered layout (shapes, strides, bounds):
