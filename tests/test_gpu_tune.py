@@ -43,7 +43,7 @@ def test_the_device_time_is_the_kernels_alone_behind_a_slow_host() -> None:
 
 def test_each_timed_call_finds_l2_flushed() -> None:
     # Summing 16 MiB, which fits in any SM90 GPU's L2: back to back it reads L2, after the timer's flush it reads HBM.
-    # The flushed time must exceed the hot one (events around a loop of back-to-back calls).
+    # The flushed time must exceed the hot one (events around a loop of calls run back to back).
     x = torch.ones(8 << 20, dtype=torch.bfloat16, device=DEVICE)
     out = torch.empty((), dtype=torch.float32, device=DEVICE)
 
@@ -54,6 +54,8 @@ def test_each_timed_call_finds_l2_flushed() -> None:
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(10):
         call()
+    # Queued behind a GPU sleep longer than their issue, so that the events time the device, not the host's pace.
+    torch.cuda._sleep(int(sleep_rate(DEVICE) * 20))
     begin.record()
     for _ in range(200):
         call()
