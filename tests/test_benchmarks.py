@@ -830,21 +830,6 @@ def test_alternating_reverses_odd_rounds_on_request(monkeypatch):
     assert order == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
 
 
-def test_alternating_enters_each_functions_context_around_its_measurements(monkeypatch):
-    events = []
-
-    @contextlib.contextmanager
-    def forced():
-        events.append("enter")
-        yield
-        events.append("exit")
-
-    monkeypatch.setattr(timing, "measure", lambda fn, device, **kw: (events.append(fn()), timing.Timing((1.0,)))[1])
-    fns = {"a": lambda: "a", "b": lambda: "b"}
-    timing.alternating(fns, CPU, rounds=2, reverse_odd_rounds=True, contexts={"b": forced})
-    assert events == ["a", "enter", "b", "exit", "enter", "b", "exit", "a"]
-
-
 def test_difference_of_rounds_is_the_median_of_per_round_differences():
     # The op runs 1 µs above its raw call in every round while the host drifts from 10 to 30 µs; one outlier.
     op, raw = [11.0, 21.0, 31.0, 12.0, 60.0], [10.0, 20.0, 30.0, 10.0, 14.0]
@@ -862,13 +847,6 @@ def test_record_series_pairs_each_round():
     assert out["op_minus_direct_us"] == 2.0
     assert (out["op_minus_raw_q1_us"], out["op_minus_raw_us"], out["op_minus_raw_q3_us"]) == (1.0, 1.0, 2.0)
     assert "op_minus_raw_outputs_us" not in out
-
-
-def test_ratio_of_rounds_is_the_median_of_per_round_ratios():
-    # Per-round ratios 2, 1, 3: median 2; the ratio of the two medians would be 4 / 4 = 1.
-    r = timing.ratio_of_rounds([2.0, 4.0, 30.0], [1.0, 4.0, 10.0])
-    assert (r.median, r.low, r.high, r.rounds) == (2.0, 1.0, 3.0, 3)
-    assert (r.numerator_ms, r.denominator_ms) == (4.0, 4.0)
 
 
 def test_interleaved_takes_turns_sample_by_sample():

@@ -9,7 +9,7 @@ replays), a synchronisation before each sample (a step's latency, host issue tim
 fixed number of samples (a list of distinct batches, one per sample).
 
 :func:`alternating` measures several callables in rounds, taking turns within each round, and
-:func:`ratio_of_rounds` turns two of them into the median of their per-round ratios. :func:`interleaved`
+:func:`difference_of_rounds` turns two of them into the median of their per-round differences. :func:`interleaved`
 takes turns sample by sample instead, and :func:`interleaved_ratio` (the op/raw ratio of every script)
 takes the median ratio of neighbouring samples in each round. A ratio of two
 single measurements taken at different moments carries the drift of the GPU's clocks and temperature
@@ -260,7 +260,6 @@ def alternating(
     rounds: int = DEFAULT_ROUNDS,
     per_fn: Mapping[str, Mapping[str, Any]] | None = None,
     reverse_odd_rounds: bool = False,
-    contexts: Mapping[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
     **measure_kwargs: Any,
 ) -> dict[str, list[float]]:
     """Each function's median time (ms per call) in each of ``rounds`` rounds; within a round the
@@ -270,20 +269,17 @@ def alternating(
     ``reverse_odd_rounds``: odd rounds take the functions in the reverse order, so that over the rounds
     each function runs as often before as after each other one (a drift of the host within a round then
     favours neither side of a per-round difference).
-    ``contexts[name]``: makes a context manager entered around each of that function's measurements (e.g. a
-    backend forced for it alone), so that entering it costs no sample.
     ``measure_kwargs`` go to :func:`measure` for every function, ``per_fn[name]`` on top for one.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
-    per_fn, contexts = per_fn or {}, contexts or {}
+    per_fn = per_fn or {}
     medians: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
     for round_index in range(rounds):
         order = names[::-1] if reverse_odd_rounds and round_index % 2 else names
         for name in order:
-            with contexts.get(name, contextlib.nullcontext)():
-                timing = measure(fns[name], device, **{**measure_kwargs, **per_fn.get(name, {})})
+            timing = measure(fns[name], device, **{**measure_kwargs, **per_fn.get(name, {})})
             medians[name].append(timing.median_ms)
     return medians
 
@@ -325,21 +321,6 @@ def difference_of_rounds(minuend: Sequence[float], subtrahend: Sequence[float]) 
     return RoundsDifference(statistics.median(differences), low, high, len(differences))
 
 
-def ratio_of_rounds(numerator_ms: Sequence[float], denominator_ms: Sequence[float]) -> RoundsRatio:
-    """The median of the per-round ratios of two :func:`alternating` series of equal length."""
-    if len(numerator_ms) != len(denominator_ms) or not numerator_ms:
-        raise ValueError("ratio_of_rounds needs two non-empty series of the same length")
-    ratios = [n / d for n, d in zip(numerator_ms, denominator_ms)]
-    return RoundsRatio(
-        median=statistics.median(ratios),
-        low=min(ratios),
-        high=max(ratios),
-        rounds=len(ratios),
-        numerator_ms=statistics.median(numerator_ms),
-        denominator_ms=statistics.median(denominator_ms),
-    )
-
-
 def interleaved(
     fns: Mapping[str, Callable[[], Any]],
     device: torch.device,
@@ -372,12 +353,12 @@ def interleaved(
     functions is then issued behind a GPU sleep longer than the host took to issue the turn before, so that its
     samples time the device's work alone.
     """
-    contexts = contexts or {}
+    enter = {name: (contexts or {}).get(name, contextlib.nullcontext) for name in fns}
     prepare = _preparer(device, flush_l2, sync_each)
     runs = {name: _repeated(fn, calls_per_sample) for name, fn in fns.items()}
     estimates = {}
     for name, run in runs.items():
-        with contexts.get(name, contextlib.nullcontext)():
+        with enter[name]():
             run()
             synchronize(device)
             estimates[name] = _estimate_ms(prepare, run, device, rep_ms) / calls_per_sample
@@ -385,11 +366,11 @@ def interleaved(
     n_samples = _clamp(rep_ms / max(slowest * calls_per_sample, 1e-6), min_samples, max_samples)
     n_samples += n_samples % 2  # as many samples in each order
     for name, fn in fns.items():
-        with contexts.get(name, contextlib.nullcontext)():
+        with enter[name]():
             for _ in range(_clamp(warmup_ms / max(estimates[name], 1e-6), 1, 1000)):
                 fn()
     with gc_paused():
-        times = _interleaved_samples(prepare, runs, device, n_samples, contexts)
+        times = _interleaved_samples(prepare, runs, device, n_samples, enter, hide_host=bool(contexts))
     return {name: [t / calls_per_sample for t in series] for name, series in times.items()}
 
 
@@ -398,12 +379,14 @@ def _interleaved_samples(
     runs: Mapping[str, Callable[[], None]],
     device: torch.device,
     n: int,
-    contexts: Mapping[str, Callable[[], contextlib.AbstractContextManager]],
+    enter: Mapping[str, Callable[[], contextlib.AbstractContextManager]],
+    hide_host: bool,
 ) -> dict[str, list[float]]:
+    """``n`` samples of each of ``runs`` in turns, each inside ``enter[name]()``; with ``hide_host``, on CUDA, each
+    turn behind a GPU sleep (see :func:`interleaved`)."""
     import torch
 
     forward, backward = list(runs.items()), list(reversed(runs.items()))
-    enter = {name: contexts.get(name, contextlib.nullcontext) for name in runs}
     if device.type != "cuda":
         out: dict[str, list[float]] = {name: [] for name in runs}
         for i in range(n):
@@ -416,13 +399,13 @@ def _interleaved_samples(
         return out
     events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
               for name in runs}  # fmt: skip
-    if contexts:
+    if hide_host:
         from mla_ops.cli.tune import sleep_rate
 
         cycles_per_ms = sleep_rate(device)
     turn_ms = 5.0  # the host time of issuing the last turn, which the next one's sleep must outlast
     for i in range(n):
-        if contexts:
+        if hide_host:
             torch.cuda._sleep(int(cycles_per_ms * (2 * turn_ms + 0.5)))
         start = time.perf_counter()
         for name, run in forward if i % 2 == 0 else backward:
