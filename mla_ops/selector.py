@@ -567,9 +567,7 @@ def route_fused(
     ``sizes``: each part's :func:`~mla_ops.meta.checks.checked_attention_sizes`, where the caller has them."""
     sizes_new, sizes_chunk = (_sizes_of(new), _sizes_of(chunk)) if sizes is None else sizes
     device, dtype, (_, _, dqk), _, dv, _ = sizes_new
-    entry = _routes.get((device, dtype, dqk, dv, False))
-    if entry is None:
-        entry = _route_entry(device, dtype, dqk, dv, False)
+    entry = _route_entry(device, dtype, dqk, dv, False)
     if type(entry) is not SizedRoute:
         return entry
     key = (_class_key(new, sizes_new), _class_key(chunk, sizes_chunk))
