@@ -15,12 +15,14 @@ imports, so the ratio comes from one run. It also sweeps the merge kernel (GB/s)
 Dv=128. Results go to a CSV (``--out``, with ``<stem>.env.json`` beside it); the best configurations
 are printed as lines to paste into ``mla_ops/kernels/configs.py``. With ``--dtype float8_e4m3fn`` it sweeps the
 fp8 ops' kernel instead (inputs quantised per head, the ``tl.dot`` kernel only, the ratio against bf16 fa3) and
-prints dtype-specific table entries. Needs a CUDA device.
+prints dtype-specific table entries. ``--shapes`` times other shapes of bench_prefill.py instead (ids with
+wildcards, suites or tags), e.g. the long prompts an fp8 configuration is for. Needs a CUDA device.
 
 Usage::
 
     python benchmarks/tune_triton.py --out results/tune.csv
     python benchmarks/tune_triton.py --out tune.csv --candidates "128,64,8,3;128,64,8,3,ovl" --no-flashinfer
+    python benchmarks/tune_triton.py --out fp8.csv --dtype float8_e4m3fn --shapes causal-h128-1x16384 --no-merge
 """
 
 from __future__ import annotations
@@ -44,8 +46,20 @@ from benchlib import report as R
 if TYPE_CHECKING:
     import torch
 
-#: The shapes timed: the reference causal shapes, then the chunk shapes.
+#: The shapes timed by default: the reference causal shapes, then the chunk shapes.
 SHAPES = (*(s for s in P.gpu_shapes() if "ref" in s.tags), *P.TUNING_CHUNK_SHAPES)
+
+
+def chosen_shapes(patterns: Sequence[str]) -> list[P.Shape]:
+    """:data:`SHAPES`, or the attention shapes of bench_prefill.py's GPU set (and :data:`SHAPES`) that ``patterns``
+    name (``--shapes``: ids with shell wildcards, suites or tags)."""
+    if not patterns:
+        return list(SHAPES)
+    known = [s for s in P.gpu_shapes() if s.suite != "merge"]
+    known += [s for s in SHAPES if s not in known]
+    return P.select_shapes(known, patterns, quick=False)
+
+
 #: The ragged batches every candidate is checked on first (both paths; 3 padding rows).
 CHECK_SHAPES = (
     P.Shape("causal", 16, (1, 17, 0, 127, 300, 64)),
@@ -91,6 +105,10 @@ FP8_CANDIDATES = [
     "128,128,4,3,gluon,ovl,pers",
     "128,64,4,4,gluon,ovl,pers",
     "128,64,4,6,gluon,ovl,pers",
+    # The same with the consumers taking turns ('pp'): fp8 halves the products' time, not the exponentials'.
+    "128,128,4,4,gluon,ovl,pers,pp",
+    "128,128,4,3,gluon,ovl,pers,pp",
+    "128,64,4,6,gluon,ovl,pers,pp",
 ]
 
 MERGE_CANDIDATES = [(bt, w) for bt in (4, 8, 16, 32, 64) for w in (2, 4, 8)]
@@ -274,6 +292,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the inputs (default bfloat16); float8_e4m3fn sweeps the fp8 ops' kernel on the shapes' inputs\n"
         "quantised per head, against bf16 fa3",
     )  # fmt: skip
+    parser.add_argument(
+        "--shapes", nargs="+", default=[], metavar="PATTERN",
+        help="bench_prefill.py shape ids (shell wildcards), suites (causal, chunk) or tags (ref, long) to time\n"
+        "instead of the tuning shapes (the 'ref' causal shapes and 1024 new over 8k at H=16 and H=128)",
+    )  # fmt: skip
     parser.add_argument("--no-flashinfer", action="store_true", help="skip timing FlashInfer fa3")
     parser.add_argument("--no-merge", action="store_true", help="skip the merge kernel sweep")
     parser.add_argument("--warmup", type=int, default=25, help="warm-up time per measurement, ms (default 25)")
@@ -305,7 +328,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     fields = [*meta, "kind", "path", "shape", "heads", "config", "ms", "tflops", "gbps", "ratio_vs_fa3", "error"]
     started = time.time()
     # About 3.5 GB for all of them, built once.
-    problems = {label(s): P.make_problem(s, device, dtype) for s in SHAPES}
+    shapes = chosen_shapes(args.shapes)
+    problems = {label(s): P.make_problem(s, device, dtype) for s in shapes}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, restval="")
@@ -336,15 +360,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         # batch), the others into the table that serves every batch.
         fp8 = args.dtype == "float8_e4m3fn"
         for causal in (True, False):
-            names = [label(s) for s in SHAPES if (s.suite == "causal") == causal]
-            tables = (
-                (("SM90_ATTENTION", False),)
-                if fp8
-                else (("SM90_ATTENTION", False), ("SM90_LARGE_BATCH_ATTENTION", True))
-            )
-            # An fp8 entry is keyed on the dtype too, which wins over the dtype-free bf16 one (configs.py).
-            key = f"({P.DQK}, {P.DV}, {causal}, torch.float8_e4m3fn)" if fp8 else f"({P.DQK}, {P.DV}, {causal})"
+            names = [label(s) for s in shapes if (s.suite == "causal") == causal]
+            if not names:
+                continue
+            large = "SM90_GLUON_FP8_ATTENTION" if fp8 else "SM90_LARGE_BATCH_ATTENTION"
+            tables = (("SM90_ATTENTION", False), (large, True))
             for table, gluon in tables:
+                # An fp8 entry of the tl.dot table is keyed on the dtype too, which wins over the dtype-free bf16 one
+                # (configs.py); the Gluon kernel's fp8 table holds fp8 entries only.
+                typed = fp8 and not gluon
+                key = f"({P.DQK}, {P.DV}, {causal}, torch.float8_e4m3fn)" if typed else f"({P.DQK}, {P.DV}, {causal})"
                 scored = [
                     (math.exp(sum(math.log(r[n]) for n in names) / len(names)), c)
                     for c, r in results.items()

@@ -42,13 +42,17 @@ def sm90():
     return attention_sm90
 
 
-def _run(sm90, batch: Fp8Batch, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp8 variant on ``batch``, in the configuration compile_sm90.py compiles (SM90_GLUON_FP8_ATTENTION)."""
+def _run(sm90, batch: Fp8Batch, causal: bool, pingpong: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 variant on ``batch``, in the configuration compile_sm90.py compiles (SM90_GLUON_FP8_ATTENTION), with
+    its ping-pong flag or ``pingpong``."""
     config = configs.SM90_GLUON_FP8_ATTENTION[(192, 128, causal)]
     reason = sm90.sm90_unsupported_reason(batch.q, batch.k, batch.v, SCALE, config.block_n, config.num_stages)
     assert reason is None, reason
     call, scales = fp8_call(batch, causal, SCALE)
-    return sm90.attention_sm90(call, block_n=config.block_n, stages=config.num_stages, scales=scales)
+    pingpong = config.pingpong if pingpong is None else pingpong
+    return sm90.attention_sm90(
+        call, block_n=config.block_n, stages=config.num_stages, scales=scales, pingpong=pingpong
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(("lengths", "key_lengths"), CASES, ids=["causal", "chunk"])
@@ -110,6 +114,37 @@ def test_gluon_fp8_persistent_programs_carry_their_rings(sm90, monkeypatch, caus
     assert torch.equal(out[:rows], want_out[:rows]) and torch.equal(lse, want_lse)
     error, bound = contract_errors(batch, out, causal, SCALE)
     assert error <= bound, f"error {error:.4f} exceeds the contract's {bound:.4f}"
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
+@pytest.mark.parametrize("programs", [1, 3, None])
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_gluon_pingpong_turns_change_no_bit(sm90, monkeypatch, causal, programs, fp8) -> None:
+    """The consumers taking turns ('pp') changes when each warpgroup issues its products, not what it computes: the
+    results equal those without turns bit for bit, on ragged batches where the two warpgroups of a causal item see
+    different numbers of key tiles (the one that sees fewer keeps taking turns on the tiles it hands back, or the
+    other would wait forever), with empty key sets, and with a few persistent programs taking many items each (the
+    turns' phases carry from item to item). bf16 too: the flag is the kernel's, whatever the dtype."""
+    lengths = [300, 1, 0, 129, 1000, 64, 7, 2500]
+    key_lengths = None if causal else [513, 40, 9, 0, 1000, 128, 3, 700]
+    batch = fp8_batch(lengths, key_lengths, 8, padding=9, seed=3, device=DEVICE)
+    if programs is not None:
+        monkeypatch.setattr(sm90, "_multiprocessors", lambda index: programs)
+    if fp8:
+        results = [_run(sm90, batch, causal, pingpong) for pingpong in (False, True)]
+    else:
+        call, _ = fp8_call(batch, causal, SCALE)
+        q, k, v = (x.to(torch.bfloat16) for x in call[:3])  # e4m3 values are bf16 values
+        call = call._replace(q=q * SCALE**0.5, k=k * SCALE**0.5, v=v)
+        config = configs.SM90_LARGE_BATCH_ATTENTION[(192, 128, causal)]
+        results = [
+            sm90.attention_sm90(call, block_n=config.block_n, stages=config.num_stages, pingpong=pingpong)
+            for pingpong in (False, True)
+        ]  # fmt: skip
+    (want_out, want_lse), (out, lse) = results
+    rows = int(batch.cu_seqlens_q[-1])
+    assert torch.isfinite(out[:rows]).all()
+    assert torch.equal(out[:rows], want_out[:rows]) and torch.equal(lse, want_lse)
 
 
 @pytest.mark.parametrize(("lengths", "key_lengths"), CASES, ids=["causal", "chunk"])

@@ -519,6 +519,9 @@ def test_config_env_var(monkeypatch):
         assert AttentionConfig.parse(str(config)) == config
     assert str(gluon) == "128,128,4,2,ovl,gluon,pers"
     assert AttentionConfig.parse("128,128,4,2,pers,gluon,ovl") == gluon
+    pingpong = AttentionConfig(128, 128, 4, 4, overlap_softmax=True, gluon=True, persistent=True, pingpong=True)
+    assert str(pingpong) == "128,128,4,4,ovl,gluon,pers,pp"
+    assert AttentionConfig.parse("128,128,4,4,gluon,ovl,pers,PP") == pingpong
 
 
 @pytest.mark.parametrize("flag", sorted(configs.REMOVED_FLAGS))
@@ -549,6 +552,7 @@ def test_removed_flags_are_refused_with_their_reason(monkeypatch, flag):
         ("128,128,4,2,gluon", "gluon needs 'ovl' and 'pers' too ('gluon,ovl,pers')"),
         ("128,128,4,2,gluon,ovl", "gluon needs 'ovl' and 'pers' too"),
         ("128,64,8,3,ovl,pers", "persistent (the 'pers' flag) needs gluon"),
+        ("128,64,8,3,ovl,pp", "pingpong (the 'pp' flag) needs gluon"),
     ],
 )
 def test_config_env_var_errors(monkeypatch, text, message):
@@ -765,6 +769,11 @@ def test_gluon_launch_arguments_on_host_stand_ins():
     assert constexprs["Q_LAYOUT_A"] == gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)  # 128 channels
     assert (constexprs["D_A"], constexprs["D_B"], constexprs["D_V"], constexprs["BN"]) == (128, 64, 128, 128)
     assert constexprs["FP8"] is False and constexprs["P_LAYOUT"] is None
+    assert constexprs["PINGPONG"] is False  # the 'pp' flag: its own variant, the arguments unchanged
+    call = VarlenCall(q, k, v, cu, cu, 200, 200, 0.1, True)
+    turns = attention_sm90.sm90_launch(call, out, lse, 128, 2, num_sms=1000, pingpong=True)
+    assert turns.constexprs["PINGPONG"] is True and turns.key != plan.key
+    assert [type(a) for a in turns.args] == [type(a) for a in plan.args] and turns.grid == plan.grid
     descale_names = ["QDescale", "KDescale", "VDescale", "stride_qd", "stride_kd", "stride_vd"]
     assert [args[n] for n in descale_names] == [None] * 6  # bf16: no descale factors nor strides, compiled out
 

@@ -76,7 +76,7 @@ def add_attention_configs(parser: argparse.ArgumentParser, flag: str, default: s
         flag,
         default="",
         help="';'-separated attention configs "
-        "'BLOCK_M,BLOCK_N,num_warps,num_stages[,ovl][,gluon,ovl,pers]'\n"
+        "'BLOCK_M,BLOCK_N,num_warps,num_stages[,ovl][,gluon,ovl,pers[,pp]]'\n"
         f"(default: {default})",
     )
 

@@ -456,7 +456,9 @@ class AttentionLaunches(LaunchCache):
         if self.sm90_launcher is None:
             self.sm90_launcher = CachedLaunch(module._attn_fwd_sm90)
         device = call.q.device
-        plan = module.sm90_launch(call, out, lse, config.block_n, config.num_stages, scales=scales)
+        plan = module.sm90_launch(
+            call, out, lse, config.block_n, config.num_stages, scales=scales, pingpong=config.pingpong
+        )
         fixed = self.sm90_launcher.launch(plan, device)
         if fixed is None:
             return None

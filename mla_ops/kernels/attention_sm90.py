@@ -450,10 +450,28 @@ def _stage_probabilities(p_smem, p):
 
 
 @gluon.jit
+def _take_turn(turns, g, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong (``PINGPONG``, FlashAttention-3's warp scheduling): wait until the other warpgroup has issued its
+    products of ring tile ``g - 1`` (``WG == 1``: of tile ``g``), so that the two take turns on the tensor cores and
+    one's softmax runs under the other's products. Warpgroup 0 passes its first turn on the fresh barrier (phase
+    -1 counts as completed). Without ``PINGPONG`` nothing."""
+    if PINGPONG:
+        mbarrier.wait(turns.index(WG), (g & 1) ^ (1 - WG))
+
+
+@gluon.jit
+def _end_turn(turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: this warpgroup has issued its products of the tile; the other one's turn."""
+    if PINGPONG:
+        mbarrier.arrive(turns.index(1 - WG), count=1)
+
+
+@gluon.jit
 def _step(
-    i, t0, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty, s_init,
+    i, t0, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty, turns, s_init,
     p, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale,
-    MASKED: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr, FP8: gl.constexpr,
+    WG: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr, FP8: gl.constexpr,
+    PINGPONG: gl.constexpr,
 ):  # fmt: skip
     """Tile ``i`` of the item (``t0 + i`` of the rings) with the previous tile's ``P @ V`` in flight
     (FlashAttention-3's intra-warpgroup overlap): issue ``S_i = Q K_i^T`` and ``O += P_{i-1} V_{i-1}``, wait
@@ -471,11 +489,13 @@ def _step(
     prev = (g - 1) % STAGES
     mbarrier.wait(k_ready.index(stage), (g // STAGES) & 1)
     mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
+    _take_turn(turns, g, WG, PINGPONG)
     s_tok = _issue_scores(q_a, q_b, k_smem_a.index(stage), k_smem_b.index(stage), s_init)
     if FP8:
         acc_tok = warpgroup_mma(p.index((g - 1) % 2), v_smem.index(prev).permute((1, 0)), acc, is_async=True)
     else:
         acc_tok = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
+    _end_turn(turns, WG, PINGPONG)
     s = warpgroup_mma_wait(1, deps=(s_tok,))  # products retire in order: both parts of S_i are done
     mbarrier.arrive(k_empty.index(stage), count=1)
     p_i, alpha, m_i, l_i = _softmax(
@@ -495,17 +515,19 @@ def _step(
 
 @gluon.jit
 def _consume_item(
-    q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, p_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, Out,
-    Lse, QDescale, KDescale, VDescale, t0, n, h, q_start, len_q, len_k, m0, num_tiles, stride_ot, stride_oh,
+    q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, p_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty, turns,
+    Out, Lse, QDescale, KDescale, VDescale, t0, n, h, q_start, len_q, len_k, m0, num_tiles, stride_ot, stride_oh,
     stride_lse_h, qk_scale, stride_qd, stride_kd, stride_vd, WG: gl.constexpr, CAUSAL: gl.constexpr,
-    SCALE_NONNEG: gl.constexpr, FP8: gl.constexpr,
+    SCALE_NONNEG: gl.constexpr, FP8: gl.constexpr, PINGPONG: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroup ``WG`` on one work item, the program's ``n``-th with a Q, whose tiles are
     ``t0`` onwards of the rings: query rows ``m0 + 64 * WG`` onwards, over every tile of the item.
 
     ``FP8``: e4m3 inputs whose descale factors of head ``h`` are ``QDescale[h * stride_qd]`` (q's; k's and v's
     alike, fp32); ``p_smem`` ``[2, 64, BN]`` e4m3 is the warpgroup's own pair of probability buffers
-    (:func:`_step`). Otherwise those are ``None``."""
+    (:func:`_step`). Otherwise those are ``None``. ``PINGPONG``: the warpgroups take turns issuing each tile's
+    products through the pair of mbarriers ``turns`` (:func:`_take_turn`), one turn per tile of the item, the tiles
+    it hands back included, so that both take as many; otherwise ``turns`` is ``None``."""
     BN: gl.constexpr = k_smem_a.type.shape[1]
     D_V: gl.constexpr = _value_width(v_smem.type, FP8)
     STAGES: gl.constexpr = k_smem_a.type.shape[0]
@@ -549,7 +571,9 @@ def _consume_item(
     if mine > 0:  # the first tile alone: its scores and softmax, no product in flight yet
         s0 = t0 % STAGES
         mbarrier.wait(k_ready.index(s0), (t0 // STAGES) & 1)
+        _take_turn(turns, t0, WG, PINGPONG)
         s_tok = _issue_scores(q_a, q_b, k_smem_a.index(s0), k_smem_b.index(s0), s_init)
+        _end_turn(turns, WG, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s_tok,))
         mbarrier.arrive(k_empty.index(s0), count=1)
         # The output is still zero: nothing to rescale.
@@ -560,13 +584,13 @@ def _consume_item(
             p = _operand(p0, v_smem.dtype, o_layout)
     for i in range(1, full):  # tiles every row of this warpgroup sees whole: no mask
         p, m_i, l_i, acc = _step(
-            i, t0, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty, s_init,
-            p, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale, False, CAUSAL, SCALE_NONNEG, FP8,
+            i, t0, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty, turns, s_init,
+            p, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale, WG, False, CAUSAL, SCALE_NONNEG, FP8, PINGPONG,
         )  # fmt: skip
     for i in range(gl.maximum(full, 1), mine):  # tiles with the causal diagonal or the sequence's end
         p, m_i, l_i, acc = _step(
-            i, t0, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty, s_init,
-            p, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale, True, CAUSAL, SCALE_NONNEG, FP8,
+            i, t0, q_a, q_b, k_smem_a, k_smem_b, v_smem, k_ready, k_empty, v_ready, v_empty, turns, s_init,
+            p, m_i, l_i, acc, keys0, len_k, q_pos, qk_scale, WG, True, CAUSAL, SCALE_NONNEG, FP8, PINGPONG,
         )  # fmt: skip
     # Every score of the item is in: the producer may load the next item's Q under what is left.
     mbarrier.arrive(q_empty, count=1)
@@ -588,6 +612,8 @@ def _consume_item(
     for i in range(mine, num_tiles):  # tiles only the other warpgroup's rows see: hand them back
         g = t0 + i
         stage = g % STAGES
+        _take_turn(turns, g, WG, PINGPONG)  # and keep taking turns, so that the other is never left waiting
+        _end_turn(turns, WG, PINGPONG)
         mbarrier.wait(k_ready.index(stage), (g // STAGES) & 1)
         mbarrier.arrive(k_empty.index(stage), count=1)
         mbarrier.wait(v_ready.index(stage), (g // STAGES) & 1)
@@ -612,12 +638,13 @@ def _consume_item(
 @gluon.jit
 def _consumer(
     q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, p_smem, q_bar, q_empty, k_ready, k_empty, v_ready, v_empty,
-    item_smem, seq_smem, Out, Lse, QDescale, KDescale, VDescale, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads,
-    num_slots, heads_per_group, stride_ot, stride_oh, stride_lse_h, qk_scale, stride_qd, stride_kd, stride_vd,
-    WG: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr, FP8: gl.constexpr,
+    turns, item_smem, seq_smem, Out, Lse, QDescale, KDescale, VDescale, cu_seqlens_q, cu_seqlens_k, num_seqs,
+    num_heads, num_slots, heads_per_group, stride_ot, stride_oh, stride_lse_h, qk_scale, stride_qd, stride_kd,
+    stride_vd, WG: gl.constexpr, CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr, FP8: gl.constexpr,
+    PINGPONG: gl.constexpr,
 ):  # fmt: skip
     """Consumer warpgroup ``WG`` on each work item the producer hands over, in its order, until it hands over
-    ``-1`` (``FP8`` and its arguments: :func:`_consume_item`)."""
+    ``-1`` (``FP8``, ``PINGPONG`` and their arguments: :func:`_consume_item`)."""
     BN: gl.constexpr = k_smem_a.type.shape[1]
     t = num_seqs * 0  # tiles of the rings consumed so far
     n = num_seqs * 0  # items so far
@@ -630,8 +657,9 @@ def _consumer(
         )  # fmt: skip
         _consume_item(
             q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, p_smem, q_bar, q_empty, k_ready, k_empty, v_ready,
-            v_empty, Out, Lse, QDescale, KDescale, VDescale, t, n, h, q_start, len_q, len_k, m0, num_tiles, stride_ot,
-            stride_oh, stride_lse_h, qk_scale, stride_qd, stride_kd, stride_vd, WG, CAUSAL, SCALE_NONNEG, FP8,
+            v_empty, turns, Out, Lse, QDescale, KDescale, VDescale, t, n, h, q_start, len_q, len_k, m0, num_tiles,
+            stride_ot, stride_oh, stride_lse_h, qk_scale, stride_qd, stride_kd, stride_vd, WG, CAUSAL, SCALE_NONNEG,
+            FP8, PINGPONG,
         )  # fmt: skip
         t += num_tiles
         n += 1
@@ -667,13 +695,14 @@ def _attn_fwd_sm90(
     D_A: gl.constexpr, D_B: gl.constexpr, D_V: gl.constexpr, BN: gl.constexpr, Q_LAYOUT_A: gl.constexpr,
     Q_LAYOUT_B: gl.constexpr, K_LAYOUT_A: gl.constexpr, K_LAYOUT_B: gl.constexpr, V_LAYOUT: gl.constexpr,
     CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
-    P_LAYOUT: gl.constexpr,
+    P_LAYOUT: gl.constexpr, PINGPONG: gl.constexpr,
 ):  # fmt: skip
     """The kernel (arguments: :func:`sm90_launch`). ``FP8``: e4m3 ``Q``, ``K`` and transposed values ``V``
     ``[H, D_V, width]`` with their descale factors (``QDescale`` ... with strides ``stride_qd`` ..., 0 for one
     factor for every head), ``V_LAYOUT`` that of ``[D_V, BN]`` tiles and ``P_LAYOUT`` the shared-memory layout of the
     probabilities' buffers; otherwise the factors, their strides and ``P_LAYOUT`` are ``None`` and compile out,
-    leaving the 16-bit kernel as it was."""
+    leaving the 16-bit kernel as it was. ``PINGPONG``: the consumers take turns issuing their products
+    (:func:`_take_turn`); without it the turns' barriers are not allocated and the code is as before."""
     pid = gl.program_id(0)
     if pid >= num_workers:
         _fill_padding_lse(Lse, cu_seqlens_q, num_seqs, num_tokens_q, num_heads, stride_lse_h, pid - num_workers,
@@ -712,18 +741,24 @@ def _attn_fwd_sm90(
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)  # both consumers hand each buffer back
             mbarrier.init(v_empty.index(i), count=2)
+        if PINGPONG:
+            turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(2):
+                mbarrier.init(turns.index(i), count=1)  # warpgroup i's turn: the other one arrives
+        else:
+            turns: gl.constexpr = None
         gl.warp_specialize(
             [
                 (_consumer, (q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, p_smem_0, q_bar, q_empty, k_ready,
-                             k_empty, v_ready, v_empty, item_smem, seq_smem, Out, Lse, QDescale, KDescale, VDescale,
-                             cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group, stride_ot,
-                             stride_oh, stride_lse_h, qk_scale, stride_qd, stride_kd, stride_vd, 0, CAUSAL,
-                             SCALE_NONNEG, FP8)),
+                             k_empty, v_ready, v_empty, turns, item_smem, seq_smem, Out, Lse, QDescale, KDescale,
+                             VDescale, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group,
+                             stride_ot, stride_oh, stride_lse_h, qk_scale, stride_qd, stride_kd, stride_vd, 0,
+                             CAUSAL, SCALE_NONNEG, FP8, PINGPONG)),
                 (_consumer, (q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, p_smem_1, q_bar, q_empty, k_ready,
-                             k_empty, v_ready, v_empty, item_smem, seq_smem, Out, Lse, QDescale, KDescale, VDescale,
-                             cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group, stride_ot,
-                             stride_oh, stride_lse_h, qk_scale, stride_qd, stride_kd, stride_vd, 1, CAUSAL,
-                             SCALE_NONNEG, FP8)),
+                             k_empty, v_ready, v_empty, turns, item_smem, seq_smem, Out, Lse, QDescale, KDescale,
+                             VDescale, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, heads_per_group,
+                             stride_ot, stride_oh, stride_lse_h, qk_scale, stride_qd, stride_kd, stride_vd, 1,
+                             CAUSAL, SCALE_NONNEG, FP8, PINGPONG)),
                 (_producer, (Q, K, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty, k_ready,
                              k_empty, v_ready, v_empty, item_smem, seq_smem, Counter, cu_seqlens_q, cu_seqlens_k,
                              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_tokens_q,
@@ -738,12 +773,16 @@ def _attn_fwd_sm90(
 # --- launcher -------------------------------------------------------------------------------------
 
 
-def sm90_shared_memory(dqk: int, dv: int, block_n: int, stages: int, elem_bytes: int = 2) -> int:
+def sm90_shared_memory(
+    dqk: int, dv: int, block_n: int, stages: int, elem_bytes: int = 2, pingpong: bool = False
+) -> int:
     """Bytes of shared memory one program takes: the block's Q and ``stages`` K/V buffers, plus the barriers
-    and the work item's number and sequence (the sequence only where :data:`_LEAN`; counted always).
-    ``elem_bytes`` 1 (e4m3) adds each consumer's two buffers of probabilities (``[64, block_n]`` e4m3 each)."""
+    (``pingpong``: the two of the consumers' turns too) and the work item's number and sequence (the sequence only
+    where :data:`_LEAN`; counted always). ``elem_bytes`` 1 (e4m3) adds each consumer's two buffers of probabilities
+    (``[64, block_n]`` e4m3 each)."""
     probabilities = 2 * BLOCK_M * block_n if elem_bytes == 1 else 0
-    return elem_bytes * (BLOCK_M * dqk + stages * block_n * (dqk + dv)) + probabilities + 8 * (2 + 4 * stages) + 32
+    barriers = 8 * (2 + 4 * stages + (2 if pingpong else 0))
+    return elem_bytes * (BLOCK_M * dqk + stages * block_n * (dqk + dv)) + probabilities + barriers + 32
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -808,6 +847,7 @@ def sm90_launch(
     stages: int,
     num_sms: int | None = None,
     scales: Fp8Scales | None = None,
+    pingpong: bool = False,
 ) -> LaunchPlan:
     """One launch of the kernel on ``call``'s inputs (:class:`~mla_ops.backends.base.VarlenCall`) into ``out`` and
     ``lse``: ``_attn_fwd_sm90[plan.grid](*plan.args, **plan.constexprs, **plan.options)``
@@ -829,6 +869,9 @@ def sm90_launch(
     orders it before the kernel), and the three descale factors follow the counter among the leading arguments
     (``plan.leading`` is :data:`SM90_LEADING_FP8`); bf16/fp16 launches pass ``None`` for those, which Triton compiles
     out, as the ``tl.dot`` kernel's do (:func:`mla_ops.kernels.attention.launch_plan`).
+
+    ``pingpong``: the consumer warpgroups take turns issuing their products (the ``pp`` flag of
+    :class:`~mla_ops.kernels.configs.AttentionConfig`).
     """
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = call
     num_tokens, num_heads, dqk = q.shape
@@ -859,7 +902,7 @@ def sm90_launch(
         Q_LAYOUT_B=_shared_layout(BLOCK_M // 2, d_b, dtype), K_LAYOUT_A=_shared_layout(block_n, d_a, dtype),
         K_LAYOUT_B=_shared_layout(block_n, d_b, dtype), V_LAYOUT=_shared_layout(*v_shape, dtype),
         CAUSAL=bool(causal), SCALE_NONNEG=softmax_scale >= 0, STAGES=stages, FP8=scales is not None,
-        P_LAYOUT=p_layout,
+        P_LAYOUT=p_layout, PINGPONG=bool(pingpong),
     )  # fmt: skip
     # fp8: the transposed values' channel and head strides are the kernel's (stride_vt, stride_vh).
     v_strides = (v.stride(0), v.stride(1)) if scales is None else (values.stride(1), values.stride(0))
@@ -956,6 +999,7 @@ def attention_sm90(
     block_n: int = 128,
     stages: int = 2,
     scales: Fp8Scales | None = None,
+    pingpong: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged attention forward on Hopper of ``call`` (:class:`~mla_ops.backends.base.VarlenCall`); results as
     :func:`mla_ops.kernels.attention.attention_triton`'s (which launches this kernel, through its own
@@ -968,7 +1012,7 @@ def attention_sm90(
     compiled and tested).
     ``scales`` (:class:`~mla_ops.backends.base.Fp8Scales`): ``float8_e4m3fn`` ``q``, ``k``, ``v`` and their descale
     factors, the fp8 variant (:func:`sm90_launch`), which :func:`~mla_ops.kernels.attention.attention_triton` routes
-    large fp8 calls to.
+    large fp8 calls to. ``pingpong``: the consumer warpgroups take turns issuing their products (:func:`sm90_launch`).
     Launched through Triton's own dispatch, with the device-side descriptors' global scratch from PyTorch's
     allocator.
     """
@@ -980,7 +1024,7 @@ def attention_sm90(
         lse = empty((num_heads, num_tokens), torch.float32, q.device)
     if num_tokens == 0 or num_heads == 0:
         return out, lse
-    plan = sm90_launch(call, out, lse, block_n, stages, scales=scales)
+    plan = sm90_launch(call, out, lse, block_n, stages, scales=scales, pingpong=pingpong)
     with TorchScratch():
         _attn_fwd_sm90[plan.grid](*plan.args, **plan.constexprs, **plan.options, **COMPILE_OPTIONS)
     return out, lse

@@ -17,10 +17,10 @@ import torch
 
 #: Environment variable that overrides the attention launch configuration.
 CONFIG_ENV_VAR = "MLA_OPS_TRITON_CONFIG"
-_FORMAT = "BLOCK_M,BLOCK_N,num_warps,num_stages[,ovl][,gluon,ovl,pers]"
+_FORMAT = "BLOCK_M,BLOCK_N,num_warps,num_stages[,ovl][,gluon,ovl,pers[,pp]]"
 
 #: Named flags of the configuration text and the fields they set.
-_FLAGS = {"ovl": "overlap_softmax", "gluon": "gluon", "pers": "persistent"}
+_FLAGS = {"ovl": "overlap_softmax", "gluon": "gluon", "pers": "persistent", "pp": "pingpong"}
 
 #: Flags of variants that were tuned on an H200 (torch 2.11, Triton 3.6, 2026-12-01 to 12-03) and that no
 #: table chose, so they left the kernels; each with what made it unneeded.
@@ -34,8 +34,6 @@ REMOVED_FLAGS = {
     "ws": "Triton's automatic warp specialisation of the tl.dot key loop; its launches deadlocked on an H200 "
     "with Triton 3.6.0, and the Gluon kernel states its partitions itself",
     "lazy": "the lazy rescale of the tl.dot kernel (FlashAttention-4's); it did not beat the table",
-    "pp": "the Gluon kernel's ping-pong turns between its consumer warpgroups; no table chose them (persistent "
-    "programs without turns were faster on most tuning shapes)",
 }
 
 
@@ -73,6 +71,9 @@ class AttentionConfig:
             128 query rows of one head) from a global counter until none is left: an item's Q and first
             key tiles load while the previous item's last products and stores finish, which matters
             where items have few key tiles (short sequences).
+        pingpong: with ``gluon``: the two consumer warpgroups take turns issuing their products
+            (FlashAttention-3's ping-pong), so that one's softmax runs under the other's products
+            instead of both exponentiating at once.
     """
 
     block_m: int
@@ -82,6 +83,7 @@ class AttentionConfig:
     overlap_softmax: bool = False
     gluon: bool = False
     persistent: bool = False
+    pingpong: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -105,6 +107,8 @@ class AttentionConfig:
             )
         if self.persistent and not self.gluon:
             problems.append("persistent (the 'pers' flag) needs gluon: only the Gluon kernel has persistent programs")
+        if self.pingpong and not self.gluon:
+            problems.append("pingpong (the 'pp' flag) needs gluon: only the Gluon kernel has two consumer warpgroups")
         if problems:
             raise ValueError("invalid Triton attention config: " + "; ".join(problems))
 
@@ -114,7 +118,7 @@ class AttentionConfig:
 
     @classmethod
     def parse(cls, text: str, source: str = CONFIG_ENV_VAR) -> AttentionConfig:
-        """Parse ``"BLOCK_M,BLOCK_N,num_warps,num_stages[,FLAG...]"`` (flags: ``ovl``, ``gluon``, ``pers``);
+        """Parse ``"BLOCK_M,BLOCK_N,num_warps,num_stages[,FLAG...]"`` (flags: ``ovl``, ``gluon``, ``pers``, ``pp``);
         raises ``ValueError`` saying what is wrong."""
         fields = [f.strip() for f in text.split(",")]
         if len(fields) < 4:
@@ -133,11 +137,12 @@ class AttentionConfig:
             elif flag in REMOVED_FLAGS:
                 raise ValueError(
                     f"{source}={text!r}: the flag {field!r} was removed ({REMOVED_FLAGS[flag]}); drop it, the "
-                    f"flags are 'ovl' and 'gluon,ovl,pers'"
+                    f"flags are 'ovl' and 'gluon,ovl,pers[,pp]'"
                 )
             else:
                 raise ValueError(
-                    f"{source}={text!r}: unknown flag {field!r}; after the four numbers come 'ovl' or 'gluon,ovl,pers'"
+                    f"{source}={text!r}: unknown flag {field!r}; after the four numbers come 'ovl' or "
+                    f"'gluon,ovl,pers[,pp]'"
                 )
         try:
             return cls(*numbers, **flags)
