@@ -145,6 +145,10 @@ def cuda_timer(device: torch.device) -> Timer:
     there."""
     cycles_per_ms = sleep_rate(device)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device)
+    # The fill kernel's first launch loads its module (CUDA's lazy loading): tens of milliseconds of host time that,
+    # inside the first timed loop, would outlast the GPU sleep and leave each call timed at the host's pace.
+    flush.zero_()
+    torch.cuda.synchronize(device)
     events = [
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(MAX_DEVICE_CALLS)
     ]
