@@ -192,13 +192,19 @@ _ARCH_TABLES: dict[int, dict[tuple, AttentionConfig]] = {9: SM90_ATTENTION}
 
 #: The Gluon kernel's fp8 variant (mla_ops.kernels.attention_sm90 with ``scales``), the large-batch table of fp8 calls
 #: (:func:`table_large_batch_config`): compiled for sm_90a by benchmarks/compile_sm90.py --dtype float8_e4m3fn;
-#: tests/test_gpu_gluon_fp8.py checks it on a Hopper GPU (passed on an H100, docs/design/fp8.md). 128-key tiles in
-#: 4 buffers per ring (216.5 KiB of the 227): an e4m3 tile is half a bf16 one's bytes and tensor-core time, so 4
-#: buffers look as far ahead in time as the bf16 entry's 2 above (3 buffers, 176.5 KiB, and 64-key tiles in 4 or 6
-#: also compile with 0 spills under Triton 3.6 to 3.9; untimed, benchmarks/tune_triton.py's fp8 candidates).
+#: tests/test_gpu_gluon_fp8.py checks it on a Hopper GPU (passed on an H100, docs/design/fp8.md). 128-key tiles (an
+#: e4m3 tile is half a bf16 one's bytes and tensor-core time, so rings of 3-4 buffers look as far ahead in time as the
+#: bf16 entry's 2 below) and the consumers taking turns ('pp'): fp8 halves the products' time, not the softmax's.
+#: benchmarks/tune_triton.py --dtype float8_e4m3fn on an H100 (2026-12-06, torch 2.11, Triton 3.6), TFLOP/s on causal
+#: 4x4096 H16 / 2x8192 H128 / 1x16384 H128 / the mixed batch H128, and 1k over 128k H128: 4 buffers 742 / 913 / 965 /
+#: 570 and 905; with 'pp' 737 / 904 / 999 / 576 and 902 (the best causal geometric mean, 786.7 against 781.5); 3
+#: buffers 735 / 907 / 1007 / 566 and 883; with 'pp' 735 / 876 / 1015 / 574 and 920 (the best chunk); 64-key tiles
+#: in 6 buffers 670 / 760 / 824 / 546 and 766, with 'pp' 633-774 and 702.
 SM90_GLUON_FP8_ATTENTION: dict[tuple, AttentionConfig] = {
-    (192, 128, True): AttentionConfig(128, 128, 4, 4, overlap_softmax=True, gluon=True, persistent=True),
-    (192, 128, False): AttentionConfig(128, 128, 4, 4, overlap_softmax=True, gluon=True, persistent=True),
+    (192, 128, True): AttentionConfig(128, 128, 4, 4, overlap_softmax=True, gluon=True, persistent=True, pingpong=True),
+    (192, 128, False): AttentionConfig(
+        128, 128, 4, 3, overlap_softmax=True, gluon=True, persistent=True, pingpong=True
+    ),
 }
 
 #: Hopper, batches of at least ``TMA_MIN_KEY_ROWS`` key rows times heads (mla_ops.kernels.attention),
