@@ -222,3 +222,24 @@ def test_the_grid_measures_every_class_that_bench_prefill_times() -> None:
         if size not in grid:
             missing.append(shape.id)
     assert missing == ["causal-h128-1x131072"]
+
+
+def test_tune_times_the_values_laid_out_as_the_layer_and_the_benchmark_make_them(monkeypatch) -> None:
+    """The values tune times are the last Dv channels of kv_b_proj's [Tk, H, (Dqk - 64) + Dv] output, as
+    mla_ops.model's layer makes them and bench_prefill.py times them: the kernels load value rows with that stride,
+    so a stride no model makes would time another speed than the benchmark's."""
+    from benchlib import problems
+
+    seen = {}
+
+    def prefill_context_chunk(q, k, v, *args):
+        seen.update(q=q, k=k, v=v)
+
+    monkeypatch.setattr(torch.ops.mla, "prefill_context_chunk", prefill_context_chunk)
+    shape = tune.TuneShape(False, 2, (3, 5), (7, 9))
+    tune._inputs(shape, CONFIG, torch.device("cpu"))()
+    q, k, v = seen["q"], seen["k"], seen["v"]
+    assert q.shape == (8, 2, 192) and k.shape == (16, 2, 192) and v.shape == (16, 2, 128)
+    width = problems.KV_NOPE + problems.DV
+    assert width == 256 and v.stride() == (2 * width, width, 1)
+    assert v.storage_offset() == problems.KV_NOPE
