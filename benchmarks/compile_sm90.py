@@ -341,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dtype_label = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8 (e4m3)"}[args.dtype]
     print(f"triton {triton.__version__}, sm_{CAPABILITY}a, (Dqk, Dv) = ({dqk}, {dv}), {dtype_label}")
     header = ("config", "path", "regs", "spill", "smem KiB", "scratch", "warps", "ws", "tma", "native")
-    print("{:<28} {:<6} {:>4} {:>5} {:>8} {:>7} {:>5} {:>3} {:>3} {:>6}  descriptors".format(*header))
+    print("{:<31} {:<6} {:>4} {:>5} {:>8} {:>7} {:>5} {:>3} {:>3} {:>6}  descriptors".format(*header))
     failed = compiled = spilled = serialised = 0
     for config, causal in parsed:
         v = compile_variant(config, dqk, dv, causal, args.dtype)
@@ -354,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         serialised += v.serialized is not None
         if v.error is None:
             print(
-                f"{v.config:<28} {path:<6} {v.registers:>4} {v.spill_bytes:>5} {v.shared_bytes / 1024:>8.1f} "
+                f"{v.config:<31} {path:<6} {v.registers:>4} {v.spill_bytes:>5} {v.shared_bytes / 1024:>8.1f} "
                 f"{v.scratch_bytes:>7} {v.warps:>5} {'yes' if v.warp_specialized else 'no':>3} {v.tma_ops:>3} "
                 f"{'yes' if v.native else 'no':>6}  "
                 f"{','.join(v.descriptors) or '-'}{'  FAIL: ' + '; '.join(problems) if problems else ''}"
