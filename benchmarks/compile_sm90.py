@@ -196,7 +196,9 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool, dtype_name: st
             from mla_ops.kernels.attention_sm90 import _attn_fwd_sm90 as kernel
             from mla_ops.kernels.attention_sm90 import sm90_launch
 
-            plan = sm90_launch(call, out, lse, config.block_n, config.num_stages, num_sms=132, scales=scales)
+            plan = sm90_launch(
+                call, out, lse, config.block_n, config.num_stages, num_sms=132, scales=scales, pingpong=config.pingpong
+            )
             # fp8: the device-side value descriptors are over the launcher's transposed copy of v.
             variant.descriptors = ("q(device)", "k(device)", "vT(device)" if scales is not None else "v(device)")
         else:
