@@ -3,8 +3,9 @@
 A TMA producer warp and two consumer warpgroups per program, overlapping each tile's softmax with the previous
 tile's P @ V (``ovl``), in persistent programs (``pers``), optionally taking turns on the tensor cores (``pp``), with
 the same contract and program numbering as :mod:`mla_ops.kernels.attention_kernel`. :func:`sm90_unsupported_reason`
-says which inputs it does not cover. Design: docs/design/triton-kernels.md (The Gluon kernel). With ``FP8`` it takes e4m3 inputs (``scales`` of
-:func:`attention_sm90`), which large fp8 calls route to: docs/design/fp8.md (The Gluon kernel's fp8 variant).
+says which inputs it does not cover. Design: docs/design/triton-kernels.md (The Gluon kernel). With ``FP8`` it takes
+e4m3 inputs (``scales`` of :func:`attention_sm90`), which large fp8 calls route to: docs/design/fp8.md (The Gluon
+kernel's fp8 variant).
 """
 
 from __future__ import annotations
