@@ -319,10 +319,12 @@ class SizedRoute:
         #: it); the fused op's pairs of classes too.
         self.chosen: dict[tuple, PrefillBackend] = {}
 
-    def _choose(self, sizes: tuple[cost_table.SizeClass, ...]) -> PrefillBackend:
+    def _choose(self, sizes: tuple[tuple, ...]) -> PrefillBackend:
         """The backend with the least predicted time summed over ``sizes`` (the fixed choice where the table
-        predicts no candidate)."""
-        name = self.table.choose(self._names, self.key, sizes)
+        predicts no candidate): :class:`~mla_ops.cost_table.SizeClass` instances, or plain tuples of their fields,
+        as the per-call routes build them (equal to the classes and hashed alike, so either keys ``chosen``)."""
+        classes = tuple(size if type(size) is cost_table.SizeClass else cost_table.SizeClass(*size) for size in sizes)
+        name = self.table.choose(self._names, self.key, classes)
         return self.fixed if name is None else self._by_name[name]
 
     def _remember(self, key: tuple, backend: PrefillBackend) -> PrefillBackend:
@@ -331,20 +333,16 @@ class SizedRoute:
         self.chosen[key] = backend
         return backend
 
-    def for_sizes(self, sizes: tuple[cost_table.SizeClass, ...]) -> PrefillBackend:
-        """:meth:`_choose` for ``sizes`` (the fused op's two classes, or one), cached under ``sizes``."""
+    def for_sizes(self, sizes: tuple[tuple, ...]) -> PrefillBackend:
+        """:meth:`_choose` for ``sizes`` (the fused op's two classes, or one; classes or their fields' plain
+        tuples), cached under ``sizes``."""
         backend = self.chosen.get(sizes)
         return self._remember(sizes, self._choose(sizes)) if backend is None else backend
 
     def for_key(self, key: tuple) -> PrefillBackend:
         """The backend for one call whose :class:`~mla_ops.cost_table.SizeClass` has the fields ``key``, cached
         under ``key`` alone: the plain tuple that :func:`route_checked` builds and looks up in ``chosen``."""
-        return self._remember(key, self._choose((cost_table.SizeClass(*key),)))
-
-    def for_keys(self, keys: tuple[tuple, ...]) -> PrefillBackend:
-        """:meth:`for_key` for the fused op's parts, whose classes have the fields ``keys`` (one plain tuple each),
-        cached under ``keys``, which equals the tuple of the classes that :meth:`for_sizes` caches under."""
-        return self._remember(keys, self._choose(tuple(cost_table.SizeClass(*key) for key in keys)))
+        return self._remember(key, self._choose((key,)))
 
     def may_run(self) -> list[PrefillBackend]:
         """Every backend this route can choose: the fixed one and the candidates the table measured."""
@@ -572,7 +570,7 @@ def route_fused(
         return entry
     key = (_class_key(new, sizes_new), _class_key(chunk, sizes_chunk))
     backend = entry.chosen.get(key)
-    return entry.for_keys(key) if backend is None else backend
+    return entry.for_sizes(key) if backend is None else backend
 
 
 def _sizes_of(call: VarlenCall) -> AttentionSizes:
