@@ -225,7 +225,7 @@ def test_the_grid_measures_every_class_that_bench_prefill_times() -> None:
 
 
 def test_tune_times_the_values_laid_out_as_the_layer_and_the_benchmark_make_them(monkeypatch) -> None:
-    """The values tune times are the last Dv channels of kv_b_proj's [Tk, H, (Dqk - 64) + Dv] output, as
+    """The values tune times are the last Dv channels of kv_b_proj's [Tk, H, qk_nope_head_dim + Dv] output, as
     mla_ops.model's layer makes them and bench_prefill.py times them: the kernels load value rows with that stride,
     so a stride no model makes would time another speed than the benchmark's."""
     from benchlib import problems

@@ -104,14 +104,10 @@ def default_shapes(heads: Sequence[int], quick: bool = False) -> list[TuneShape]
     return list(unique.values())
 
 
-#: Rotary channels of a query/key head (DeepSeek's ``qk_rope_head_dim``): the key's other ``Dqk - 64`` channels
-#: (``qk_nope_head_dim``) come from ``kv_b_proj`` beside ``v``, as in mla_ops.model and bench_prefill.py's inputs.
-ROPE_DIM = 64
-
-
 def _inputs(shape: TuneShape, config: SelectorConfig, device: torch.device) -> Callable[[], object]:
     """The op's call on random inputs of ``shape``, laid out as an MLA layer makes them: ``v`` the last ``Dv``
-    channels of ``kv_b_proj``'s ``[Tk, H, (Dqk - 64) + Dv]`` output (:data:`ROPE_DIM`), a strided view."""
+    channels of ``kv_b_proj``'s ``[Tk, H, qk_nope_head_dim + Dv]`` output (``config``'s dimensions), a strided
+    view."""
     dqk, dv = config.head_dim_qk, config.head_dim_v
     gen = torch.Generator(device=device).manual_seed(0)
     tq, tk, h = sum(shape.q_lens), sum(shape.keys), shape.heads
@@ -125,7 +121,7 @@ def _inputs(shape: TuneShape, config: SelectorConfig, device: torch.device) -> C
     q, k = randn(tq, h, dqk), randn(tk, h, dqk)
     # A view of kv_b_proj's output, as in the layer and the benchmark: the value rows' stride is a speed, since
     # the kernels load them with it (not the [Tk, H, Dqk + Dv] it was, whose stride no model makes).
-    nope = max(dqk - ROPE_DIM, 0)
+    nope = config.mla_dimensions.qk_nope_head_dim
     v = randn(tk, h, nope + dv)[..., nope:]
     cu_q = offsets(shape.q_lens)
     scale = dqk**-0.5
