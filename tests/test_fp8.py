@@ -68,6 +68,66 @@ def test_quantize_fp8_traces_without_a_graph_break() -> None:
     assert torch.equal(got[0].float(), want[0].float()) and torch.equal(got[1], want[1])
 
 
+def _key_major_storage(x8: torch.Tensor) -> torch.Tensor:
+    """The ``[H, D, W]`` storage behind a key-major result, after checking its layout: strides ``(1, D * W, W)``,
+    ``W >= T`` a multiple of 16."""
+    num_tokens, num_heads, dim = x8.shape
+    width = x8.stride(2)
+    assert x8.stride() == (1, dim * width, width) and width % 16 == 0 and width >= max(num_tokens, 1)
+    assert x8.untyped_storage().nbytes() >= num_heads * dim * width
+    return x8.as_strided((num_heads, dim, width), (dim * width, width, 1))
+
+
+@pytest.mark.parametrize("tokens", [1, 15, 16, 17, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("per_head", [True, False])
+def test_quantize_fp8_key_major_holds_the_same_bytes(per_head, dtype, tokens) -> None:
+    """``key_major=True`` gives the bytes and factors of the default layout, bit for bit, on a strided view, with
+    each channel's tokens contiguous in a ``[H, D, W]`` storage whose columns past the tokens hold 0."""
+    gen = torch.Generator().manual_seed(tokens)
+    kv = (torch.randn(tokens, 3, 320, generator=gen) * torch.tensor([1.0, 30.0, 0.01])[:, None]).to(dtype)
+    x = kv[..., 128:]
+    want8, want = mla_ops.quantize_fp8(x, per_head=per_head)
+    got8, got = mla_ops.quantize_fp8(x, per_head=per_head, key_major=True)
+    assert got8.dtype == FP8_DTYPE and got8.shape == x.shape and not got8.is_contiguous()
+    assert torch.equal(got, want)
+    assert torch.equal(got8.view(torch.uint8), want8.view(torch.uint8))
+    storage = _key_major_storage(got8)
+    assert torch.equal(storage[:, :, :tokens].permute(2, 0, 1).view(torch.uint8), want8.view(torch.uint8))
+    assert not storage.view(torch.uint8)[:, :, tokens:].any(), "the padding columns hold 0"
+    width = storage.shape[-1]
+    assert width % 128 == 0 and width >= tokens and width & (width - 1), "rows of no power of two bytes"
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 16), (0, 0, 16), (5, 0, 16)])
+def test_quantize_fp8_key_major_of_an_empty_tensor(shape) -> None:
+    x8, descale = mla_ops.quantize_fp8(torch.zeros(shape), key_major=True)
+    assert x8.shape == shape and x8.dtype == FP8_DTYPE and torch.equal(descale, torch.ones(shape[1]))
+    storage = _key_major_storage(x8)
+    assert storage.shape[-1] == (16 if shape[0] == 0 else 384) and not storage.view(torch.uint8).any()
+
+
+def test_quantize_fp8_key_major_traces_without_a_graph_break() -> None:
+    reset_compile()
+    compiled = torch.compile(
+        lambda x: mla_ops.quantize_fp8(x, per_head=True, key_major=True), fullgraph=True, dynamic=True
+    )
+    for tokens in (9, 128, 130):  # W > T, W == T (where a slice and a permute came back contiguous)
+        x = torch.randn(tokens, 2, 32)
+        got, want = compiled(x), mla_ops.quantize_fp8(x)
+        assert got[0].stride() == mla_ops.quantize_fp8(x, key_major=True)[0].stride()
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+        assert not _key_major_storage(got[0]).view(torch.uint8)[:, :, tokens:].any()
+
+
+@pytest.mark.parametrize("key_major", [1, None, "yes"])
+def test_quantize_fp8_refuses_a_key_major_that_is_not_a_bool(key_major) -> None:
+    with pytest.raises(TypeError, match=f"key_major must be True or False, got {type(key_major).__name__}"):
+        mla_ops.quantize_fp8(torch.zeros(3, 2, 4), key_major=key_major)
+    with pytest.raises(TypeError):  # keyword-only
+        mla_ops.quantize_fp8(torch.zeros(3, 2, 4), True, True)
+
+
 @pytest.mark.parametrize(
     ("args", "error", "match"),
     [
@@ -352,6 +412,50 @@ def test_quantize_kernel_in_the_interpreter(per_head) -> None:
     scale = (1.0 / descale).expand(3)
     got = quantize_rows_fp8(kv[..., 128:], scale, torch.empty(37, 3, 192, dtype=FP8_DTYPE))
     assert torch.equal(got.float(), values.float())
+
+
+@interpreted
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("per_head", [True, False])
+def test_quantize_keys_kernel_in_the_interpreter(per_head, dim) -> None:
+    """The CUDA key-major conversion kernel, run in Triton's interpreter: on exact inputs (as in
+    test_quantize_kernel_in_the_interpreter) the e4m3 values, transposed; on any input (a NaN, infinities, values that
+    round) the bytes of the row-major kernel, which converts alike; 0 in the columns past the tokens, a NaN factor's
+    head too; on a strided view, with a token count that spans three programs and that none divides. It refuses the
+    inputs it miscompiled for on an H100 (float32, a head dimension that is no power of two or above 128)."""
+    from mla_ops import quantize
+    from mla_ops.kernels.quantize import KEY_COLUMNS, key_major_kernel_fits, quantize_keys_fp8, quantize_rows_fp8
+
+    assert KEY_COLUMNS == quantize._KEY_MAJOR_COLUMNS  # the storage's width is what the programs tile
+    tokens, width = 300, 384
+    gen = torch.Generator().manual_seed(7)
+    values = (torch.randn(tokens, 3, dim, generator=gen) * 40).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    descale = torch.tensor([0.25, 2.0, 8.0]) if per_head else torch.tensor([4.0])
+    kv = torch.zeros(tokens, 3, 128 + dim, dtype=torch.bfloat16)
+    kv[..., 128:] = (values.float() * descale.reshape(-1, 1)).bfloat16()  # exact: 4 significant bits
+    scale = (1.0 / descale).expand(3)
+    # Storage filled with e4m3 NaN bytes: every byte, the padding's too, must be written.
+    storage = torch.full((3, dim, width), 0x7F, dtype=torch.uint8).view(FP8_DTYPE)
+    got = quantize_keys_fp8(kv[..., 128:], scale, storage)
+    assert got is storage
+    assert torch.equal(got[:, :, :tokens].permute(2, 0, 1).view(torch.uint8), values.view(torch.uint8))
+    assert not got.view(torch.uint8)[:, :, tokens:].any()
+
+    x = (torch.randn(tokens, 3, 128 + dim, generator=gen) * 300).bfloat16()[..., 128:]
+    x[5, 0, 3], x[299, 1, 0], x[17, 2, 7] = float("nan"), float("inf"), -float("inf")
+    scale = torch.tensor([1.0, 0.37, float("nan")]) if per_head else torch.tensor([0.37]).expand(3)
+    storage.view(torch.uint8).fill_(0x7F)
+    got = quantize_keys_fp8(x, scale, storage)
+    want = quantize_rows_fp8(x, scale, torch.empty(tokens, 3, dim, dtype=FP8_DTYPE))
+    assert torch.equal(got[:, :, :tokens].permute(2, 0, 1).view(torch.uint8), want.view(torch.uint8))
+    assert not got.view(torch.uint8)[:, :, tokens:].any(), "0 past the tokens, whatever the factor"
+    with pytest.raises(ValueError, match="W >= 300 a multiple of 128"):
+        quantize_keys_fp8(x, scale, storage[:, :, :304])
+    for bad in (x.float(), torch.zeros(4, 3, 192, dtype=torch.bfloat16), torch.zeros(4, 3, 256, dtype=torch.float16)):
+        assert not key_major_kernel_fits(bad)
+        with pytest.raises(ValueError, match="bfloat16 or float16 with a power-of-two head dimension up to 128"):
+            quantize_keys_fp8(bad, scale, torch.empty(3, bad.shape[-1], 128, dtype=FP8_DTYPE))
+    assert key_major_kernel_fits(x) and key_major_kernel_fits(x.half())
 
 
 @interpreted

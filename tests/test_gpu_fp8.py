@@ -71,6 +71,29 @@ def test_quantize_fp8_on_the_device_matches_the_cpu(backend, tokens: int, heads:
             assert torch.equal(got8.cpu().float(), want8.float())
 
 
+@pytest.mark.parametrize(("tokens", "heads"), [(5000, 16), (1, 128)])
+def test_quantize_fp8_key_major_on_the_device(tokens: int, heads: int) -> None:
+    """The key-major conversion kernel (``quantize_keys_fp8``) writes the bytes of the row-major one, transposed into
+    a ``[H, D, W]`` storage (W a multiple of 16, at least T) whose columns past the tokens hold 0: on a strided view
+    and a token count no program divides, and on one token; float32 and D=192, which go to PyTorch's operators (the
+    kernel miscompiled for them), alike. Its storage most likely starts as NaN bytes: the caching allocator hands back
+    the block of a NaN-filled tensor of its size just freed, so that unwritten bytes show."""
+    kv = torch.randn(tokens, heads, 320, generator=torch.Generator().manual_seed(1)).bfloat16().to(DEVICE)
+    for x in (kv[..., 192:], kv[..., :128].contiguous(), kv[..., 192:].half(), kv[..., 192:].float(), kv[..., 128:]):
+        dim = x.shape[-1]
+        for per_head in (True, False):
+            want8, want = mla_ops.quantize_fp8(x, per_head=per_head)
+            width = -(-tokens // 128) * 128
+            torch.full((heads * dim * width,), 0x7F, dtype=torch.uint8, device=DEVICE)  # freed at once
+            got8, got = mla_ops.quantize_fp8(x, per_head=per_head, key_major=True)
+            assert got8.shape == x.shape and got8.dtype == FP8_DTYPE and torch.equal(got, want)
+            w = got8.stride(2)
+            assert got8.stride() == (1, dim * w, w) and w % 16 == 0 and w >= tokens
+            assert torch.equal(got8.view(torch.uint8), want8.view(torch.uint8)), (x.dtype, dim, per_head)
+            storage = got8.as_strided((heads, dim, w), (dim * w, w, 1)).view(torch.uint8)
+            assert not storage[:, :, tokens:].any(), "the padding columns hold 0"
+
+
 def test_fp8_replays_in_a_cuda_graph_with_new_lengths(backend) -> None:
     """Quantisation and attention captured once, replayed with new data and offsets in the same buffers."""
     heads, budget, max_batch = 16, 2048, 4
