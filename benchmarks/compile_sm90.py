@@ -135,9 +135,11 @@ def handout_foreign(ptx: str) -> list[str]:
     return foreign_accesses(ptx, path.name, lines)
 
 
-def _stand_ins(dqk: int, dv: int, causal: bool, dtype_name: str = "bfloat16"):
+def _stand_ins(dqk: int, dv: int, causal: bool, dtype_name: str = "bfloat16", key_major: bool = False):
     """``(call, out, lse, scales)`` over CPU tensors shaped and strided like the GPU ones: ``v`` a strided view of
-    a ``[T, H, Dv + 128]`` kv; for fp8 inputs, bf16 output and per-head descale factors (else ``scales`` None)."""
+    a ``[T, H, Dv + 128]`` kv; for fp8 inputs, bf16 output and per-head descale factors (else ``scales`` None).
+    ``key_major``: one sequence and key-major values, as ``quantize_fp8(v, key_major=True)`` makes them (the fp8
+    Gluon launch reads them without a copy)."""
     import torch
 
     from mla_ops.backends.base import Fp8Scales, VarlenCall
@@ -151,7 +153,11 @@ def _stand_ins(dqk: int, dv: int, causal: bool, dtype_name: str = "bfloat16"):
     lse = torch.empty(HEADS, TOKENS, dtype=torch.float32)
     cu_q = torch.tensor([0, TOKENS // 2, TOKENS], dtype=torch.int32)
     cu_k = cu_q if causal else torch.tensor([0, 300, TOKENS], dtype=torch.int32)
-    call = VarlenCall(q, k, kv[..., 128:], cu_q, cu_k, TOKENS, TOKENS, dqk**-0.5, causal)
+    v = kv[..., 128:]
+    if key_major:
+        v = torch.empty(HEADS, dv, TOKENS, dtype=dtype).permute(2, 0, 1)
+        cu_q = cu_k = torch.tensor([0, TOKENS], dtype=torch.int32)
+    call = VarlenCall(q, k, v, cu_q, cu_k, TOKENS, TOKENS, dqk**-0.5, causal)
     descale = torch.ones(HEADS)
     return call, out, lse, Fp8Scales(descale, descale, descale, out.dtype) if fp8 else None
 
@@ -181,14 +187,16 @@ def _ptxas_usage(ptx: str) -> tuple[int, int, str | None]:
     return parse_ptxas_log(log)
 
 
-def compile_variant(config: Any, dqk: int, dv: int, causal: bool, dtype_name: str = "bfloat16") -> Variant:
-    """Compile ``config`` for sm_90a as ``attention_triton`` would launch it on ``dtype_name`` inputs; never
-    raises."""
+def compile_variant(
+    config: Any, dqk: int, dv: int, causal: bool, dtype_name: str = "bfloat16", key_major: bool = False
+) -> Variant:
+    """Compile ``config`` for sm_90a as ``attention_triton`` would launch it on ``dtype_name`` inputs (``key_major``:
+    an fp8 call of one sequence with key-major values, :func:`_stand_ins`); never raises."""
     from triton.compiler import ASTSource
 
     variant = Variant(str(config), causal)
     try:
-        call, out, lse, scales = _stand_ins(dqk, dv, causal, dtype_name)
+        call, out, lse, scales = _stand_ins(dqk, dv, causal, dtype_name, key_major)
         if config.gluon:
             # The Hopper kernel written in Gluon, as attention_sm90 launches it.
             from triton.experimental.gluon._runtime import GluonASTSource as source
@@ -199,8 +207,10 @@ def compile_variant(config: Any, dqk: int, dv: int, causal: bool, dtype_name: st
             plan = sm90_launch(
                 call, out, lse, config.block_n, config.num_stages, num_sms=132, scales=scales, pingpong=config.pingpong
             )
-            # fp8: the device-side value descriptors are over the launcher's transposed copy of v.
-            variant.descriptors = ("q(device)", "k(device)", "vT(device)" if scales is not None else "v(device)")
+            # fp8: the device-side value descriptors are over the launcher's transposed copy of v, or over v itself
+            # where it is key-major (vK).
+            values = "v(device)" if scales is None else "vK(device)" if plan.constexprs["V_DIRECT"] else "vT(device)"
+            variant.descriptors = ("q(device)", "k(device)", values)
         else:
             from mla_ops.kernels.attention import launch_plan
             from mla_ops.kernels.attention_kernel import attn_fwd_kernel as kernel
@@ -339,14 +349,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not variants:
             print(f"compile_sm90.py: the SM90 tables list nothing for (Dqk, Dv) = ({dqk}, {dv})", file=sys.stderr)
             return 2
-    parsed = [(AttentionConfig.parse(text, "--configs"), causal) for text, causal in variants]
+    parsed = [(AttentionConfig.parse(text, "--configs"), causal, False) for text, causal in variants]
+    if args.dtype == "float8_e4m3fn":
+        # The Gluon fp8 variants again on key-major values of one sequence, which they read without the copy.
+        parsed += [(config, causal, True) for config, causal, _ in parsed if config.gluon]
     dtype_label = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8 (e4m3)"}[args.dtype]
     print(f"triton {triton.__version__}, sm_{CAPABILITY}a, (Dqk, Dv) = ({dqk}, {dv}), {dtype_label}")
     header = ("config", "path", "regs", "spill", "smem KiB", "scratch", "warps", "ws", "tma", "native")
     print("{:<31} {:<6} {:>4} {:>5} {:>8} {:>7} {:>5} {:>3} {:>3} {:>6}  descriptors".format(*header))
     failed = compiled = spilled = serialised = 0
-    for config, causal in parsed:
-        v = compile_variant(config, dqk, dv, causal, args.dtype)
+    for config, causal, key_major in parsed:
+        v = compile_variant(config, dqk, dv, causal, args.dtype, key_major)
         path = "causal" if causal else "chunk"
         problems = v.problems(config.gluon)
         if args.allow_spills:

@@ -33,11 +33,14 @@ def _check_rank3(op: str, name: str, t: object, layout: str) -> torch.Tensor:
     return t
 
 
-def _check_unit_stride(op: str, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
+def _check_unit_stride(op: str, names: Sequence[str], tensors: Sequence[torch.Tensor], fp8: bool = False) -> None:
     for name, t in zip(names, tensors):
         if t.numel() > 0 and t.stride(-1) != 1:
+            also = ""
+            if fp8 and name == "v":  # the fp8 ops also take v key-major: unit stride over the keys
+                also = " (or, for v of the fp8 ops, in its first: quantize_fp8(v, key_major=True))"
             raise ValueError(
-                f"{op}: {name} must have stride 1 in its last dimension (got strides {tuple(t.stride())}); "
+                f"{op}: {name} must have stride 1 in its last dimension{also} (got strides {tuple(t.stride())}); "
                 f"pass {name}.contiguous() or a view that keeps the head channels contiguous"
             )
 
@@ -129,7 +132,8 @@ def checked_attention_sizes(
             # stride() builds a tuple; stride() then [2] is cheaper than parsing stride(2)'s argument.
             and (q.is_contiguous() or qs[0] == 0 or q.stride()[2] == 1)
             and (k.is_contiguous() or ks[0] == 0 or k.stride()[2] == 1)
-            and (vs[0] == 0 or v.stride()[2] == 1)  # v is usually a strided view of kv
+            # v is usually a strided view of kv; the fp8 ops also take it key-major (quantize_fp8's key_major)
+            and (vs[0] == 0 or v.stride()[2] == 1 or (fp8 and v.stride()[0] == 1))
             and cu_q.dtype is _INT32
             and cu_q.dim() == 1
             and (seqs_1 := cu_q.shape[0]) >= 1
@@ -216,7 +220,10 @@ def check_attention_inputs(op: str, inputs: AttentionInputs, self_attention: boo
         raise ValueError(f"{op}: head dims must be positive, got Dqk={q.shape[2]}, Dv={v.shape[2]}")
     if v.shape[0] != k.shape[0]:
         raise ValueError(f"{op}: k has {k.shape[0]} tokens but v has {v.shape[0]}; they must match")
-    _check_unit_stride(op, ("q", "k", "v"), (q, k, v))
+    if fp8 and v.numel() > 0 and v.stride(0) == 1 and v.stride(-1) != 1:
+        _check_unit_stride(op, ("q", "k"), (q, k))  # key-major values (quantize_fp8(v, key_major=True))
+    else:
+        _check_unit_stride(op, ("q", "k", "v"), (q, k, v), fp8)
     _check_grad(op, ("q", "k", "v"), (q, k, v))
     if self_attention:
         if k.shape[0] != q.shape[0]:

@@ -612,8 +612,11 @@ def prefill_fp8(
     """:func:`prefill` on fp8 inputs: causal attention of each sequence's new tokens over themselves.
 
     Args:
-        q, k: ``[T, H, Dqk]``, ``float8_e4m3fn``; v: ``[T, H, Dv]``, ``float8_e4m3fn``, may be a strided view.
-            :func:`mla_ops.quantize_fp8` makes them from bf16 tensors, with their factors.
+        q, k: ``[T, H, Dqk]``, ``float8_e4m3fn``; v: ``[T, H, Dv]``, ``float8_e4m3fn``, may be a strided view,
+            or key-major (unit stride over the tokens, as ``quantize_fp8(v, key_major=True)`` makes it): on Hopper
+            TRITON reads a one-sequence call's key-major ``v`` without copying it transposed first, and every other
+            call makes it token-major (a copy). :func:`mla_ops.quantize_fp8` makes them from bf16 tensors, with
+            their factors.
         cu_seqlens, max_seqlen: as for :func:`prefill`.
         q_descale, k_descale, v_descale: float32 factors that dequantise each input (real value = fp8 value *
             factor), of shape ``[]`` or ``[1]`` (one for every head) or ``[H]`` (one per head), on q's device.

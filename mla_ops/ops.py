@@ -141,6 +141,9 @@ def _run_fp8(name: str, call: VarlenCall, q_descale, k_descale, v_descale, out_d
     heads = q.shape[1]
     scales = Fp8Scales(*(d.reshape(-1).expand(heads) for d in descales), out_dtype)
     backend = route_call(call) if sizes is None else route_checked(call, sizes)
+    v = call.v
+    if v.stride()[2] != 1 and v.numel() and not backend.takes_key_major_values:
+        call = call._replace(v=v.contiguous())  # key-major values, for a backend that loads a key's channels
     with on_device(q.device):
         return backend.attention_fp8(call, scales)
 

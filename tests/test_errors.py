@@ -300,3 +300,28 @@ def test_errors_surface_at_trace_time_under_compile() -> None:
 
     with pytest.raises(Exception, match=re.escape("q has head dim 192 but k has 128")):
         f(g["q"], g["k"][..., :128], g["v"], g["cu_seqlens"])
+
+
+def test_fp8_ops_take_key_major_values_and_the_bf16_ops_refuse_them() -> None:
+    """The fp8 ops take ``v`` key-major (unit stride over the tokens, quantize_fp8's ``key_major`` layout) with the
+    results of token-major ``v``; the bf16 ops refuse it, and a ``v`` unit-strided in neither dimension gets a message
+    that names the key-major layout."""
+    q, k, v = make_qkv(20, 2, 32, 16, torch.float32)
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+    (q8, dq), (k8, dk), (v8, dv) = (mla_ops.quantize_fp8(x) for x in (q, k, v))
+    storage = torch.zeros(2, 16, 32, dtype=torch.float8_e4m3fn)
+    storage[..., :20] = v8.permute(1, 2, 0)
+    v8_keys = storage[..., :20].permute(2, 0, 1)
+    assert v8_keys.stride() == (1, 16 * 32, 32)
+    want = mla_ops.prefill_fp8(q8, k8, v8, cu, 13, dq, dk, dv)
+    got = mla_ops.prefill_fp8(q8, k8, v8_keys, cu, 13, dq, dk, dv)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got = mla_ops.prefill_context_chunk_fp8(q8, k8, v8_keys, cu, cu, 13, 13, dq, dk, dv)
+    want = mla_ops.prefill_context_chunk_fp8(q8, k8, v8, cu, cu, 13, 13, dq, dk, dv)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    v_keys = v.bfloat16().permute(1, 2, 0).contiguous().permute(2, 0, 1)
+    with pytest.raises(ValueError, match=r"v must have stride 1 in its last dimension \(got"):
+        mla_ops.prefill(q.bfloat16(), k.bfloat16(), v_keys, cu, 13)
+    neither = torch.zeros(20, 2, 32, dtype=torch.float8_e4m3fn)[..., ::2]
+    with pytest.raises(ValueError, match=r"or, for v of the fp8 ops, in its first: quantize_fp8\(v, key_major=True\)"):
+        mla_ops.prefill_fp8(q8, k8, neither, cu, 13, dq, dk, dv)

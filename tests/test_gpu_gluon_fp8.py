@@ -213,3 +213,75 @@ def test_gluon_fp8_relaunches_its_layout_on_new_tensors(sm90, attention_launches
         out, lse = attention_triton(call, scales=scales)
         want_out, want_lse = sm90.attention_sm90(call, block_n=config.block_n, stages=config.num_stages, scales=scales)
         assert torch.equal(out, want_out) and torch.equal(lse, want_lse), i
+
+
+def _key_major(v: torch.Tensor, poison: int = 0) -> torch.Tensor:
+    """``v`` ``[T, H, D]`` as a key-major view of a ``[H, D, W]`` tensor (``W`` = T rounded up to 16), the layout of
+    ``quantize_fp8(v, key_major=True)``; its columns past ``T - poison`` hold e4m3 NaN (0x7F)."""
+    tokens, heads, dim = v.shape
+    storage = torch.zeros(heads, dim, -(-tokens // 16) * 16, dtype=v.dtype, device=v.device)
+    storage[..., :tokens] = v.permute(1, 2, 0)
+    storage.view(torch.uint8)[..., tokens - poison :] = 0x7F
+    return storage[..., :tokens].permute(2, 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "key_lengths"),
+    [([1], None), ([50], None), ([4100], None), ([300], [40]), ([700], [5000]), ([2], [0])],
+    ids=["causal-1", "causal-50", "causal-4100", "chunk-40", "chunk-5000", "chunk-empty"],
+)
+def test_gluon_fp8_reads_key_major_values_of_one_sequence(sm90, lengths, key_lengths) -> None:
+    """A one-sequence call's key-major values (quantize_fp8's key_major layout) are read as they are, without the
+    transposed copy, and give the copy's results bit for bit: fewer keys than one tile, a last tile cut short, an
+    empty chunk. The descriptor ends at the sequence's last key: NaN in the padding rows past it changes no bit."""
+    causal = key_lengths is None
+    batch = fp8_batch(lengths, key_lengths, 16, padding=9, seed=5, device=DEVICE)
+    want_out, want_lse = _run(sm90, batch, causal)
+    rows = int(batch.cu_seqlens_q[-1])
+    key_major = _key_major(batch.v, poison=batch.v.shape[0] - int(batch.cu_seqlens_k[-1]))
+    # Values of no rows (an empty chunk) take the copy, which has nothing to copy.
+    assert sm90.values_read_directly(key_major, 1) == (key_major.shape[0] > 0)
+    batch.v = key_major
+    out, lse = _run(sm90, batch, causal)
+    assert torch.equal(out[:rows], want_out[:rows]) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "chunk"])
+def test_gluon_fp8_key_major_values_through_the_ops(causal) -> None:
+    """Through the fp8 ops (TRITON): values quantised key-major (mla_ops.quantize_fp8(v, key_major=True)) give the
+    token-major results bit for bit, read directly for one sequence (three calls: the JIT launch, the compiled
+    variant, the remembered DirectRelaunch) and made token-major first for a ragged batch."""
+    import mla_ops
+    from mla_ops.kernels.attention import LAUNCHES
+    from mla_ops.kernels.attention_sm90 import DirectRelaunch
+
+    gluon_or_skip(DEVICE)
+    generator = torch.Generator(device=DEVICE).manual_seed(7)
+    for lengths, key_lengths in [([3000], [4100]), ([900, 5, 2100], [1000, 17, 3000])]:
+        for step in range(3 if len(lengths) == 1 else 1):
+            tq = sum(lengths)
+            tk = tq if causal else sum(key_lengths)
+            q, k = (torch.randn(t, 128, 192, device=DEVICE, generator=generator) for t in (tq, tk))
+            v = torch.randn(tk, 128, 256, device=DEVICE, generator=generator)[..., 128:]
+            (q8, dq), (k8, dk) = mla_ops.quantize_fp8(q), mla_ops.quantize_fp8(k)
+            v8, dv = mla_ops.quantize_fp8(v)
+            v8_keys, dv_keys = mla_ops.quantize_fp8(v, key_major=True)
+            assert v8_keys.stride(0) == 1 and torch.equal(dv_keys, dv)
+            cu_q = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+            keys = lengths if causal else key_lengths
+            cu_k = torch.tensor([0, *torch.tensor(keys).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+            results = []
+            with mla_ops.prefill_backend("TRITON"):
+                for values in (v8, v8_keys):
+                    if causal:
+                        results.append(mla_ops.prefill_fp8(q8, k8, values, cu_q, max(lengths), dq, dk, dv, SCALE))
+                    else:
+                        results.append(
+                            mla_ops.prefill_context_chunk_fp8(
+                                q8, k8, values, cu_q, cu_k, max(lengths), max(keys), dq, dk, dv, SCALE
+                            )
+                        )  # fmt: skip
+            (want_out, want_lse), (out, lse) = results
+            assert torch.equal(out, want_out) and torch.equal(lse, want_lse), (lengths, step)
+            if len(lengths) == 1 and step == 2:
+                assert any(isinstance(known.launch, DirectRelaunch) for known in LAUNCHES.known.values())

@@ -663,7 +663,7 @@ def test_compile_sm90_compiles_the_tabled_variants_under_the_installed_triton(dt
     """benchmarks/compile_sm90.py (no GPU needed) compiles every variant the SM90 tables launch for sm_90a with
     this Triton: no compile error, no spill, no serialised wgmma, the Gluon kernel warp-specialised; for fp8 inputs,
     the main table's entries, which fp8 calls launch at every size, and the Gluon kernel's fp8 variant (large fp8
-    calls' on SM90). benchmarks/compile_matrix.sh runs it under each supported release."""
+    calls' on SM90), also on key-major values. benchmarks/compile_matrix.sh runs it under each supported release."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
@@ -679,9 +679,12 @@ def test_compile_sm90_compiles_the_tabled_variants_under_the_installed_triton(dt
     large = configs.SM90_GLUON_FP8_ATTENTION if fp8 else configs.SM90_LARGE_BATCH_ATTENTION
     tables = (configs.SM90_ATTENTION, large)
     tabled = {(str(c), k[2]) for t in tables for k, c in t.items() if k[:2] == (192, 128)}
+    # fp8: the Gluon variants once more on key-major values of one sequence, read without the copy (vK).
+    variants = len(tabled) + (len({(str(c), k[2]) for k, c in large.items() if k[:2] == (192, 128)}) if fp8 else 0)
     summary = proc.stdout.strip().splitlines()[-1]
     inputs = ", fp8 (e4m3)" if dtype == "float8_e4m3fn" else ""
-    assert f"sm_90a{inputs}: {len(tabled)} of {len(tabled)} variants compiled" in summary, summary
+    assert f"sm_90a{inputs}: {variants} of {variants} variants compiled" in summary, summary
+    assert proc.stdout.count("vK(device)") == (variants - len(tabled)), proc.stdout
     assert "0 spill, 0 serialise wgmma; 0 failed" in summary, summary
     if fp8:  # the values' transposed copy stores 16-byte vectors, not single bytes (which made it 11x a plain copy)
         copy = next(line for line in proc.stdout.splitlines() if line.startswith("transposed values copy"))
@@ -900,6 +903,99 @@ def test_gluon_fp8_relaunch_copies_the_values_transposed_first():
         assert len(leading) == SM90_LEADING_FP8 and kernel[2] == 0
         assert leading[:7] == (1, 2, values.data_ptr(), 4, 5, 6, 7) and leading[8:] == (8, 9, 10)
     assert relaunch.native_launch(tuple(range(10))) is None
+
+
+def _key_major(v: torch.Tensor, width: int) -> torch.Tensor:
+    """``v`` ``[T, H, D]`` as a key-major view of a contiguous ``[H, D, width]`` tensor, as quantize_fp8 makes it."""
+    storage = torch.zeros(v.shape[1], v.shape[2], width, dtype=v.dtype)
+    storage[..., : v.shape[0]] = v.permute(1, 2, 0)
+    return storage[..., : v.shape[0]].permute(2, 0, 1)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_gluon_fp8_launch_reads_key_major_values_of_one_sequence_directly(causal):
+    """A one-sequence fp8 call with key-major values (unit key stride, aligned channel and head strides) launches
+    the kernel on ``v`` itself: ``V_DIRECT``, v's channel and head strides as the kernel's (stride_vt, stride_vh),
+    no transposed copy. With two sequences, unaligned strides or token-major values, the copy as before."""
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
+    from mla_ops.backends.base import Fp8Scales
+    from mla_ops.kernels import attention_sm90
+
+    q, k, v = (x.to(torch.float8_e4m3fn) for x in make_qkv(300, 4, 192, 128, torch.float32, strided_v=True))
+    out, lse = torch.empty(300, 4, 128, dtype=torch.bfloat16), torch.empty(4, 300)
+    descale = torch.ones(4)
+    scales = Fp8Scales(descale, descale, descale, torch.bfloat16)
+    one = torch.tensor([0, 300], dtype=torch.int32)
+    names = [p.name for p in attention_sm90._attn_fwd_sm90.params if not p.is_constexpr]
+
+    def plan_of(values, cu):
+        call = VarlenCall(q, k, values, cu, cu, 300, 300, 0.1, causal)
+        plan = attention_sm90.sm90_launch(call, out, lse, 128, 4, num_sms=132, scales=scales)
+        return plan, dict(zip(names, plan.args))
+
+    key_major = _key_major(v, 304)
+    assert key_major.stride() == (1, 128 * 304, 304)
+    plan, args = plan_of(key_major, one)
+    assert plan.constexprs["V_DIRECT"] is True and args["V"] is key_major
+    assert (args["stride_vt"], args["stride_vh"]) == (304, 128 * 304)
+    assert attention_sm90.values_read_directly(key_major, 1)
+    for values, cu in [
+        (key_major, torch.tensor([0, 100, 300], dtype=torch.int32)),  # two sequences: the second starts unaligned
+        (_key_major(v, 300), one),  # a channel stride that is no multiple of 16 bytes
+        (v, one),  # token-major
+    ]:
+        plan, args = plan_of(values.contiguous() if values.stride(0) != 1 else values, cu)
+        assert plan.constexprs["V_DIRECT"] is False and args["V"].shape[:2] == (4, 128), "the transposed copy"
+    assert not attention_sm90.values_read_directly(_key_major(v, 300), 1)
+    assert not attention_sm90.values_read_directly(key_major, 2)
+    assert not attention_sm90.values_read_directly(v, 1)
+
+
+def test_gluon_fp8_direct_relaunch_adds_the_counter_after_the_seventh_address():
+    """A remembered fp8 layout whose values the kernel read directly relaunches with the ten addresses of an fp8
+    call, a fresh zeroed counter after the seventh and no copy; from a plan, TransposedRelaunch.of gives it; no
+    native launch."""
+    import ctypes
+
+    pytest.importorskip("triton.experimental.gluon", reason="this Triton has no Gluon, which the kernel is written in")
+    from mla_ops.kernels.attention_sm90 import DirectRelaunch, TransposedRelaunch
+    from mla_ops.kernels.launch import LaunchPlan
+
+    seen = []
+
+    class Fixed:
+        def __call__(self, leading):
+            seen.append((leading, ctypes.c_int32.from_address(leading[7]).value))
+
+    plan = LaunchPlan(None, (1,), (), {"V_DIRECT": True}, {}, 11)
+    relaunch = TransposedRelaunch.of(Fixed(), None, plan, 128, torch.device("cpu"))
+    assert isinstance(relaunch, DirectRelaunch)
+    for _ in range(2):
+        relaunch((1, 2, 3, 4, 5, 6, 7, 8, 9, 10))
+    assert [(leading[:7], leading[8:], len(leading), value) for leading, value in seen] == [
+        ((1, 2, 3, 4, 5, 6, 7), (8, 9, 10), 11, 0)
+    ] * 2
+    assert relaunch.native_launch(tuple(range(10))) is None
+
+
+@interpreted
+def test_key_major_fp8_values_off_the_gluon_kernel_become_token_major(attention_launches):
+    """attention_triton keeps key-major fp8 values only where the Gluon kernel reads them as they are; elsewhere (here
+    the tl.dot kernel in the interpreter) it runs on ``v.contiguous()``, with the same result as token-major values."""
+    from mla_ops.backends.base import Fp8Scales
+    from mla_ops.kernels import attention
+
+    q, k, v = (x.to(torch.float8_e4m3fn) for x in make_qkv(40, 2, 64, 32, torch.float32))
+    cu = torch.tensor([0, 40], dtype=torch.int32)
+    descale = torch.ones(2)
+    scales = Fp8Scales(descale, descale, descale, torch.bfloat16)
+    config = AttentionConfig(32, 32, 4, 1)
+    call = VarlenCall(q, k, v, cu, cu, 40, 40, 0.125, True)
+    expected = attention.attention_triton(call, config=config, scales=scales)
+    call = VarlenCall(q, k, _key_major(v, 48), cu, cu, 40, 40, 0.125, True)
+    assert not attention._reads_key_major(call, config)
+    got = attention.attention_triton(call, config=config, scales=scales)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["triton", "torch"])

@@ -120,6 +120,9 @@ class PrefillBackend(abc.ABC):
     #: Whether each sequence's ``out`` and ``lse`` are bitwise the same whatever else is in its batch, in the
     #: batch-invariant mode (:mod:`mla_ops.invariance`): only such backends are chosen or forced there.
     batch_invariant: ClassVar[bool] = False
+    #: Whether :meth:`attention_fp8` takes key-major values (``v.stride(0) == 1``, as
+    #: ``mla_ops.quantize_fp8(v, key_major=True)`` makes them); the fp8 ops give the others ``v.contiguous()``.
+    takes_key_major_values: ClassVar[bool] = False
 
     # --- reason hooks: override what differs -----------------------------------------------------
 

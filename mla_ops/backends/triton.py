@@ -51,6 +51,9 @@ class TritonBackend(PrefillBackend):
     # Programs start at each sequence's first row and loop over its keys alone; in the batch-invariant mode every
     # batch runs one configuration (attention below), where otherwise large batches switch kernel on SM90.
     batch_invariant = True
+    # The Gluon kernel reads a one-sequence call's key-major values as they are; attention_triton makes the others
+    # token-major.
+    takes_key_major_values = True
     _kernel = None  # mla_ops.kernels.attention.attention_triton, once imported
 
     def __init__(self, triton_version: Callable[[], str | None] = installed_triton_version) -> None:

@@ -108,6 +108,21 @@ def gluon_unsupported_reason(
     return None if reason is None else f"it does not cover {reason}"
 
 
+def _reads_key_major(call: VarlenCall, config: AttentionConfig | None) -> bool:
+    """Whether :func:`attention_triton` runs the fp8 ``call``, whose ``v`` is not unit-stride in its channels, on the
+    Gluon kernel (``config``, else the default choice) reading ``v`` as it is
+    (:func:`~mla_ops.kernels.attention_sm90.values_read_directly`)."""
+    q, k, v, cu_seqlens_q, _, _, _, softmax_scale, causal = call
+    module = _sm90_module()
+    if module is None or not module.values_read_directly(v, cu_seqlens_q.shape[0] - 1):
+        return False
+    if config is None:
+        config = env_attention_config()
+    if config is None:
+        return large_batch_config(q, k, v, softmax_scale, causal) is not None
+    return config.gluon and gluon_unsupported_reason(q, k, v, softmax_scale, config) is None
+
+
 def large_batch_config(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool
 ) -> AttentionConfig | None:
@@ -187,17 +202,23 @@ def attention_triton(
                 f"attention_triton: with scales, q, k, v must all be float8_e4m3fn, got {q.dtype}, {k.dtype}, {v.dtype}"
             )
         out_dtype = scales.out_dtype
+        if v.stride(-1) != 1 and v.numel() and not _reads_key_major(call, config):
+            # Key-major values (mla_ops.quantize_fp8(v, key_major=True)) that the Gluon kernel does not read as
+            # they are: every other path loads a key's channels contiguous.
+            call = call._replace(v=v.contiguous())
+            v = call.v
     q_stride, k_stride, v_stride = q.stride(), k.stride(), v.stride()
     usual = (
         dqk % 16 == 0 and 16 <= dqk <= 256 and dv % 16 == 0 and 16 <= dv <= 256
-        and q_stride[-1] == 1 and k_stride[-1] == 1 and v_stride[-1] == 1
+        and q_stride[-1] == 1 and k_stride[-1] == 1
+        and (v_stride[-1] == 1 or (v_stride[0] == 1 and scales is not None))  # fp8: key-major, kept just above
     )  # fmt: skip
     if not usual:  # find what is wrong (an empty tensor may have any strides)
         for name, d in (("Dqk", dqk), ("Dv", dv)):
             if d % 16 or not 16 <= d <= 256:
                 raise ValueError(f"attention_triton: {name} must be a multiple of 16 from 16 to 256, got {d}")
         for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.numel() and t.stride(-1) != 1:
+            if t.numel() and t.stride(-1) != 1 and not (t is v and scales is not None and t.stride(0) == 1):
                 raise ValueError(f"attention_triton: {name} must have stride 1 in its last dimension, got {t.stride()}")
 
     device = q.device

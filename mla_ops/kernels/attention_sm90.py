@@ -37,11 +37,13 @@ __all__ = [
     "SM90_LEADING",
     "SM90_LEADING_FP8",
     "CountedRelaunch",
+    "DirectRelaunch",
     "TransposedRelaunch",
     "attention_sm90",
     "sm90_launch",
     "sm90_shared_memory",
     "sm90_unsupported_reason",
+    "values_read_directly",
 ]
 
 #: Query rows per consumer warpgroup; a program has two, so its block is 128 rows.
@@ -258,12 +260,13 @@ def _load_values(v_desc, v_smem, v_ready, v_empty, g, row, FP8: gl.constexpr):
 def _produce_item(
     qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar, q_empty,
     k_ready, k_empty, v_ready, v_empty, item_smem, seq_smem, w, b, t, n, h, q_row, k_start, len_k, num_tiles, stride_qh,
-    stride_kh, stride_vt, stride_vh, V_LAYOUT: gl.constexpr, FP8: gl.constexpr,
+    stride_kh, stride_vt, stride_vh, V_LAYOUT: gl.constexpr, FP8: gl.constexpr, V_DIRECT: gl.constexpr,
 ):  # fmt: skip
     """One work item's loads, the program's ``n``-th (``w``), its tiles ``t`` onwards of the rings: Q, then
     every key tile's K (both parts) and V, each into its own ring. ``FP8``: ``V`` is the transposed values
     ``[H, D_V, width]`` (:func:`mla_ops.kernels.transpose.transposed_values`, sequence ``b``'s keys from column
-    ``BN + sequence_column(k_start, b)``), ``stride_vh`` its head stride and ``stride_vt`` its channel stride."""
+    ``BN + sequence_column(k_start, b)``), ``stride_vh`` its head stride and ``stride_vt`` its channel stride; with
+    ``V_DIRECT``, the call's own key-major ``v`` of one sequence, its key ``j`` at column ``j`` of each channel."""
     BN: gl.constexpr = ka_desc.block_type.shape[0]
     D_A: gl.constexpr = ka_desc.block_type.shape[1]
     D_V: gl.constexpr = _value_width(v_smem.type, FP8)
@@ -293,10 +296,17 @@ def _produce_item(
             # contiguous dimension (elsewhere: an illegal instruction), so each sequence's keys start on an aligned
             # column, sequence_column in mla_ops.kernels.transpose, after BN lead columns: a descriptor may not be
             # narrower than its block.
-            v_col = BN + (k_start + _KEY_ALIGN - 1) // _KEY_ALIGN * _KEY_ALIGN + _KEY_ALIGN * b
+            if V_DIRECT:
+                # The call's v itself, key-major, one sequence whose keys start at 0 (cu_seqlens start at 0):
+                # the descriptor starts BN columns before each channel's first key, as the copy's lead columns
+                # do, and no load reads a column before BN.
+                v_col = BN + k_start
+                v_base = V + h.to(gl.int64) * stride_vh - BN
+            else:
+                v_col = BN + (k_start + _KEY_ALIGN - 1) // _KEY_ALIGN * _KEY_ALIGN + _KEY_ALIGN * b
+                v_base = V + h.to(gl.int64) * stride_vh
             v_desc = tma.make_tensor_descriptor(
-                V + h.to(gl.int64) * stride_vh, shape=[D_V, v_col + len_k],
-                strides=[stride_vt, 1], block_shape=[D_V, BN], layout=V_LAYOUT,
+                v_base, shape=[D_V, v_col + len_k], strides=[stride_vt, 1], block_shape=[D_V, BN], layout=V_LAYOUT,
             )  # fmt: skip
         else:
             # Values through a descriptor over this sequence's and head's rows only: rows past them read as
@@ -331,7 +341,7 @@ def _producer(
     item_smem, seq_smem, Counter, cu_seqlens_q, cu_seqlens_k, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
     stride_vh, num_tokens_q, q_cols, k_rows, k_cols, num_seqs, num_heads, num_slots, heads_per_group, worker,
     num_workers,
-    V_LAYOUT: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr,
+    V_LAYOUT: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr, V_DIRECT: gl.constexpr,
 ):  # fmt: skip
     """The producer warp: every work item its program takes, ``worker`` first, then the next one not yet
     taken by any program (``Counter``, zero at launch, counts those taken), until none is left. It hands
@@ -361,7 +371,7 @@ def _producer(
             _produce_item(
                 qa_desc, qb_desc, ka_desc, kb_desc, V, q_smem_a, q_smem_b, k_smem_a, k_smem_b, v_smem, q_bar,
                 q_empty, k_ready, k_empty, v_ready, v_empty, item_smem, seq_smem, w, b, t, n, h, q_start + m0, k_start,
-                len_k, num_tiles, stride_qh, stride_kh, stride_vt, stride_vh, V_LAYOUT, FP8,
+                len_k, num_tiles, stride_qh, stride_kh, stride_vt, stride_vh, V_LAYOUT, FP8, V_DIRECT,
             )  # fmt: skip
             t += num_tiles
             n += 1
@@ -696,14 +706,16 @@ def _attn_fwd_sm90(
     D_A: gl.constexpr, D_B: gl.constexpr, D_V: gl.constexpr, BN: gl.constexpr, Q_LAYOUT_A: gl.constexpr,
     Q_LAYOUT_B: gl.constexpr, K_LAYOUT_A: gl.constexpr, K_LAYOUT_B: gl.constexpr, V_LAYOUT: gl.constexpr,
     CAUSAL: gl.constexpr, SCALE_NONNEG: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr,
-    P_LAYOUT: gl.constexpr, PINGPONG: gl.constexpr,
+    P_LAYOUT: gl.constexpr, PINGPONG: gl.constexpr, V_DIRECT: gl.constexpr,
 ):  # fmt: skip
     """The kernel (arguments: :func:`sm90_launch`). ``FP8``: e4m3 ``Q``, ``K`` and transposed values ``V``
     ``[H, D_V, width]`` with their descale factors (``QDescale`` ... with strides ``stride_qd`` ..., 0 for one
     factor for every head), ``V_LAYOUT`` that of ``[D_V, BN]`` tiles and ``P_LAYOUT`` the shared-memory layout of the
     probabilities' buffers; otherwise the factors, their strides and ``P_LAYOUT`` are ``None`` and compile out,
     leaving the 16-bit kernel as it was. ``PINGPONG``: the consumers take turns issuing their products
-    (:func:`_take_turn`); without it the turns' barriers are not allocated and the code is as before."""
+    (:func:`_take_turn`); without it the turns' barriers are not allocated and the code is as before. ``V_DIRECT``
+    (fp8): ``V`` is the call's key-major values of one sequence, not the transposed copy
+    (:func:`values_read_directly`)."""
     pid = gl.program_id(0)
     if pid >= num_workers:
         _fill_padding_lse(Lse, cu_seqlens_q, num_seqs, num_tokens_q, num_heads, stride_lse_h, pid - num_workers,
@@ -764,7 +776,7 @@ def _attn_fwd_sm90(
                              k_empty, v_ready, v_empty, item_smem, seq_smem, Counter, cu_seqlens_q, cu_seqlens_k,
                              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_tokens_q,
                              q_cols, k_rows, k_cols, num_seqs, num_heads, num_slots, heads_per_group, pid,
-                             num_workers, V_LAYOUT, CAUSAL, FP8)),
+                             num_workers, V_LAYOUT, CAUSAL, FP8, V_DIRECT)),
             ],
             [4, 1],
             [_CONSUMER_REGS, _PRODUCER_REGS],
@@ -784,6 +796,22 @@ def sm90_shared_memory(
     probabilities = 2 * BLOCK_M * block_n if elem_bytes == 1 else 0
     barriers = 8 * (2 + 4 * stages + (2 if pingpong else 0))
     return elem_bytes * (BLOCK_M * dqk + stages * block_n * (dqk + dv)) + probabilities + barriers + 32
+
+
+def values_read_directly(v: torch.Tensor, num_seqs: int) -> bool:
+    """Whether the fp8 variant reads ``v`` ``[Tk, H, Dv]`` e4m3 as it is, without :func:`sm90_launch`'s transposed
+    copy: ``v`` is key-major (unit stride over the keys, as ``mla_ops.quantize_fp8(v, key_major=True)`` makes it),
+    its data and channel and head strides 16-byte aligned (TMA), and the call has one sequence, whose keys start at
+    row 0 as ``cu_seqlens`` do, so on an aligned column (TMA loads must start on one: docs/design/fp8.md). Other
+    key-major values are made token-major first (:func:`mla_ops.kernels.attention.attention_triton`)."""
+    return (
+        num_seqs == 1
+        and v.shape[0] > 0
+        and v.stride(0) == 1
+        and v.data_ptr() % 16 == 0
+        and v.stride(1) % 16 == 0
+        and v.stride(2) % 16 == 0
+    )
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -865,7 +893,8 @@ def sm90_launch(
     (float32 ``[H]``, stride 0 for one factor), the fp8 variant. Its values are first copied transposed, to
     ``[H, Dv, width]`` with each channel's keys contiguous, each sequence's from an aligned column after ``block_n``
     lead columns (:func:`mla_ops.kernels.transpose.transposed_values`, on q's device and current stream): fp8
-    wgmma takes its B operand only K-major, and in ``P @ V`` K is the keys.
+    wgmma takes its B operand only K-major, and in ``P @ V`` K is the keys. A key-major ``v`` of a one-sequence call
+    is read as it is instead (:func:`values_read_directly`; the plan's third argument is then ``v``).
     The copy is the plan's third argument (held by ``plan.args`` until the launch has been issued; the stream
     orders it before the kernel), and the three descale factors follow the counter among the leading arguments
     (``plan.leading`` is :data:`SM90_LEADING_FP8`); bf16/fp16 launches pass ``None`` for those, which Triton compiles
@@ -888,12 +917,14 @@ def sm90_launch(
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     dtype = q.dtype
     if scales is None:
-        values, v_shape, p_layout, leading = v, (block_n, dv), None, SM90_LEADING
+        values, v_shape, p_layout, leading, direct = v, (block_n, dv), None, SM90_LEADING, False
         # bf16/fp16: no descale factors and no strides of theirs: None, which Triton compiles out, so these
         # variants have the kernel parameters and code they had before the fp8 variant existed.
         descales, descale_strides = (None, None, None), (None, None, None)
     else:
-        values = transposed_values(v, cu_seqlens_k, lead=block_n)  # value descriptors start a block early
+        direct = values_read_directly(v, num_seqs)
+        # Value descriptors start a block early, in the copy's lead columns or (direct) before v's first key.
+        values = v if direct else transposed_values(v, cu_seqlens_k, lead=block_n)
         # [Dv, keys] tiles of the transposed values, and each consumer's [64, keys] tiles of probabilities.
         v_shape, p_layout, leading = (dv, block_n), _shared_layout(_HALF.value, block_n, dtype), SM90_LEADING_FP8
         descales = tuple(scales[:3])
@@ -903,10 +934,16 @@ def sm90_launch(
         Q_LAYOUT_B=_shared_layout(BLOCK_M // 2, d_b, dtype), K_LAYOUT_A=_shared_layout(block_n, d_a, dtype),
         K_LAYOUT_B=_shared_layout(block_n, d_b, dtype), V_LAYOUT=_shared_layout(*v_shape, dtype),
         CAUSAL=bool(causal), SCALE_NONNEG=softmax_scale >= 0, STAGES=stages, FP8=scales is not None,
-        P_LAYOUT=p_layout, PINGPONG=bool(pingpong),
+        P_LAYOUT=p_layout, PINGPONG=bool(pingpong), V_DIRECT=direct,
     )  # fmt: skip
-    # fp8: the transposed values' channel and head strides are the kernel's (stride_vt, stride_vh).
-    v_strides = (v.stride(0), v.stride(1)) if scales is None else (values.stride(1), values.stride(0))
+    # fp8: the transposed values' (or key-major v's) channel and head strides are the kernel's (stride_vt,
+    # stride_vh).
+    if scales is None:
+        v_strides = (v.stride(0), v.stride(1))
+    elif direct:
+        v_strides = (v.stride(2), v.stride(1))
+    else:
+        v_strides = (values.stride(1), values.stride(0))
     strides = (
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), *v_strides, out.stride(0), out.stride(1), lse.stride(0),
     )  # fmt: skip
@@ -945,6 +982,22 @@ class CountedRelaunch:
         return self.fixed.native_launch((*leading_codes, NATIVE_COUNTER_CODE))
 
 
+class DirectRelaunch(CountedRelaunch):
+    """A layout's :class:`~mla_ops.kernels.launch.FixedLaunch` of the fp8 variant on key-major values read as they
+    are (:func:`values_read_directly`), relaunched with the ten addresses of an fp8 call (as
+    :class:`TransposedRelaunch`), with a fresh zeroed work counter after the seventh and no copy. Not in C++, as
+    the other fp8 relaunch."""
+
+    __slots__ = ()
+
+    def __call__(self, leading: tuple) -> None:
+        counter = torch.zeros(1, dtype=torch.int32, device=self.device)  # held until the launch is queued
+        self.fixed((*leading[:7], counter.data_ptr(), *leading[7:]))
+
+    def native_launch(self, leading_codes: tuple[int, ...]) -> NativeLaunch | None:
+        return None
+
+
 class TransposedRelaunch:
     """A layout's :class:`~mla_ops.kernels.launch.FixedLaunch` of the fp8 variant, relaunched with the ten addresses
     of an fp8 call of the ``tl.dot`` kernel's form (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k and the three
@@ -968,9 +1021,13 @@ class TransposedRelaunch:
     @classmethod
     def of(
         cls, fixed: FixedLaunch, call: VarlenCall, plan: LaunchPlan, block_n: int, device: torch.device
-    ) -> TransposedRelaunch | None:
+    ) -> TransposedRelaunch | DirectRelaunch | None:
         """The relaunch of ``fixed``, the fp8 launch of ``plan`` (:func:`sm90_launch` of ``call`` with ``block_n``),
-        or ``None`` where the copy's variant has not been launched directly or its buffer cannot be templated."""
+        or ``None`` where the copy's variant has not been launched directly or its buffer cannot be templated. A
+        launch that read key-major values directly (:func:`values_read_directly`) makes no copy: its relaunch is a
+        :class:`DirectRelaunch`."""
+        if plan.constexprs["V_DIRECT"]:  # no copy: v's address goes to the kernel as it is
+            return DirectRelaunch(fixed, device)
         values = plan.args[2]  # the transposed copy the kernel read, of this layout's shape
         # block_n lead columns, as sm90_launch copies them and the kernel's value descriptors expect (BN + ...).
         copy = copy_relaunch(call.v, call.cu_seqlens_k, values, block_n)
