@@ -162,7 +162,10 @@ class AutoOpMethod(OpMethod):
 class Fp8OpMethod(Method):
     """A backend through ``mla_ops.prefill_fp8`` / ``mla_ops.prefill_context_chunk_fp8`` under ``prefill_backend``,
     on the problem's ``q``, ``k``, ``v`` quantised per head by ``mla_ops.quantize_fp8``: before timing, or with
-    ``quantize`` inside every timed call (the ``+quant`` row: what an engine without an fp8 cache pays)."""
+    ``quantize`` inside every timed call (the ``+quant`` row: what an engine without an fp8 cache pays). A call of one
+    sequence quantises ``v`` key-major (``key_major=True``) for a backend that takes it
+    (``takes_key_major_values``: TRITON, whose Hopper kernel then reads it without a transposed copy), as the README
+    advises; other calls and backends get token-major ``v``."""
 
     kind = "fp8"
     tolerance = (FP8_OUT_TOL, FP8_LSE_TOL)
@@ -183,19 +186,25 @@ class Fp8OpMethod(Method):
                 return mla_ops.prefill_fp8(q8, k8, v8, cu_q, max_q, dq, dk, dv, scale)
             return mla_ops.prefill_context_chunk_fp8(q8, k8, v8, cu_q, cu_k, max_q, max_k, dq, dk, dv, scale)
 
+        backend = mla_ops.PrefillBackendEnum.from_name(self.backend).backend()
+        key_major = cu_q.shape[0] == 2 and backend.takes_key_major_values
         if self.quantize:
-            fn = lambda: attend(*quantised_inputs(q, k, v))
+            fn = lambda: attend(*quantised_inputs(q, k, v, key_major))
         else:
-            inputs = quantised_inputs(q, k, v)
+            inputs = quantised_inputs(q, k, v, key_major)
             fn = lambda: attend(*inputs)
         return Prepared(fn, _pair, lambda: mla_ops.prefill_backend(self.backend))
 
 
-def quantised_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``(q8, k8, v8, q_descale, k_descale, v_descale)``: the three quantised per head by ``mla_ops.quantize_fp8``."""
+def quantised_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_major: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """``(q8, k8, v8, q_descale, k_descale, v_descale)``: the three quantised per head by ``mla_ops.quantize_fp8``,
+    ``v`` key-major where ``key_major``."""
     import mla_ops
 
-    (q8, dq), (k8, dk), (v8, dv) = (mla_ops.quantize_fp8(x) for x in (q, k, v))
+    (q8, dq), (k8, dk) = (mla_ops.quantize_fp8(x) for x in (q, k))
+    v8, dv = mla_ops.quantize_fp8(v, key_major=key_major)
     return q8, k8, v8, dq, dk, dv
 
 
