@@ -285,3 +285,41 @@ def test_gluon_fp8_key_major_values_through_the_ops(causal) -> None:
             assert torch.equal(out, want_out) and torch.equal(lse, want_lse), (lengths, step)
             if len(lengths) == 1 and step == 2:
                 assert any(isinstance(known.launch, DirectRelaunch) for known in LAUNCHES.known.values())
+
+
+def test_gluon_fp8_key_major_values_replay_in_a_cuda_graph(sm90) -> None:
+    """Quantisation of v key-major and the fp8 op on it, captured once for one sequence of up to 4096 tokens (the
+    Gluon kernel reading v directly, a DirectRelaunch after the warm-up calls) and replayed with new data and a new
+    length in the same buffers: the results of calling it again, bit for bit."""
+    import mla_ops
+
+    heads, budget = 32, 4096
+    x = torch.zeros(3, budget, heads, 320, dtype=torch.bfloat16, device=DEVICE)  # q, k and kv
+    cu = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+
+    def step():
+        (q8, dq), (k8, dk) = mla_ops.quantize_fp8(x[0][..., :192]), mla_ops.quantize_fp8(x[1][..., :192])
+        v8, dv = mla_ops.quantize_fp8(x[2][..., 192:], key_major=True)
+        assert sm90.values_read_directly(v8, 1)
+        with mla_ops.prefill_backend("TRITON"):
+            return mla_ops.prefill_fp8(q8, k8, v8, cu, budget, dq, dk, dv, SCALE)
+
+    def load(length, seed):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator(DEVICE).manual_seed(seed), device=DEVICE))
+        cu.copy_(torch.tensor([0, length], dtype=torch.int32))
+
+    load(3000, 0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # the JIT launch, the compiled variant, the remembered relaunch
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    for seed, length in enumerate([4096, 129, 1], start=1):
+        load(length, seed)
+        graph.replay()
+        want_out, want_lse = step()
+        assert torch.equal(out[:length], want_out[:length]) and torch.equal(lse[:, :length], want_lse[:, :length])
