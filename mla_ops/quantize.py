@@ -27,10 +27,9 @@ _STEP_ELEMENTS = 1 << 26
 #: The key-major storage's columns are the tokens rounded up to a multiple of this, plus this many while that is a
 #: power of two: the width that the key-major conversion kernel's programs tile exactly
 #: (:data:`mla_ops.kernels.quantize.KEY_COLUMNS`, which a test holds equal), a multiple of 16 (the 16-byte alignment a
-#: TMA load's rows need), and no power of two, as the Gluon kernel's transposed copy's rows are not (its lead columns):
-#: with rows of exactly 2**17 bytes (131072 tokens) the 1024-over-131072 fp8 chunk ran no faster than with the copy it
-#: saves (H100, 2026-12-06), where rows a power of two apart may share L2 sets; whether the extra columns make up the
-#: difference is not yet measured. 16 for an empty tensor.
+#: TMA load's rows need), and no power of two, as the Gluon kernel's transposed copy's rows are not (its lead columns),
+#: so that the kernel's loads meet the strides they were measured with; whether a power of two would cost anything is
+#: not measured. 16 for an empty tensor.
 _KEY_MAJOR_COLUMNS = 128
 #: From this many elements on, the maxima come from the Triton kernel; below, from PyTorch's reduction, which costs
 #: less there. quantize_fp8 of bf16 [T, H, 192] with each (H100, Triton 3.6, 2026-12-06), reduction / kernel: 0.81 to
