@@ -93,6 +93,9 @@ class Variant:
         taken = sorted(set(self.other_barriers) & set(_handoff_barriers()))
         if taken:
             found.append(f"Triton's own named barriers {taken} are the work-item hand-off's (attention_sm90._ITEM_*)")
+        taken = sorted(set(self.other_barriers) & set(_fp8_barriers()))
+        if taken:
+            found.append(f"Triton's own named barriers {taken} are the fp8 kernel's (_RING_FREE, _TURN)")
         if self.handout_foreign:
             found.append(
                 f"{len(self.handout_foreign)} shared-memory access(es) besides Triton's hand-out at its lines "
@@ -109,9 +112,19 @@ def _handoff_barriers() -> tuple[int, ...]:
     return tuple(base + wg for base in (attention_sm90._ITEM_WRITTEN, attention_sm90._ITEM_READ) for wg in (0, 1))
 
 
+def _fp8_barriers() -> tuple[int, ...]:
+    """The named barrier ids of the Gluon kernel's fp8 variant: one per buffer of its rings (at most 4) and one per
+    consumer warpgroup's turn. Their ids reach the PTX in registers, so :func:`other_barriers` finds Triton's own."""
+    from mla_ops.kernels import attention_sm90
+
+    ring = attention_sm90._RING_FREE
+    return (*range(ring, ring + attention_sm90._MAX_FP8_STAGES), attention_sm90._TURN, attention_sm90._TURN + 1)
+
+
 def other_barriers(ptx: str) -> tuple[int, ...]:
     """The ids of the named barriers in ``ptx`` other than the hand-off's, which are the only ones of
-    ``attention_sm90._HANDOFF_THREADS`` threads."""
+    ``attention_sm90._HANDOFF_THREADS`` threads, written as numbers (the fp8 variant's, :func:`_fp8_barriers`, are
+    not)."""
     from mla_ops.kernels.attention_sm90 import _HANDOFF_THREADS
 
     handoff, ids = _handoff_barriers(), set()

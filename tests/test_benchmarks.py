@@ -1401,6 +1401,11 @@ def test_compile_sm90_flags_triton_barriers_on_the_handoffs_ids():
     assert variant.problems(wants_ws=False) == [
         "Triton's own named barriers [14] are the work-item hand-off's (attention_sm90._ITEM_*)"
     ]
+    # The fp8 variant's ring and turn barriers take their ids from registers: only Triton's numbers are parsed.
+    assert CS.other_barriers(ptx + "bar.arrive %r12, 288;\nbar.sync %r7, 256;\n") == (0, 1)
+    variant.other_barriers = (0, 5, 9)
+    fp8_ids = "Triton's own named barriers [5, 9] are the fp8 kernel's (_RING_FREE, _TURN)"
+    assert variant.problems(wants_ws=False) == [fp8_ids]
 
 
 @pytest.mark.skipif(

@@ -724,6 +724,7 @@ def test_gluon_kernel_scope():
     fp8 = torch.float8_e4m3fn
     assert reason(dtype=fp8, stages=4, strided=True) == "tensors that are not all on one CUDA device"
     assert "overflow shared memory" in reason(dtype=fp8, stages=5)
+    assert "6 stages in fp8" in reason(dtype=fp8, block_n=64, stages=6)  # they fit, but have 4 named barriers
     assert sm90_shared_memory(192, 128, 128, 4, 1) <= 227 * 1024 < sm90_shared_memory(192, 128, 128, 5, 1)
     assert "b >= 5" in reason(144, 128, dtype=fp8) and reason(144, 128) == "tensors that are not all on one CUDA device"
 

@@ -169,6 +169,31 @@ def _await_last_read():
     _wait_both_read(gl.full([1], 0, gl.int32, layout))
 
 
+#: fp8: the rings' buffers and the consumers' turns go through named barriers instead of mbarrier arrivals (the
+#: ``k_empty``, ``v_empty`` and ``turns`` mbarriers are then left unused). Triton (3.6 to 3.9) puts a barrier of the
+#: whole warpgroup before each ``mbarrier.arrive`` of one thread: in the fp8 kernel's loop, four of its six such
+#: barriers a tile; a named barrier's ``bar.arrive`` by every thread needs none (docs/design/fp8.md, The
+#: synchronisation). ``_RING_FREE + s``: both consumer warpgroups are done with buffer ``s`` of the key and value
+#: rings (at most 4 buffers), which the producer waits for before loading it again; ``_TURN + WG``: warpgroup
+#: ``WG``'s turn on the tensor cores, given by the other (FlashAttention-3's warp-scheduler barriers).
+_RING_FREE = 4
+_MAX_FP8_STAGES = 4
+_TURN = _RING_FREE + _MAX_FP8_STAGES
+_RING_ASM_SYNC = gl.constexpr(f"bar.sync $1, {32 + 2 * 128}; mov.b32 $0, $1;")
+_RING_ASM_ARRIVE = gl.constexpr(f"bar.arrive $1, {32 + 2 * 128}; mov.b32 $0, $1;")
+_TURN_ASM_SYNC = gl.constexpr(f"bar.sync $1, {2 * 128}; mov.b32 $0, $1;")
+_TURN_ASM_ARRIVE = gl.constexpr(f"bar.arrive $1, {2 * 128}; mov.b32 $0, $1;")
+_RING_FREE_C = gl.constexpr(_RING_FREE)
+_TURN_C = gl.constexpr(_TURN)
+
+
+@gluon.jit
+def _on_barrier(bar_id, ASM: gl.constexpr, WARPS: gl.constexpr):
+    """Every thread of a partition of ``WARPS`` warps runs ``ASM`` on named barrier ``bar_id`` (an int32 scalar)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    _named_barrier(gl.full([1], 0, gl.int32, layout) + bar_id, ASM)
+
+
 @gluon.jit
 def _get_item(item_smem, seq_smem, WG: gl.constexpr):
     """The work item the producer last wrote and, where :data:`_LEAN`, its sequence (else 0), as consumer warpgroup
@@ -221,13 +246,19 @@ def _work_item(w, cu_seqlens_q, cu_seqlens_k, num_seqs, num_heads, num_slots, he
 
 
 @gluon.jit
-def _load_keys(ka_desc, kb_desc, k_smem_a, k_smem_b, k_ready, k_empty, g, row, col_k):
-    """Tile ``g`` (counted over the program's work items) of the key ring: both parts of rows ``row`` on."""
+def _load_keys(ka_desc, kb_desc, k_smem_a, k_smem_b, k_ready, k_empty, g, row, col_k, FP8: gl.constexpr):
+    """Tile ``g`` (counted over the program's work items) of the key ring: both parts of rows ``row`` on. ``FP8``:
+    once both consumers are done with the buffer's last tile, keys and values (:data:`_RING_FREE`), so that
+    :func:`_load_values` of the same tile need not wait again."""
     D_A: gl.constexpr = ka_desc.block_type.shape[1]
     STAGES: gl.constexpr = k_smem_a.type.shape[0]
     stage = g % STAGES
-    # A fresh mbarrier counts as having completed the phase before phase 0: the first round passes.
-    mbarrier.wait(k_empty.index(stage), ((g // STAGES) & 1) ^ 1)
+    if FP8:
+        if g >= STAGES:  # the first round's buffers are free
+            _on_barrier(_RING_FREE_C + stage, _RING_ASM_SYNC, 1)
+    else:
+        # A fresh mbarrier counts as having completed the phase before phase 0: the first round passes.
+        mbarrier.wait(k_empty.index(stage), ((g // STAGES) & 1) ^ 1)
     mbarrier.expect(k_ready.index(stage), ka_desc.block_type.nbytes + kb_desc.block_type.nbytes)
     _tma_load(ka_desc, [row, col_k], k_ready.index(stage), k_smem_a.index(stage))
     _tma_load(kb_desc, [row, col_k + D_A], k_ready.index(stage), k_smem_b.index(stage))
@@ -248,7 +279,8 @@ def _load_values(v_desc, v_smem, v_ready, v_empty, g, row, FP8: gl.constexpr):
     STAGES: gl.constexpr = v_smem.type.shape[0]
     TILE_BYTES: gl.constexpr = v_smem.type.shape[1] * v_smem.type.shape[2] * v_smem.dtype.primitive_bitwidth // 8
     stage = g % STAGES
-    mbarrier.wait(v_empty.index(stage), ((g // STAGES) & 1) ^ 1)
+    if not FP8:  # (fp8: the tile's keys waited for the buffer)
+        mbarrier.wait(v_empty.index(stage), ((g // STAGES) & 1) ^ 1)
     mbarrier.expect(v_ready.index(stage), TILE_BYTES)
     if FP8:
         _tma_load(v_desc, [0, row], v_ready.index(stage), v_smem.index(stage))
@@ -273,7 +305,7 @@ def _produce_item(
     STAGES: gl.constexpr = k_smem_a.type.shape[0]
     col_k = h * stride_kh
     if num_tiles > 0:  # the first keys before Q, which waits for the previous item's last scores
-        _load_keys(ka_desc, kb_desc, k_smem_a, k_smem_b, k_ready, k_empty, t, k_start, col_k)
+        _load_keys(ka_desc, kb_desc, k_smem_a, k_smem_b, k_ready, k_empty, t, k_start, col_k, FP8)
     mbarrier.wait(q_empty, (n & 1) ^ 1)
     _put_item(item_smem, w, seq_smem, b, n)
     mbarrier.expect(q_bar, 2 * (qa_desc.block_type.nbytes + qb_desc.block_type.nbytes))
@@ -319,8 +351,9 @@ def _produce_item(
         _load_values(v_desc, v_smem, v_ready, v_empty, t, v_col, FP8)
         for i in range(1, num_tiles):
             # Keys and values have rings of their own because they are let go at different times: a tile's
-            # keys once its scores are in, its values once P @ V is (a step later where the two overlap).
-            _load_keys(ka_desc, kb_desc, k_smem_a, k_smem_b, k_ready, k_empty, t + i, k_start + i * BN, col_k)
+            # keys once its scores are in, its values once P @ V is (a step later where the two overlap); fp8 lets
+            # both go at once, after P @ V (_RING_FREE).
+            _load_keys(ka_desc, kb_desc, k_smem_a, k_smem_b, k_ready, k_empty, t + i, k_start + i * BN, col_k, FP8)
             _load_values(v_desc, v_smem, v_ready, v_empty, t + i, v_col + i * BN, FP8)
 
 
@@ -382,6 +415,12 @@ def _producer(
     _put_item(item_smem, -1, seq_smem, 0, n)
     mbarrier.arrive(q_bar, count=1)  # no transfer: the phase completes on the arrival alone
     _await_last_read()
+    if FP8:  # the consumers' last releases of each buffer, which no load waited for: every arrival is matched
+        STAGES: gl.constexpr = k_smem_a.type.shape[0]
+        for s in gl.static_range(STAGES):
+            g = t - STAGES + s
+            if g >= 0:
+                _on_barrier(_RING_FREE_C + g % STAGES, _RING_ASM_SYNC, 1)
 
 
 @gluon.jit
@@ -461,20 +500,38 @@ def _stage_probabilities(p_smem, p):
 
 
 @gluon.jit
-def _take_turn(turns, g, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong (``PINGPONG``, FlashAttention-3's warp scheduling): wait until the other warpgroup has issued its
-    products of ring tile ``g - 1`` (``WG == 1``: of tile ``g``), so that the two take turns on the tensor cores and
-    one's softmax runs under the other's products. Warpgroup 0 passes its first turn on the fresh barrier (phase
-    -1 counts as completed). Without ``PINGPONG`` nothing."""
-    if PINGPONG:
-        mbarrier.wait(turns.index(WG), (g & 1) ^ (1 - WG))
+def _free_tile(g, STAGES: gl.constexpr):
+    """fp8: this warpgroup is done with ring tile ``g``, keys and values; the producer may load the buffer again."""
+    _on_barrier(_RING_FREE_C + g % STAGES, _RING_ASM_ARRIVE, 4)
 
 
 @gluon.jit
-def _end_turn(turns, WG: gl.constexpr, PINGPONG: gl.constexpr):
+def _take_turn(turns, g, WG: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr):
+    """Ping-pong (``PINGPONG``, FlashAttention-3's warp scheduling): wait until the other warpgroup has issued its
+    products of ring tile ``g - 1`` (``WG == 1``: of tile ``g``), so that the two take turns on the tensor cores and
+    one's softmax runs under the other's products. Warpgroup 0 passes its first turn on the fresh barrier (phase
+    -1 counts as completed). ``FP8``: on named barriers (:data:`_TURN`), warpgroup 0 skipping its program's first
+    turn and, after its last item, taking the one warpgroup 1 gave last (:func:`_consumer`). Without ``PINGPONG``
+    nothing."""
+    if PINGPONG:
+        if FP8:  # named barriers: warpgroup 0's first turn of the program is its own
+            if WG == 0:
+                if g > 0:
+                    _on_barrier(_TURN_C, _TURN_ASM_SYNC, 4)
+            else:
+                _on_barrier(_TURN_C + 1, _TURN_ASM_SYNC, 4)
+        else:
+            mbarrier.wait(turns.index(WG), (g & 1) ^ (1 - WG))
+
+
+@gluon.jit
+def _end_turn(turns, WG: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr):
     """Ping-pong: this warpgroup has issued its products of the tile; the other one's turn."""
     if PINGPONG:
-        mbarrier.arrive(turns.index(1 - WG), count=1)
+        if FP8:
+            _on_barrier(_TURN_C + 1 - WG, _TURN_ASM_ARRIVE, 4)
+        else:
+            mbarrier.arrive(turns.index(1 - WG), count=1)
 
 
 @gluon.jit
@@ -500,15 +557,16 @@ def _step(
     prev = (g - 1) % STAGES
     mbarrier.wait(k_ready.index(stage), (g // STAGES) & 1)
     mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
-    _take_turn(turns, g, WG, PINGPONG)
+    _take_turn(turns, g, WG, PINGPONG, FP8)
     s_tok = _issue_scores(q_a, q_b, k_smem_a.index(stage), k_smem_b.index(stage), s_init)
     if FP8:
         acc_tok = warpgroup_mma(p.index((g - 1) % 2), v_smem.index(prev).permute((1, 0)), acc, is_async=True)
     else:
         acc_tok = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-    _end_turn(turns, WG, PINGPONG)
+    _end_turn(turns, WG, PINGPONG, FP8)
     s = warpgroup_mma_wait(1, deps=(s_tok,))  # products retire in order: both parts of S_i are done
-    mbarrier.arrive(k_empty.index(stage), count=1)
+    if not FP8:  # (fp8: the buffer's keys go with its values)
+        mbarrier.arrive(k_empty.index(stage), count=1)
     p_i, alpha, m_i, l_i = _softmax(
         s, m_i, l_i, keys0, i * BN, len_k, q_pos, qk_scale, MASKED, CAUSAL, SCALE_NONNEG, FP8
     )  # fmt: skip
@@ -520,7 +578,10 @@ def _step(
     else:
         p_i = _operand(p_i, v_smem.dtype, o_layout)
         acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
-    mbarrier.arrive(v_empty.index(prev), count=1)
+    if FP8:
+        _free_tile(g - 1, STAGES)
+    else:
+        mbarrier.arrive(v_empty.index(prev), count=1)
     return p_i, m_i, l_i, _rescale(acc, alpha)
 
 
@@ -582,11 +643,12 @@ def _consume_item(
     if mine > 0:  # the first tile alone: its scores and softmax, no product in flight yet
         s0 = t0 % STAGES
         mbarrier.wait(k_ready.index(s0), (t0 // STAGES) & 1)
-        _take_turn(turns, t0, WG, PINGPONG)
+        _take_turn(turns, t0, WG, PINGPONG, FP8)
         s_tok = _issue_scores(q_a, q_b, k_smem_a.index(s0), k_smem_b.index(s0), s_init)
-        _end_turn(turns, WG, PINGPONG)
+        _end_turn(turns, WG, PINGPONG, FP8)
         s = warpgroup_mma_wait(0, deps=(s_tok,))
-        mbarrier.arrive(k_empty.index(s0), count=1)
+        if not FP8:
+            mbarrier.arrive(k_empty.index(s0), count=1)
         # The output is still zero: nothing to rescale.
         p0, _, m_i, l_i = _softmax(s, m_i, l_i, keys0, 0, len_k, q_pos, qk_scale, True, CAUSAL, SCALE_NONNEG, FP8)
         if FP8:  # the previous item's last P @ V, the buffers' last reader, has retired
@@ -619,16 +681,24 @@ def _consume_item(
         else:
             acc_tok = warpgroup_mma(p, v_smem.index(last % STAGES), acc, is_async=True)
             acc, p = warpgroup_mma_wait(0, deps=(acc_tok, p))
-        mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+        if FP8:
+            _free_tile(last, STAGES)
+        else:
+            mbarrier.arrive(v_empty.index(last % STAGES), count=1)
     for i in range(mine, num_tiles):  # tiles only the other warpgroup's rows see: hand them back
         g = t0 + i
         stage = g % STAGES
-        _take_turn(turns, g, WG, PINGPONG)  # and keep taking turns, so that the other is never left waiting
-        _end_turn(turns, WG, PINGPONG)
+        _take_turn(turns, g, WG, PINGPONG, FP8)  # and keep taking turns, so that the other is never left waiting
+        _end_turn(turns, WG, PINGPONG, FP8)
+        # Loaded before it is handed back: else this warpgroup's arrival could count for the buffer's previous tile.
         mbarrier.wait(k_ready.index(stage), (g // STAGES) & 1)
-        mbarrier.arrive(k_empty.index(stage), count=1)
-        mbarrier.wait(v_ready.index(stage), (g // STAGES) & 1)
-        mbarrier.arrive(v_empty.index(stage), count=1)
+        if FP8:
+            mbarrier.wait(v_ready.index(stage), (g // STAGES) & 1)
+            _free_tile(g, STAGES)
+        else:
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            mbarrier.wait(v_ready.index(stage), (g // STAGES) & 1)
+            mbarrier.arrive(v_empty.index(stage), count=1)
 
     # Rows that saw no key have l = 0: out = 0 and lse = -inf instead of 0/0. m and log2(l) are base 2.
     no_key = l_i == 0.0
@@ -676,6 +746,10 @@ def _consumer(
         n += 1
         mbarrier.wait(q_bar, n & 1)
         w, b_given = _get_item(item_smem, seq_smem, WG)
+    # Warpgroup 1's last turn given, which no turn of this one took (the constexprs apart from the runtime test).
+    if PINGPONG and FP8 and WG == 0:  # noqa: SIM102
+        if t > 0:
+            _on_barrier(_TURN_C, _TURN_ASM_SYNC, 4)
 
 
 @gluon.jit
@@ -840,6 +914,8 @@ def sm90_unsupported_reason(
         )
     if sm90_shared_memory(dqk, dv, block_n, stages, q.element_size()) > _SM90_SHARED_BYTES:
         return f"head sizes ({dqk}, {dv}) with {stages} stages of {block_n} keys, which overflow shared memory"
+    if fp8 and stages > _MAX_FP8_STAGES:
+        return f"{stages} stages in fp8 (its rings' named barriers cover at most {_MAX_FP8_STAGES})"
     if softmax_scale < 0:
         return "a negative softmax scale"
     if not (q.is_cuda and k.device == q.device and v.device == q.device):
