@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
-from typing import Any
+from types import ModuleType
 
 import torch
 
@@ -38,15 +37,14 @@ _KERNEL_AMAX_ELEMENTS = 1 << 25
 
 
 @functools.cache
-def _cuda_kernels() -> tuple[Callable[..., Any], ...] | None:
-    """:func:`mla_ops.kernels.quantize.amax_rows`, :func:`~mla_ops.kernels.quantize.quantize_rows_fp8`,
-    :func:`~mla_ops.kernels.quantize.quantize_keys_fp8` and :func:`~mla_ops.kernels.quantize.key_major_kernel_fits`,
-    or ``None`` where Triton does not import."""
+def _cuda_kernels() -> ModuleType | None:
+    """:mod:`mla_ops.kernels.quantize` (the maxima's and the conversions' Triton kernels), or ``None`` where Triton
+    does not import."""
     try:
-        from .kernels.quantize import amax_rows, key_major_kernel_fits, quantize_keys_fp8, quantize_rows_fp8
+        from .kernels import quantize
     except ImportError:
         return None
-    return amax_rows, quantize_rows_fp8, quantize_keys_fp8, key_major_kernel_fits
+    return quantize
 
 
 def _key_major_storage(
@@ -122,7 +120,7 @@ def quantize_fp8(
     if x.is_cuda and x.stride(2) == 1 and not torch.compiler.is_compiling():
         kernels = _cuda_kernels()
     if kernels is not None and x.numel() >= _KERNEL_AMAX_ELEMENTS:
-        amax = kernels[0](x, per_head)
+        amax = kernels.amax_rows(x, per_head)
     else:  # the largest magnitude per head, by a reduction that materialises nothing the size of x
         amax = torch.linalg.vector_norm(x, ord=math.inf, dim=(0, 2) if per_head else (0, 1, 2)).float()
     # Times the reciprocal rather than a division: PyTorch's CUDA division by a scalar multiplies by its reciprocal,
@@ -132,16 +130,16 @@ def quantize_fp8(
     if key_major:
         # The kernel writes every column of the storage; PyTorch's steps write the tokens' columns of a zeroed one.
         # The kernel takes 16-bit inputs with D a power of two up to 128 (kernels.quantize.KEY_MAX_DIM says why).
-        kernel = kernels is not None and kernels[3](x)
+        kernel = kernels is not None and kernels.key_major_kernel_fits(x)
         storage = _key_major_storage(num_tokens, num_heads, head_dim, x.device, zeroed=not kernel)
         if kernel:
-            kernels[2](x, scale.reshape(-1).expand(num_heads), storage.view(FP8_DTYPE))
+            kernels.quantize_keys_fp8(x, scale.reshape(-1).expand(num_heads), storage.view(FP8_DTYPE))
         else:
             _convert(x, scale, per_head, _tokens(storage, num_tokens))
         return _key_major(storage, num_tokens), descale
     out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     if kernels is not None:
-        return kernels[1](x, scale.reshape(-1).expand(num_heads), out), descale
+        return kernels.quantize_rows_fp8(x, scale.reshape(-1).expand(num_heads), out), descale
     return _convert(x, scale, per_head, out), descale
 
 

@@ -114,21 +114,21 @@ _ITEM_READ = 14
 _HANDOFF_THREADS = 32 + 4 * 32
 
 
-def _handoff_ptx(op: str, bar_id: int) -> gl.constexpr:
-    """Inline PTX of ``bar.<op>`` (``sync`` or ``arrive``) on hand-off barrier ``bar_id``; it passes its operand
-    through, so that data can depend on it."""
-    return gl.constexpr(f"bar.{op} {bar_id}, {_HANDOFF_THREADS}; mov.b32 $0, $1;")
+def _barrier_ptx(op: str, bar: int | str, threads: int) -> gl.constexpr:
+    """Inline PTX of ``bar.<op>`` (``sync`` or ``arrive``) on named barrier ``bar`` (an id, or ``"$1"``: the id is the
+    operand) for ``threads`` threads; it passes its operand through, so that data can depend on it."""
+    return gl.constexpr(f"bar.{op} {bar}, {threads}; mov.b32 $0, $1;")
 
 
 #: The barriers' PTX per warpgroup.
-_WAIT_WRITTEN_0 = _handoff_ptx("sync", _ITEM_WRITTEN)
-_WAIT_WRITTEN_1 = _handoff_ptx("sync", _ITEM_WRITTEN + 1)
-_SIGNAL_WRITTEN_0 = _handoff_ptx("arrive", _ITEM_WRITTEN)
-_SIGNAL_WRITTEN_1 = _handoff_ptx("arrive", _ITEM_WRITTEN + 1)
-_WAIT_READ_0 = _handoff_ptx("sync", _ITEM_READ)
-_WAIT_READ_1 = _handoff_ptx("sync", _ITEM_READ + 1)
-_SIGNAL_READ_0 = _handoff_ptx("arrive", _ITEM_READ)
-_SIGNAL_READ_1 = _handoff_ptx("arrive", _ITEM_READ + 1)
+_WAIT_WRITTEN_0 = _barrier_ptx("sync", _ITEM_WRITTEN, _HANDOFF_THREADS)
+_WAIT_WRITTEN_1 = _barrier_ptx("sync", _ITEM_WRITTEN + 1, _HANDOFF_THREADS)
+_SIGNAL_WRITTEN_0 = _barrier_ptx("arrive", _ITEM_WRITTEN, _HANDOFF_THREADS)
+_SIGNAL_WRITTEN_1 = _barrier_ptx("arrive", _ITEM_WRITTEN + 1, _HANDOFF_THREADS)
+_WAIT_READ_0 = _barrier_ptx("sync", _ITEM_READ, _HANDOFF_THREADS)
+_WAIT_READ_1 = _barrier_ptx("sync", _ITEM_READ + 1, _HANDOFF_THREADS)
+_SIGNAL_READ_0 = _barrier_ptx("arrive", _ITEM_READ, _HANDOFF_THREADS)
+_SIGNAL_READ_1 = _barrier_ptx("arrive", _ITEM_READ + 1, _HANDOFF_THREADS)
 
 
 @gluon.jit
@@ -179,10 +179,10 @@ def _await_last_read():
 _RING_FREE = 4
 _MAX_FP8_STAGES = 4
 _TURN = _RING_FREE + _MAX_FP8_STAGES
-_RING_ASM_SYNC = gl.constexpr(f"bar.sync $1, {32 + 2 * 128}; mov.b32 $0, $1;")
-_RING_ASM_ARRIVE = gl.constexpr(f"bar.arrive $1, {32 + 2 * 128}; mov.b32 $0, $1;")
-_TURN_ASM_SYNC = gl.constexpr(f"bar.sync $1, {2 * 128}; mov.b32 $0, $1;")
-_TURN_ASM_ARRIVE = gl.constexpr(f"bar.arrive $1, {2 * 128}; mov.b32 $0, $1;")
+_RING_ASM_SYNC = _barrier_ptx("sync", "$1", 32 + 2 * 128)
+_RING_ASM_ARRIVE = _barrier_ptx("arrive", "$1", 32 + 2 * 128)
+_TURN_ASM_SYNC = _barrier_ptx("sync", "$1", 2 * 128)
+_TURN_ASM_ARRIVE = _barrier_ptx("arrive", "$1", 2 * 128)
 _RING_FREE_C = gl.constexpr(_RING_FREE)
 _TURN_C = gl.constexpr(_TURN)
 
