@@ -170,7 +170,7 @@ def _await_last_read():
 
 
 #: fp8: the rings' buffers and the consumers' turns go through named barriers instead of mbarrier arrivals (the
-#: ``k_empty``, ``v_empty`` and ``turns`` mbarriers are then left unused). Triton (3.6 to 3.9) puts a barrier of the
+#: ``k_empty``, ``v_empty`` and ``turns`` mbarriers are then not allocated). Triton (3.6 to 3.9) puts a barrier of the
 #: whole warpgroup before each ``mbarrier.arrive`` of one thread: in the fp8 kernel's loop, four of its six such
 #: barriers a tile; a named barrier's ``bar.arrive`` by every thread needs none (docs/design/fp8.md, The
 #: synchronisation). ``_RING_FREE + s``: both consumer warpgroups are done with buffer ``s`` of the key and value
@@ -817,18 +817,27 @@ def _attn_fwd_sm90(
             seq_smem = item_smem
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        # fp8 frees the rings' buffers and passes the turns on named barriers (_RING_FREE, _TURN): no k_empty,
+        # v_empty or turns mbarriers. (The 16-bit variants allocate and initialise in the order they always did.)
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        if FP8:
+            k_empty: gl.constexpr = None
+        else:
+            k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        if FP8:
+            v_empty: gl.constexpr = None
+        else:
+            v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
         mbarrier.init(q_empty, count=2)  # both consumers are done with an item's Q
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # both consumers hand each buffer back
-            mbarrier.init(v_empty.index(i), count=2)
-        if PINGPONG:
+            if not FP8:
+                mbarrier.init(k_empty.index(i), count=2)  # both consumers hand each buffer back
+                mbarrier.init(v_empty.index(i), count=2)
+        if PINGPONG and not FP8:
             turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(2):
                 mbarrier.init(turns.index(i), count=1)  # warpgroup i's turn: the other one arrives
@@ -863,12 +872,14 @@ def _attn_fwd_sm90(
 def sm90_shared_memory(
     dqk: int, dv: int, block_n: int, stages: int, elem_bytes: int = 2, pingpong: bool = False
 ) -> int:
-    """Bytes of shared memory one program takes: the block's Q and ``stages`` K/V buffers, plus the barriers
+    """Bytes of shared memory one program takes: the block's Q and ``stages`` K/V buffers, plus the mbarriers
     (``pingpong``: the two of the consumers' turns too) and the work item's number and sequence (the sequence only
     where :data:`_LEAN`; counted always). ``elem_bytes`` 1 (e4m3) adds each consumer's two buffers of probabilities
-    (``[64, block_n]`` e4m3 each)."""
-    probabilities = 2 * BLOCK_M * block_n if elem_bytes == 1 else 0
-    barriers = 8 * (2 + 4 * stages + (2 if pingpong else 0))
+    (``[64, block_n]`` e4m3 each) and frees buffers and passes turns on named barriers, which take no shared memory:
+    its mbarriers are Q's two and each buffer's ready one."""
+    fp8 = elem_bytes == 1
+    probabilities = 2 * BLOCK_M * block_n if fp8 else 0
+    barriers = 8 * (2 + 2 * stages) if fp8 else 8 * (2 + 4 * stages + (2 if pingpong else 0))
     return elem_bytes * (BLOCK_M * dqk + stages * block_n * (dqk + dv)) + probabilities + barriers + 32
 
 
