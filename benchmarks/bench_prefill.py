@@ -117,6 +117,7 @@ def run_shape(
     names = {m.name for m in methods}
     in_ratio = {m.name for m in methods if m.raw in names} | {m.raw for m in methods if m.raw in names}
     in_ratio |= {m.name for m in methods if m.kind == "op"}  # auto is measured against the fastest forced op
+    in_ratio |= set(args.versus_best_op) & names  # and these fp8 methods against the fastest bf16 op
     # With --versus-best-raw the fastest correct baseline so far keeps its buffers too (as add_best_baseline picks
     # it: the least time_ms of an ok row), and hands them back once a faster one comes.
     fastest: str | None = None
@@ -209,11 +210,13 @@ def _rounds_ratios(
 ) -> None:
     """The ratios measured in rounds of samples of two methods taken in turns (:func:`benchlib.methods.rounds_ratio`),
     each with its rounds' range: ``ratio_auto_best_rounds`` in the ``auto`` row (the fastest forced op's time over
-    auto's) and ``ratio_best_rounds`` in the rows of ``--versus-best-raw``'s methods (the fastest raw baseline's
-    time over the method's). ``ratio_auto_best`` and ``ratio_best`` compare single measurements, taken seconds to
-    minutes apart, which differ by their noise too."""
+    auto's), ``ratio_best_rounds`` in the rows of ``--versus-best-raw``'s methods (the fastest raw baseline's
+    time over the method's) and ``ratio_best_bf16_rounds`` in the rows of ``--versus-best-op``'s fp8 methods (the
+    fastest bf16 op's time over the method's). ``ratio_auto_best``, ``ratio_best`` and ``ratio_best_bf16`` compare
+    single measurements, taken seconds to minutes apart, which differ by their noise too."""
     pairs = [(r, r["best_op"], "ratio_auto_best") for r in rows if r["method"] == "auto" and r.get("best_op")]
     pairs += [(r, r.get("best_baseline"), "ratio_best") for r in rows if r["method"] in args.versus_best_raw]
+    pairs += [(r, r.get("best_op"), "ratio_best_bf16") for r in rows if r["method"] in args.versus_best_op]
     for row, theirs, key in pairs:
         progress.step(f"{row['shape']} {row['method']} vs {theirs}, {args.ratio_rounds} rounds of samples in turns")
         ours, best = checked.get(row["method"]), checked.get(theirs or "")
@@ -236,13 +239,16 @@ def _record_ratio(
     progress.write(f"  {row['shape']:<30} {label}: {ratio.median:.3f} (rounds {ratio.low:.3f}..{ratio.high:.3f})")
 
 
-def ratio_steps(shape: P.Shape, methods: list[M.Method], versus_best_raw: Sequence[str] = ()) -> int:
+def ratio_steps(
+    shape: P.Shape, methods: list[M.Method], versus_best_raw: Sequence[str] = (), versus_best_op: Sequence[str] = ()
+) -> int:
     """How many ratio measurements a shape gets (one progress step each): each op against its raw call, auto
-    against the fastest forced op, and each of ``versus_best_raw`` against the fastest raw baseline."""
+    against the fastest forced op, each of ``versus_best_raw`` against the fastest raw baseline and each of
+    ``versus_best_op`` against the fastest bf16 op."""
     names = {m.name for m in methods if shape.suite in m.suites}
     raws = sum(1 for m in methods if shape.suite in m.suites and m.kind == "op" and m.raw in names)
     auto = "auto" in names and any(m.kind == "op" and m.name != "auto" for m in methods if m.name in names)
-    return raws + auto + len(names & set(versus_best_raw))
+    return raws + auto + len(names & set(versus_best_raw)) + len(names & set(versus_best_op))
 
 
 def _result_line(row: dict[str, Any]) -> str:
@@ -305,6 +311,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="methods (e.g. TRITON triton_raw) to measure against the shape's fastest raw baseline in --ratio-rounds "
         "rounds of samples of both in turns as well (ratio_best_rounds): 'best raw' compares single measurements, "
         "which differ by several percent on their own",
+    )
+    parser.add_argument(
+        "--versus-best-op",
+        nargs="+",
+        metavar="METHOD",
+        default=[],
+        help="fp8 methods (e.g. 'TRITON fp8') to measure against the shape's fastest bf16 op in --ratio-rounds rounds "
+        "of samples of both in turns as well (ratio_best_bf16_rounds): 'best bf16 op' compares single measurements",
     )
     cli.add_device(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or counter")
@@ -398,12 +412,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"bench_prefill.py: --versus-best-raw: {', '.join(unknown)} not timed in this run; "
             f"the methods timed: {', '.join(m.name for m in methods)}"
         )
+    fp8_methods = [m.name for m in methods if m.kind == "fp8"]
+    unknown = sorted(set(args.versus_best_op) - set(fp8_methods))
+    if unknown:
+        raise SystemExit(
+            f"bench_prefill.py: --versus-best-op: {', '.join(unknown)} not an fp8 method timed in this run; "
+            f"the fp8 methods timed: {', '.join(fp8_methods) or 'none (--no-fp8, or no backend takes fp8 here)'}"
+        )
     print(f"device: {env['gpu']} ({device}), dtype {args.dtype}, (Dqk, Dv) = ({P.DQK}, {P.DV})")
     print("timing: " + ", ".join(m.name for m in methods))
     for name, why in not_measured.items():
         print(f"not measured: {name}: {why}")
     count = sum(1 for s in shapes for m in methods if s.suite in m.suites)
-    count += sum(ratio_steps(s, methods, args.versus_best_raw) for s in shapes)
+    count += sum(ratio_steps(s, methods, args.versus_best_raw, args.versus_best_op) for s in shapes)
     if args.list:
         for s in shapes:
             print(f"  {s.id:<32} {s.label}")
@@ -463,6 +484,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     crossover = R.fp8_crossover(rows)
     if crossover:
         print("fp8 against the best bf16 op (causal sweep):\n" + crossover.replace("**", ""))
+    in_turns = R.fp8_rounds(rows)
+    if in_turns:
+        print("fp8 against the best bf16 op, samples of both in turns:\n" + in_turns.replace("**", ""))
     wrong = sorted({f"{r['method']} on {r['shape']}" for r in rows if r["status"] == "WRONG"})
     if wrong:
         print("WRONG results (exceed the tolerance): " + ", ".join(wrong))

@@ -289,6 +289,7 @@ def _assert_canonical_files(out_dir: Path, stem: str) -> None:
 def prefill_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_prefill")
     argv = ["--device", "cpu", "--out", str(out), *FAST, "--ratio-rounds", "2", "--versus-best-raw", "REFERENCE"]
+    argv += ["--versus-best-op", "REFERENCE fp8"]
     printed = _main(BP, argv)
     return out, printed
 
@@ -314,6 +315,14 @@ def test_cpu_run_writes_csv(prefill_run):
     for r in ops:
         assert 0 < float(r["ratio_best_min"]) <= float(r["ratio_best_rounds"]) <= float(r["ratio_best_max"]), r
     assert not any(r["ratio_best_rounds"] for r in rows if r["method"] != "REFERENCE")
+    # --versus-best-op 'REFERENCE fp8': against the fastest bf16 op in rounds of both in turn, in its rows alone.
+    fp8 = [r for r in rows if r["method"] == "REFERENCE fp8"]
+    assert {r["suite"] for r in fp8} == {"causal", "chunk"}
+    for r in fp8:
+        assert r["best_op"] in ("REFERENCE", "auto") and float(r["ratio_best_bf16"]) > 0, r  # auto is REFERENCE here
+        low, median, high = (float(r[f"ratio_best_bf16_{k}"]) for k in ("min", "rounds", "max"))
+        assert 0 < low <= median <= high, r
+    assert not any(r["ratio_best_bf16_rounds"] for r in rows if r["method"] != "REFERENCE fp8")
     # The op with no override, against the fastest forced backend (on CPU both are REFERENCE).
     auto = [r for r in rows if r["method"] == "auto"]
     assert len(auto) == len(ops) and all(r["kind"] == "op" and r["status"] == "ok" for r in auto)
@@ -369,6 +378,9 @@ def test_cpu_run_writes_markdown_and_env(prefill_run):
     assert "## Automatic choice" in md and "auto against the fastest forced op:\n- by time, " in printed
     assert "- by pace, " in md and "- by pace, " in printed
     assert "fp8 against the best bf16 op (causal sweep):\n- REFERENCE fp8, H=2: " in printed
+    assert "REFERENCE fp8 / best bf16 op, rounds" in md and "REFERENCE fp8+quant / best bf16 op, rounds" not in md
+    assert "## FP8 against the best bf16 op, samples of both taken in turns" in md
+    assert "fp8 against the best bf16 op, samples of both in turns:\n- REFERENCE fp8, causal-h2-" in printed
     for skipped in ("flashinfer_raw", "fa4_raw", "fa2_varlen_raw"):
         assert f"not measured: {skipped}: " in printed and "CUDA devices only" in env["not_measured"][skipped]
     if HAS_MATPLOTLIB:
@@ -395,6 +407,21 @@ def test_fp8_crossover_is_the_length_from_which_every_longer_one_pays():
     assert R.fp8_crossover([r for r in rows if r["kind"] != "fp8"]) == ""
 
 
+def test_fp8_rounds_lists_the_rows_measured_in_turns():
+    def row(method, ratio=None, shape="causal-h128-1x16384"):
+        bounds = {} if ratio is None else {"ratio_best_bf16_min": ratio - 0.01, "ratio_best_bf16_max": ratio + 0.02}
+        return {"kind": "fp8", "method": method, "shape": shape, "best_op": "FLASH_ATTN",
+                "ratio_best_bf16_rounds": ratio, **bounds}  # fmt: skip
+
+    rows = [row("TRITON fp8", 1.284), row("TRITON fp8+quant"), row("TRITON fp8", 1.2, "chunk-h128-1x1024-ctx1x131072")]
+    rows.append({"kind": "op", "method": "auto", "shape": "causal-h128-1x16384", "ratio_best_bf16_rounds": 1.0})
+    assert R.fp8_rounds(rows).splitlines() == [
+        "- **TRITON fp8**, causal-h128-1x16384: 1.284 of FLASH_ATTN (rounds 1.274..1.304)",
+        "- **TRITON fp8**, chunk-h128-1x1024-ctx1x131072: 1.200 of FLASH_ATTN (rounds 1.190..1.220)",
+    ]
+    assert R.fp8_rounds(rows[1:2]) == ""
+
+
 def test_no_fp8_leaves_the_fp8_rows_out():
     def timed(*extra: str) -> str:
         printed = _main(BP, ["--device", "cpu", "--quick", "--list", *extra])
@@ -404,6 +431,10 @@ def test_no_fp8_leaves_the_fp8_rows_out():
     assert "fp8" not in timed("--no-fp8")
     with pytest.raises(SystemExit, match=r"--versus-best-raw: TRITON not timed in this run; the methods timed: "):
         timed("--versus-best-raw", "TRITON")
+    with pytest.raises(SystemExit, match=r"--versus-best-op: REFERENCE not an fp8 method .* REFERENCE fp8, "):
+        timed("--versus-best-op", "REFERENCE")
+    with pytest.raises(SystemExit, match=r"--versus-best-op: REFERENCE fp8 not an fp8 method .*: none \(--no-fp8"):
+        timed("--no-fp8", "--versus-best-op", "REFERENCE fp8")
 
 
 def test_from_csv_rerenders_the_report(prefill_run, tmp_path):

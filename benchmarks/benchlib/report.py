@@ -643,6 +643,9 @@ PREFILL_FIELDS = [
     "ratio_auto_best_min",
     "ratio_auto_best_max",
     "ratio_best_bf16",
+    "ratio_best_bf16_rounds",
+    "ratio_best_bf16_min",
+    "ratio_best_bf16_max",
     "note",
 ]
 _PREFILL_TEXT = ("method", "series", "shape", "label", "raw_method", "best_baseline", "best_op", "auto_route", "note")
@@ -725,6 +728,19 @@ def fp8_crossover(rows: list[dict[str, Any]]) -> str:
             verdict = f"pays from s = {pays[0]}" if pays else f"does not pay up to s = {points[-1][0]}"
             ratios = ", ".join(f"{x}: {ratio:.2f}" for x, ratio in points)
             lines.append(f"- **{m}**, H={heads}: {verdict} ({ratios})")
+    return "\n".join(lines)
+
+
+def fp8_rounds(rows: list[dict[str, Any]]) -> str:
+    """Per fp8 row measured with ``--versus-best-op``, its ratio to the best bf16 op from samples of both taken in
+    turns (``ratio_best_bf16_rounds``) and its rounds' range; empty without such rows."""
+    lines = []
+    measured = [r for r in rows if r["kind"] == "fp8" and r.get("ratio_best_bf16_rounds") is not None]
+    for r in measured:
+        lines.append(
+            f"- **{r['method']}**, {r['shape']}: {r['ratio_best_bf16_rounds']:.3f} of {r['best_op']} "
+            f"(rounds {r['ratio_best_bf16_min']:.3f}..{r['ratio_best_bf16_max']:.3f})"
+        )
     return "\n".join(lines)
 
 
@@ -819,6 +835,8 @@ def render_prefill_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> 
                 columns.append((f"{m} / best op, rounds", m, "ratio_auto_best_rounds"))
             if any(cell.get((s, m), {}).get("ratio_best_bf16") is not None for s in shapes):
                 columns.append((f"{m} / best bf16 op", m, "ratio_best_bf16"))
+            if any(cell.get((s, m), {}).get("ratio_best_bf16_rounds") is not None for s in shapes):
+                columns.append((f"{m} / best bf16 op, rounds", m, "ratio_best_bf16_rounds"))
         if columns:
             table = []
             for s in shapes:
@@ -837,6 +855,10 @@ def render_prefill_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> 
     if crossover:
         parts += ["## FP8 against the best bf16 op (causal sweep, quantisation excluded and included)", ""]
         parts += [crossover, ""]
+    in_turns = fp8_rounds(rows)
+    if in_turns:
+        parts += ["## FP8 against the best bf16 op, samples of both taken in turns (`--versus-best-op`)", ""]
+        parts += [in_turns, ""]
     parts += ["## Correctness (checked once per shape before timing, against fp32 reference math)", ""]
     parts += [correctness_table(rows), ""]
     parts += ["Columns and methods are described in `benchmarks/README.md`.", ""]
