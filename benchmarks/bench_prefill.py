@@ -12,7 +12,8 @@ no override, routed per call as a user's call is (by size class where a cost tab
 its throughput over the fastest forced backend's (*auto / best op*). Each backend with fp8 kernels here adds two
 rows: its fp8 op on inputs quantised beforehand (``NAME fp8``) and with the quantisation of ``q``, ``k`` and ``v``
 inside the timed call (``NAME fp8+quant``), each with its throughput over the best bf16 op's
-(*/ best bf16 op*, FLOPs counted alike), and the report gives the causal length from which fp8 pays.
+(*/ best bf16 op*, FLOPs counted alike), and the report gives the causal length from which fp8 pays;
+``--versus-best-op`` measures that ratio again in rounds of phases in which each runs at its own settled clock.
 
 Writes ``prefill.csv``, ``prefill.md``, ``prefill.png`` and ``prefill.env.json`` into
 ``benchmarks/results/<gpu-slug>/`` (or ``--out``). Without a GPU it times the REFERENCE backend on tiny
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The shared modules live next to this script, which is not part of a package.
-from benchlib import cli, timing
+from benchlib import cli, clocks, timing
 from benchlib import methods as M
 from benchlib import problems as P
 from benchlib import report as R
@@ -208,26 +209,66 @@ def _rounds_ratios(
     device: torch.device,
     progress: R.Progress,
 ) -> None:
-    """The ratios measured in rounds of samples of two methods taken in turns (:func:`benchlib.methods.rounds_ratio`),
-    each with its rounds' range: ``ratio_auto_best_rounds`` in the ``auto`` row (the fastest forced op's time over
-    auto's), ``ratio_best_rounds`` in the rows of ``--versus-best-raw``'s methods (the fastest raw baseline's
-    time over the method's) and ``ratio_best_bf16_rounds`` in the rows of ``--versus-best-op``'s fp8 methods (the
-    fastest bf16 op's time over the method's). ``ratio_auto_best``, ``ratio_best`` and ``ratio_best_bf16`` compare
-    single measurements, taken seconds to minutes apart, which differ by their noise too."""
+    """The ratios measured in rounds, each with its rounds' range: ``ratio_auto_best_rounds`` in the ``auto`` row
+    (the fastest forced op's time over auto's) and ``ratio_best_rounds`` in the rows of ``--versus-best-raw``'s
+    methods (the fastest raw baseline's time over the method's), from samples of both taken in turns
+    (:func:`benchlib.methods.rounds_ratio`); ``ratio_best_bf16_rounds`` in the rows of ``--versus-best-op``'s fp8
+    methods (the fastest bf16 op's time over the method's), from settled phases of each
+    (:func:`benchlib.methods.settled_rounds_ratio`), with the median SM clock of each side's phases
+    (``sm_clock_mhz``, ``best_sm_clock_mhz``) and the share of their samples under a power or thermal cap
+    (``capped``). ``ratio_auto_best``, ``ratio_best`` and ``ratio_best_bf16`` compare single measurements, taken
+    seconds to minutes apart, which differ by their noise too."""
     pairs = [(r, r["best_op"], "ratio_auto_best") for r in rows if r["method"] == "auto" and r.get("best_op")]
     pairs += [(r, r.get("best_baseline"), "ratio_best") for r in rows if r["method"] in args.versus_best_raw]
     pairs += [(r, r.get("best_op"), "ratio_best_bf16") for r in rows if r["method"] in args.versus_best_op]
     for row, theirs, key in pairs:
-        progress.step(f"{row['shape']} {row['method']} vs {theirs}, {args.ratio_rounds} rounds of samples in turns")
+        settled = key == "ratio_best_bf16"
+        how = "settled phases" if settled else "samples in turns"
+        progress.step(f"{row['shape']} {row['method']} vs {theirs}, {args.ratio_rounds} rounds of {how}")
         ours, best = checked.get(row["method"]), checked.get(theirs or "")
         if ours is None or best is None or ours.prepared is None or best.prepared is None:
             progress.write(f"  {row['shape']}: no {key} in rounds for {row['method']}: it or {theirs} is not ok")
             continue
+        label = f"{row['method']} / {theirs}"
+        if settled:
+            _settled_ratio(row, ours.prepared, best.prepared, label, args, device, progress)
+            continue
         ratio = M.rounds_ratio(
             ours.prepared, best.prepared, device, args.ratio_rounds, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms
         )
-        label = f"{row['method']} / {theirs}"
         _record_ratio(row, key, ratio, label, progress, median_key=f"{key}_rounds")
+
+
+def _settled_ratio(
+    row: dict[str, Any],
+    ours: M.Prepared,
+    best: M.Prepared,
+    label: str,
+    args: argparse.Namespace,
+    device: torch.device,
+    progress: R.Progress,
+) -> None:
+    """``ratio_best_bf16_rounds`` of an fp8 ``row`` against the fastest bf16 op ``best`` in settled phases, with the
+    SM clock sampled through each timed phase (:class:`benchlib.clocks.ClockSampler`): ``sm_clock_mhz`` (the fp8
+    method's phases), ``best_sm_clock_mhz`` (the op's) and ``capped`` (the share of both sides' samples under a
+    power or thermal cap), left empty where nothing was sampled."""
+    samplers: dict[str, list[clocks.ClockSampler]] = {"numerator": [], "denominator": []}
+
+    def monitor(name: str) -> clocks.ClockSampler:
+        samplers[name].append(clocks.ClockSampler(device))
+        return samplers[name][-1]
+
+    ratio = M.settled_rounds_ratio(
+        ours, best, device, args.ratio_rounds, monitor=monitor, settle_ms=args.settle_ms, phase_ms=args.phase_ms
+    )
+    _record_ratio(row, "ratio_best_bf16", ratio, label, progress, median_key="ratio_best_bf16_rounds")
+    mine, theirs, both = (
+        clocks.ClockSummary.of(sample for sampler in group for sample in sampler.samples)
+        for group in (samplers["denominator"], samplers["numerator"], samplers["denominator"] + samplers["numerator"])
+    )  # fmt: skip
+    if mine is not None and theirs is not None and both is not None:
+        row.update(sm_clock_mhz=mine.sm_mhz, best_sm_clock_mhz=theirs.sm_mhz, capped=both.capped)
+        progress.write(f"  {'':<30} SM clock {mine.describe()}; the bf16 op's {theirs.describe()}")
 
 
 def _record_ratio(
@@ -318,7 +359,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="METHOD",
         default=[],
         help="fp8 methods (e.g. 'TRITON fp8') to measure against the shape's fastest bf16 op in --ratio-rounds rounds "
-        "of samples of both in turns as well (ratio_best_bf16_rounds): 'best bf16 op' compares single measurements",
+        "of settled phases as well (ratio_best_bf16_rounds, with the SM clock of each side's phases): each runs "
+        "alone for --settle-ms, then is timed for --phase-ms, so that at a power cap each is timed at its own clock",
+    )
+    parser.add_argument(
+        "--settle-ms",
+        type=float,
+        help=f"untimed run before each phase of --versus-best-op (default: {timing.SETTLE_MS:g} on GPU, "
+        f"{timing.CPU_WARMUP_MS:g} on CPU)",
+    )
+    parser.add_argument(
+        "--phase-ms",
+        type=float,
+        help=f"timed budget of each phase of --versus-best-op (default: {timing.PHASE_MS:g} on GPU, "
+        f"{timing.CPU_REP_MS:g} on CPU)",
     )
     cli.add_device(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or counter")
@@ -338,6 +392,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.ratio_rounds is not None and args.ratio_rounds < 1:
         parser.error("--ratio-rounds must be at least 1")
+    for name in ("settle_ms", "phase_ms"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must not be negative")
     return args
 
 
@@ -388,7 +445,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.from_csv is not None:
         return replot(args.from_csv, args.out)
 
-    device, dtype = P.setup_device(args, {"ratio_rounds": timing.DEFAULT_ROUNDS}, {"ratio_rounds": 3})
+    device, dtype = P.setup_device(
+        args,
+        {"ratio_rounds": timing.DEFAULT_ROUNDS, "settle_ms": timing.SETTLE_MS, "phase_ms": timing.PHASE_MS},
+        {"ratio_rounds": 3, "settle_ms": timing.CPU_WARMUP_MS, "phase_ms": timing.CPU_REP_MS},
+    )
     cuda = device.type == "cuda"
     all_shapes = P.gpu_shapes() if cuda else P.cpu_shapes()
     shapes = P.select_shapes(all_shapes, args.shapes, args.quick)
@@ -402,6 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warmup_ms=args.warmup_ms,
         rep_ms=args.rep_ms,
         ratio_rounds=args.ratio_rounds,
+        **({"settle_ms": args.settle_ms, "phase_ms": args.phase_ms} if args.versus_best_op else {}),
         correctness=f"row-relative output error <= {M.OUT_TOL_EPS:g} eps({args.dtype}), |lse error| <= {M.LSE_TOL:g}",
         not_measured=not_measured,
     )
@@ -484,9 +546,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     crossover = R.fp8_crossover(rows)
     if crossover:
         print("fp8 against the best bf16 op (causal sweep):\n" + crossover.replace("**", ""))
-    in_turns = R.fp8_rounds(rows)
-    if in_turns:
-        print("fp8 against the best bf16 op, samples of both in turns:\n" + in_turns.replace("**", ""))
+    settled = R.fp8_rounds(rows)
+    if settled:
+        print("fp8 against the best bf16 op, each in phases at its own settled clock:\n" + settled.replace("**", ""))
     wrong = sorted({f"{r['method']} on {r['shape']}" for r in rows if r["status"] == "WRONG"})
     if wrong:
         print("WRONG results (exceed the tolerance): " + ", ".join(wrong))

@@ -17,6 +17,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -29,11 +30,11 @@ import pytest
 import sanitize as SAN
 import torch
 from benchlib import attribution as A
+from benchlib import clocks, timing
 from benchlib import handout as HO
 from benchlib import methods as M
 from benchlib import problems as P
 from benchlib import report as R
-from benchlib import timing
 from utils import make_batch
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -323,6 +324,7 @@ def test_cpu_run_writes_csv(prefill_run):
         low, median, high = (float(r[f"ratio_best_bf16_{k}"]) for k in ("min", "rounds", "max"))
         assert 0 < low <= median <= high, r
     assert not any(r["ratio_best_bf16_rounds"] for r in rows if r["method"] != "REFERENCE fp8")
+    assert not any(r["sm_clock_mhz"] or r["best_sm_clock_mhz"] or r["capped"] for r in rows)  # no clock on CPU
     # The op with no override, against the fastest forced backend (on CPU both are REFERENCE).
     auto = [r for r in rows if r["method"] == "auto"]
     assert len(auto) == len(ops) and all(r["kind"] == "op" and r["status"] == "ok" for r in auto)
@@ -378,9 +380,11 @@ def test_cpu_run_writes_markdown_and_env(prefill_run):
     assert "## Automatic choice" in md and "auto against the fastest forced op:\n- by time, " in printed
     assert "- by pace, " in md and "- by pace, " in printed
     assert "fp8 against the best bf16 op (causal sweep):\n- REFERENCE fp8, H=2: " in printed
-    assert "REFERENCE fp8 / best bf16 op, rounds" in md and "REFERENCE fp8+quant / best bf16 op, rounds" not in md
-    assert "## FP8 against the best bf16 op, samples of both taken in turns" in md
-    assert "fp8 against the best bf16 op, samples of both in turns:\n- REFERENCE fp8, causal-h2-" in printed
+    assert "REFERENCE fp8 / best bf16 op, settled" in md and "REFERENCE fp8+quant / best bf16 op, settled" not in md
+    assert "## FP8 against the best bf16 op, each in phases at its own settled clock" in md
+    settled = "fp8 against the best bf16 op, each in phases at its own settled clock:\n- REFERENCE fp8, causal-h2-"
+    assert settled in printed
+    assert env["settle_ms"] == timing.CPU_WARMUP_MS and env["phase_ms"] == timing.CPU_REP_MS
     for skipped in ("flashinfer_raw", "fa4_raw", "fa2_varlen_raw"):
         assert f"not measured: {skipped}: " in printed and "CUDA devices only" in env["not_measured"][skipped]
     if HAS_MATPLOTLIB:
@@ -415,9 +419,11 @@ def test_fp8_rounds_lists_the_rows_measured_in_turns():
 
     rows = [row("TRITON fp8", 1.284), row("TRITON fp8+quant"), row("TRITON fp8", 1.2, "chunk-h128-1x1024-ctx1x131072")]
     rows.append({"kind": "op", "method": "auto", "shape": "causal-h128-1x16384", "ratio_best_bf16_rounds": 1.0})
+    rows[2].update(sm_clock_mhz=1500.0, best_sm_clock_mhz=1305.0, capped=0.96)  # sampled on a GPU
     assert R.fp8_rounds(rows).splitlines() == [
         "- **TRITON fp8**, causal-h128-1x16384: 1.284 of FLASH_ATTN (rounds 1.274..1.304)",
-        "- **TRITON fp8**, chunk-h128-1x1024-ctx1x131072: 1.200 of FLASH_ATTN (rounds 1.190..1.220)",
+        "- **TRITON fp8**, chunk-h128-1x1024-ctx1x131072: 1.200 of FLASH_ATTN (rounds 1.190..1.220); SM clock 1500 MHz "
+        "against 1305; capped 96 % of the time",
     ]
     assert R.fp8_rounds(rows[1:2]) == ""
 
@@ -859,6 +865,91 @@ def test_alternating_reverses_odd_rounds_on_request(monkeypatch):
     monkeypatch.setattr(timing, "measure", lambda fn, device, **kw: (order.append(fn()), timing.Timing((1.0,)))[1])
     timing.alternating({"a": lambda: "a", "b": lambda: "b", "c": lambda: "c"}, CPU, rounds=3, reverse_odd_rounds=True)
     assert order == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+
+
+def test_settled_ratio_times_each_function_in_its_own_phase(monkeypatch):
+    # An fp8 op against a bf16 op at a power cap: each settles alone, then is timed alone, the order reversed in odd
+    # rounds; the monitor wraps each timed phase and nothing else, each context the whole phase.
+    log = []
+    times = {"num": iter([2.0, 4.0, 3.0]), "den": iter([1.0, 1.0, 2.0])}
+
+    def measure(fn, device, **kw):
+        log.append(("timed", fn()))
+        assert kw["warmup_calls"] == 0 and kw["rep_ms"] == 7.0 and kw["flush_l2"] is False
+        return timing.Timing((next(times[log[-1][1]]),))
+
+    monkeypatch.setattr(timing, "measure", measure)
+    monkeypatch.setattr(timing, "_run_for", lambda fn, device, budget_ms: log.append(("settle", fn(), budget_ms)))
+
+    @contextlib.contextmanager
+    def tag(kind, name):
+        log.append((kind, name))
+        yield
+        log.append((f"/{kind}", name))
+
+    ratio = timing.settled_ratio(
+        lambda: "num", lambda: "den", CPU, 3, settle_ms=5.0, phase_ms=7.0, flush_l2=False,
+        contexts={"numerator": lambda: tag("ctx", "numerator"), "denominator": lambda: tag("ctx", "denominator")},
+        monitor=lambda name: tag("mon", name),
+    )  # fmt: skip
+
+    def phase(name, fn):
+        return [("ctx", name), ("settle", fn, 5.0), ("mon", name), ("timed", fn), ("/mon", name), ("/ctx", name)]
+
+    num, den = phase("numerator", "num"), phase("denominator", "den")
+    assert log == num + den + den + num + num + den
+    assert (ratio.median, ratio.low, ratio.high, ratio.rounds) == (2.0, 1.5, 4.0, 3)
+    assert (ratio.numerator_ms, ratio.denominator_ms) == (3.0, 1.0)
+    with pytest.raises(ValueError, match="at least 1"):
+        timing.settled_ratio(lambda: None, lambda: None, CPU, rounds=0)
+
+
+def test_run_for_calls_until_its_budget_has_passed():
+    calls = []
+    timing._run_for(lambda: calls.append(1), CPU, 0.0)
+    assert len(calls) == 1  # at least once
+    timing._run_for(lambda: (calls.append(1), time.sleep(0.002)), CPU, 10.0)
+    assert 1 + 3 <= len(calls) <= 1 + 6
+
+
+def test_clock_samples_parse_and_summarise():
+    text = "\n".join([
+        "clocks.current.sm [MHz], power.draw [W], clocks_event_reasons.active",  # a header: skipped
+        "1500, 697.12, 0x0000000000000004",
+        "1300, [N/A], 0x0000000000000000",
+        "1980, 120.5, 0x0000000000000001",  # idle (0x1): not a cap
+        "[N/A], 100.0, 0x0",
+        "1350, 698.0",  # cut off when the sampler stopped
+    ])  # fmt: skip
+    samples = clocks.parse_samples(text)
+    assert samples == [
+        clocks.ClockSample(1500, 697.12, 4), clocks.ClockSample(1300, None, 0), clocks.ClockSample(1980, 120.5, 1)
+    ]  # fmt: skip
+    summary = clocks.ClockSummary.of(samples)
+    assert summary == clocks.ClockSummary(3, 1500, 408.81, 1 / 3)
+    assert summary.describe() == "1500 MHz, 409 W, capped 33 %"
+    assert clocks.ClockSummary.of([clocks.ClockSample(1400, None, 0x40)]).describe() == "1400 MHz, capped 100 %"
+    assert clocks.ClockSummary.of([]) is None
+
+
+def test_clock_sampler_keeps_what_its_command_printed_while_active(tmp_path):
+    # The command stands in for nvidia-smi -lms: two samples, then it runs until the sampler stops it.
+    marker = tmp_path / "printed"
+    script = (
+        "import pathlib, sys, time\nfor c in (1500, 1490):\n    print(f'{c}, 700.0, 0x4', flush=True)\n"
+        f"pathlib.Path({str(marker)!r}).touch()\ntime.sleep(60)"
+    )
+    with clocks.ClockSampler(CPU, command=[sys.executable, "-c", script]) as sampler:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert sampler.summary == clocks.ClockSummary(2, 1495, 700.0, 1.0)
+    with clocks.ClockSampler(CPU, command=["/nonexistent/nvidia-smi"]) as missing:
+        pass
+    assert missing.summary is None  # a sampler that cannot start leaves the measurement alone
+    with clocks.ClockSampler(CPU) as cpu:  # nothing to sample on CPU
+        assert cpu.command is None
+    assert cpu.summary is None
 
 
 def test_difference_of_rounds_is_the_median_of_per_round_differences():

@@ -1009,6 +1009,25 @@ def rounds_ratio(
     )  # fmt: skip
 
 
+def settled_rounds_ratio(
+    ours: Prepared,
+    theirs: Prepared,
+    device: torch.device,
+    rounds: int = timing.DEFAULT_ROUNDS,
+    monitor: Callable[[str], contextlib.AbstractContextManager] | None = None,
+    **timing_kwargs: Any,
+) -> timing.RoundsRatio:
+    """``theirs``'s time / ``ours``'s (above 1: ours is faster), each inside its own context, in rounds of phases
+    long enough for the GPU's clock to settle to what each draws (:func:`benchlib.timing.settled_ratio`; ``monitor``
+    is its, with ``"numerator"`` for theirs and ``"denominator"`` for ours). Used for an fp8 op against the fastest
+    bf16 op: at a power cap the fp8 kernel draws less per FLOP and runs at a higher clock, which samples of both
+    taken in turns (:func:`rounds_ratio`) would share between them."""
+    return timing.settled_ratio(
+        theirs.fn, ours.fn, device, rounds, contexts={"numerator": theirs.context, "denominator": ours.context},
+        monitor=monitor, **timing_kwargs,
+    )  # fmt: skip
+
+
 # --- raw calls in an MLA layer ------------------------------------------------------------------------
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from . import timing
+from . import clocks, timing
 
 if TYPE_CHECKING:
     import torch
@@ -110,15 +110,8 @@ def query_clocks(device: torch.device) -> dict[str, str]:
         return {key: "n/a (cpu)" for key in unknown}
     smi = shutil.which("nvidia-smi")
     if smi is not None:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        # CUDA_VISIBLE_DEVICES can renumber devices; the PCI bus id names the same GPU for nvidia-smi.
-        props = torch.cuda.get_device_properties(device)
-        targets = [str(index)]
-        if isinstance(getattr(props, "pci_bus_id", None), int):
-            domain, slot = getattr(props, "pci_domain_id", 0), getattr(props, "pci_device_id", 0)
-            targets.insert(0, f"{domain:08x}:{props.pci_bus_id:02x}:{slot:02x}.0")
         query = "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem"
-        for target in targets:
+        for target in clocks.smi_targets(device):
             try:
                 text = subprocess.run(
                     [smi, f"--id={target}", query, "--format=csv,noheader,nounits"],
@@ -646,6 +639,9 @@ PREFILL_FIELDS = [
     "ratio_best_bf16_rounds",
     "ratio_best_bf16_min",
     "ratio_best_bf16_max",
+    "sm_clock_mhz",
+    "best_sm_clock_mhz",
+    "capped",
     "note",
 ]
 _PREFILL_TEXT = ("method", "series", "shape", "label", "raw_method", "best_baseline", "best_op", "auto_route", "note")
@@ -732,15 +728,20 @@ def fp8_crossover(rows: list[dict[str, Any]]) -> str:
 
 
 def fp8_rounds(rows: list[dict[str, Any]]) -> str:
-    """Per fp8 row measured with ``--versus-best-op``, its ratio to the best bf16 op from samples of both taken in
-    turns (``ratio_best_bf16_rounds``) and its rounds' range; empty without such rows."""
+    """Per fp8 row measured with ``--versus-best-op``, its ratio to the best bf16 op from settled phases of each
+    (``ratio_best_bf16_rounds``), its rounds' range and, where sampled, the SM clock of both sides' phases and the
+    share of their samples under a power or thermal cap; empty without such rows."""
     lines = []
     measured = [r for r in rows if r["kind"] == "fp8" and r.get("ratio_best_bf16_rounds") is not None]
     for r in measured:
-        lines.append(
+        line = (
             f"- **{r['method']}**, {r['shape']}: {r['ratio_best_bf16_rounds']:.3f} of {r['best_op']} "
             f"(rounds {r['ratio_best_bf16_min']:.3f}..{r['ratio_best_bf16_max']:.3f})"
         )
+        if r.get("sm_clock_mhz") is not None and r.get("best_sm_clock_mhz") is not None:
+            capped = "" if r.get("capped") is None else f"; capped {100 * r['capped']:.0f} % of the time"
+            line += f"; SM clock {r['sm_clock_mhz']:.0f} MHz against {r['best_sm_clock_mhz']:.0f}{capped}"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -836,7 +837,7 @@ def render_prefill_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> 
             if any(cell.get((s, m), {}).get("ratio_best_bf16") is not None for s in shapes):
                 columns.append((f"{m} / best bf16 op", m, "ratio_best_bf16"))
             if any(cell.get((s, m), {}).get("ratio_best_bf16_rounds") is not None for s in shapes):
-                columns.append((f"{m} / best bf16 op, rounds", m, "ratio_best_bf16_rounds"))
+                columns.append((f"{m} / best bf16 op, settled", m, "ratio_best_bf16_rounds"))
         if columns:
             table = []
             for s in shapes:
@@ -848,17 +849,19 @@ def render_prefill_markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> 
                 f"Ratios ({suite}): throughput of the method / throughput of the named call (above 1: the method "
                 "is faster). Against its own raw call an op's ratio is the median over alternating rounds; against "
                 "the best raw baseline it compares the single measurements of the table above, and with ', rounds' "
-                "the median over rounds of the ratios of neighbouring samples of both, taken in turns"
+                "the median over rounds of the ratios of neighbouring samples of both, taken in turns; against the "
+                "best bf16 op with ', settled' the median over rounds of the ratios of phases in which each ran at "
+                "its own settled clock"
             ]
             parts += ["", markdown_table(headers, table), ""]
     crossover = fp8_crossover(rows)
     if crossover:
         parts += ["## FP8 against the best bf16 op (causal sweep, quantisation excluded and included)", ""]
         parts += [crossover, ""]
-    in_turns = fp8_rounds(rows)
-    if in_turns:
-        parts += ["## FP8 against the best bf16 op, samples of both taken in turns (`--versus-best-op`)", ""]
-        parts += [in_turns, ""]
+    settled = fp8_rounds(rows)
+    if settled:
+        parts += ["## FP8 against the best bf16 op, each in phases at its own settled clock (`--versus-best-op`)", ""]
+        parts += [settled, ""]
     parts += ["## Correctness (checked once per shape before timing, against fp32 reference math)", ""]
     parts += [correctness_table(rows), ""]
     parts += ["Columns and methods are described in `benchmarks/README.md`.", ""]

@@ -14,7 +14,9 @@ takes turns sample by sample instead, and :func:`interleaved_ratio` (the op/raw 
 takes the median ratio of neighbouring samples in each round. A ratio of two
 single measurements taken at different moments carries the drift of the GPU's clocks and temperature
 between those moments (several percent on long kernels); within one round both sides see the same
-machine, and the median over rounds discards the rounds that drift hit.
+machine, and the median over rounds discards the rounds that drift hit. :func:`settled_ratio` compares two
+functions that draw different power: under a power cap, samples in turns would run both at the clock of their mix,
+so it times each in phases long enough for the clock to settle to what that function draws alone.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ CPU_WARMUP_MS = 2.0
 CPU_REP_MS = 10.0
 #: Rounds of :func:`alternating` for an op/raw ratio, shared by every script that reports one.
 DEFAULT_ROUNDS = 7
+#: :func:`settled_ratio`'s untimed run before each phase and each phase's timed budget on CUDA: an H100 at its
+#: 700 W cap moved its SM clock to what one attention kernel draws within about a second of back-to-back calls.
+SETTLE_MS = 1000.0
+PHASE_MS = 1000.0
 #: Bytes zeroed before each CUDA sample: larger than any GPU's L2 (the H200's is 50 MiB), as do_bench does.
 FLUSH_BYTES = 256 << 20
 
@@ -449,3 +455,64 @@ def interleaved_ratio(
         numerator_ms=statistics.median(numerators),
         denominator_ms=statistics.median(denominators),
     )
+
+
+def settled_ratio(
+    numerator: Callable[[], Any],
+    denominator: Callable[[], Any],
+    device: torch.device,
+    rounds: int = DEFAULT_ROUNDS,
+    *,
+    settle_ms: float = SETTLE_MS,
+    phase_ms: float = PHASE_MS,
+    contexts: Mapping[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
+    monitor: Callable[[str], contextlib.AbstractContextManager] | None = None,
+    **measure_kwargs: Any,
+) -> RoundsRatio:
+    """``numerator`` time / ``denominator`` time in rounds of settled phases: in each round each function runs
+    back to back for ``settle_ms`` untimed, then is timed by :func:`measure` for ``phase_ms`` (its samples'
+    median); odd rounds take the two in the reverse order. Per round the ratio of the two medians; over the
+    rounds their median and range.
+
+    For two functions that draw different power. A GPU at its power cap sets its clock by the power drawn over a
+    window of about a second: samples taken in turns (:func:`interleaved_ratio`) run both at the clock of their
+    mix, so the one that draws less is timed at a lower clock than it runs at on its own, as in a serving loop;
+    a phase after ``settle_ms`` of the function alone is timed at its own clock.
+
+    ``contexts[name]`` (``"numerator"``, ``"denominator"``): a context manager entered around that function's
+    whole phase, settling included (e.g. a backend forced for it). ``monitor(name)``: a context manager entered
+    around each timed phase alone (e.g. a sampler of the GPU's clock). ``measure_kwargs`` go to :func:`measure`.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    fns = {"numerator": numerator, "denominator": denominator}
+    contexts = contexts or {}
+    ratios, medians = [], {name: [] for name in fns}
+    for round_index in range(rounds):
+        order = list(fns)[::-1] if round_index % 2 else list(fns)
+        for name in order:
+            with contexts.get(name, contextlib.nullcontext)():
+                _run_for(fns[name], device, settle_ms)
+                with monitor(name) if monitor is not None else contextlib.nullcontext():
+                    timing = measure(fns[name], device, warmup_calls=0, rep_ms=phase_ms, **measure_kwargs)
+            medians[name].append(timing.median_ms)
+        ratios.append(medians["numerator"][-1] / medians["denominator"][-1])
+    return RoundsRatio(
+        median=statistics.median(ratios),
+        low=min(ratios),
+        high=max(ratios),
+        rounds=rounds,
+        numerator_ms=statistics.median(medians["numerator"]),
+        denominator_ms=statistics.median(medians["denominator"]),
+    )
+
+
+def _run_for(fn: Callable[[], Any], device: torch.device, budget_ms: float) -> None:
+    """Call ``fn`` back to back, untimed, until ``budget_ms`` of wall-clock time has passed (at least once), each
+    call waited for, so that the time passed is the device's and no backlog outlasts the budget."""
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    while (time.perf_counter() - start) * 1e3 < budget_ms:
+        fn()
+        synchronize(device)
