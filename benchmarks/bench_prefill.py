@@ -514,21 +514,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"each shape's rows go to {previous_csv} as it completes; if the run stops early, "
         f"`--from-csv {previous_csv}` renders the report of what it measured\n"
     )
-    clocks = R.ClockLog(device)
     measure_start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for method in methods:
         if isinstance(method, M.FlashInferMerge):
             method.log = progress.write
     for done, shape in enumerate(shapes, 1):
-        rows += run_shape(shape, methods, args, device, dtype, progress)
-        clocks.read()
+        with clocks.ClockSampler(device) as sampler:
+            rows += run_shape(shape, methods, args, device, dtype, progress)
+        load = clocks.ClockSummary.of(clocks.busy(sampler.samples))
+        if load is not None:  # the regime the shape's figures come from: at a power cap the clock follows the power
+            env.setdefault("sm_clock_under_load", {})[shape.id] = load.describe()
         # A checkpoint: a run cut short (a time limit, Ctrl-C) keeps every shape it finished.
         env["shapes_measured"] = f"{done} of {len(shapes)}"
         R.write_checkpoint(merged(rows), env, out_dir)
     progress.close()
-    if clocks.summary():
-        env["sm_clock_after_each_shape_mhz"] = clocks.summary()
     env["measure_s"] = round(time.perf_counter() - measure_start, 1)
     env["elapsed_s"] = round(time.perf_counter() - started, 1)
     rows = merged(rows)

@@ -385,6 +385,7 @@ def test_cpu_run_writes_markdown_and_env(prefill_run):
     settled = "fp8 against the best bf16 op, each in phases at its own settled clock:\n- REFERENCE fp8, causal-h2-"
     assert settled in printed
     assert env["settle_ms"] == timing.CPU_WARMUP_MS and env["phase_ms"] == timing.CPU_REP_MS
+    assert "sm_clock_under_load" not in env  # nothing samples a CPU
     for skipped in ("flashinfer_raw", "fa4_raw", "fa2_varlen_raw"):
         assert f"not measured: {skipped}: " in printed and "CUDA devices only" in env["not_measured"][skipped]
     if HAS_MATPLOTLIB:
@@ -930,6 +931,7 @@ def test_clock_samples_parse_and_summarise():
     assert summary.describe() == "1500 MHz, 409 W, capped 33 %"
     assert clocks.ClockSummary.of([clocks.ClockSample(1400, None, 0x40)]).describe() == "1400 MHz, capped 100 %"
     assert clocks.ClockSummary.of([]) is None
+    assert clocks.busy(samples) == samples[:2]  # the idle GPU's sample is no measurement's
 
 
 def test_clock_sampler_keeps_what_its_command_printed_while_active(tmp_path):

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 #: ``clocks_throttle_reasons.active`` bits of a cap that lowers the clock under load: the software power cap
 #: (0x4), hardware slowdown (0x8), software and hardware thermal slowdown (0x20, 0x40), the power brake (0x80).
 CAP_REASONS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+#: The ``clocks_throttle_reasons.active`` bit of an idle GPU: such samples are no measurement's.
+IDLE_REASON = 0x1
 #: The query: one CSV line per sample, no header or units.
 QUERY = ["--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active", "--format=csv,noheader,nounits"]
 
@@ -79,6 +81,12 @@ def parse_samples(text: str) -> list[ClockSample]:
             power = None
         samples.append(ClockSample(sm_mhz, power, reasons))
     return samples
+
+
+def busy(samples: Iterable[ClockSample]) -> list[ClockSample]:
+    """``samples`` without those of an idle GPU (:data:`IDLE_REASON`): a run's host-only stretches (reference math,
+    compiling) are not the clock its kernels ran at."""
+    return [s for s in samples if not s.reasons & IDLE_REASON]
 
 
 def smi_targets(device: torch.device) -> list[str]:

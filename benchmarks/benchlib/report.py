@@ -132,27 +132,6 @@ def query_clocks(device: torch.device) -> dict[str, str]:
         return unknown
 
 
-class ClockLog:
-    """The SM clock read at chosen moments (after each shape, say), to spot throttling in a record."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.readings = device, []
-
-    def read(self) -> None:
-        """Read the SM clock now (nothing on CPU or without nvidia-smi)."""
-        if self.device.type == "cuda":
-            clock = query_clocks(self.device)["sm_clock_mhz"]
-            if clock.isdigit():
-                self.readings.append(int(clock))
-
-    def summary(self) -> str | None:
-        """``"min A, median B, max C"`` over the readings, or ``None`` without any."""
-        if not self.readings:
-            return None
-        median = statistics.median(self.readings)
-        return f"min {min(self.readings)}, median {median:g}, max {max(self.readings)}"
-
-
 def backend_table(device: torch.device, dtype: torch.dtype, dqk: int, dv: int) -> list[dict[str, Any]]:
     """Every registered backend: whether it is valid here, why not, what it runs, and its instance."""
     import mla_ops

@@ -474,10 +474,10 @@ def settled_ratio(
     median); odd rounds take the two in the reverse order. Per round the ratio of the two medians; over the
     rounds their median and range.
 
-    For two functions that draw different power. A GPU at its power cap sets its clock by the power drawn over a
-    window of about a second: samples taken in turns (:func:`interleaved_ratio`) run both at the clock of their
-    mix, so the one that draws less is timed at a lower clock than it runs at on its own, as in a serving loop;
-    a phase after ``settle_ms`` of the function alone is timed at its own clock.
+    For two functions that draw different power. A GPU at its power cap moves its clock to the power drawn within
+    about a second: samples taken in turns (:func:`interleaved_ratio`) run both at the clock of their mix, so the
+    one that draws less is timed at a lower clock than it runs at on its own, as in a serving loop; a phase after
+    ``settle_ms`` of the function alone is timed at its own clock.
 
     ``contexts[name]`` (``"numerator"``, ``"denominator"``): a context manager entered around that function's
     whole phase, settling included (e.g. a backend forced for it). ``monitor(name)``: a context manager entered
