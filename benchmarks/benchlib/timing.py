@@ -301,6 +301,18 @@ class RoundsRatio:
     numerator_ms: float  # median over rounds of each side's time
     denominator_ms: float
 
+    @classmethod
+    def of(cls, ratios: Sequence[float], numerators: Sequence[float], denominators: Sequence[float]) -> RoundsRatio:
+        """From each round's ratio and each side's time in it."""
+        return cls(
+            median=statistics.median(ratios),
+            low=min(ratios),
+            high=max(ratios),
+            rounds=len(ratios),
+            numerator_ms=statistics.median(numerators),
+            denominator_ms=statistics.median(denominators),
+        )
+
 
 @dataclass(frozen=True)
 class RoundsDifference:
@@ -447,14 +459,7 @@ def interleaved_ratio(
         ratios.append(statistics.median((num[j] + num[j + 1]) / (den[j] + den[j + 1]) for j in pairs))
         numerators.append(statistics.median(series["numerator"]))
         denominators.append(statistics.median(series["denominator"]))
-    return RoundsRatio(
-        median=statistics.median(ratios),
-        low=min(ratios),
-        high=max(ratios),
-        rounds=rounds,
-        numerator_ms=statistics.median(numerators),
-        denominator_ms=statistics.median(denominators),
-    )
+    return RoundsRatio.of(ratios, numerators, denominators)
 
 
 def settled_ratio(
@@ -497,14 +502,7 @@ def settled_ratio(
                     timing = measure(fns[name], device, warmup_calls=0, rep_ms=phase_ms, **measure_kwargs)
             medians[name].append(timing.median_ms)
         ratios.append(medians["numerator"][-1] / medians["denominator"][-1])
-    return RoundsRatio(
-        median=statistics.median(ratios),
-        low=min(ratios),
-        high=max(ratios),
-        rounds=rounds,
-        numerator_ms=statistics.median(medians["numerator"]),
-        denominator_ms=statistics.median(medians["denominator"]),
-    )
+    return RoundsRatio.of(ratios, medians["numerator"], medians["denominator"])
 
 
 def _run_for(fn: Callable[[], Any], device: torch.device, budget_ms: float) -> None:
