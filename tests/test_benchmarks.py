@@ -905,12 +905,20 @@ def test_settled_ratio_times_each_function_in_its_own_phase(monkeypatch):
         timing.settled_ratio(lambda: None, lambda: None, CPU, rounds=0)
 
 
-def test_run_for_calls_until_its_budget_has_passed():
+def test_run_for_calls_until_its_budget_has_passed(monkeypatch):
+    # Each call takes 2 ms of a stand-in clock, so the count does not depend on how busy the machine is.
+    now = [0.0]
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def call():
+        now[0] += 0.002
+
     calls = []
-    timing._run_for(lambda: calls.append(1), CPU, 0.0)
+    timing._run_for(lambda: calls.append(call()), CPU, 0.0)
     assert len(calls) == 1  # at least once
-    timing._run_for(lambda: (calls.append(1), time.sleep(0.002)), CPU, 10.0)
-    assert 1 + 3 <= len(calls) <= 1 + 6
+    calls.clear()
+    timing._run_for(lambda: calls.append(call()), CPU, 10.0)
+    assert len(calls) == 5  # at 2, 4, 6 and 8 ms the budget has not passed; at 10 it has
 
 
 def test_clock_samples_parse_and_summarise():
