@@ -424,8 +424,24 @@ def _producer(
 
 
 @gluon.jit
+def _register_q(q_smem, s_layout: gl.constexpr):
+    """fp8 under Triton 3.6 and 3.7: a warpgroup's Q tile ``[64, D]`` (one part of the head), loaded from shared
+    memory into registers as the A operand of ``Q @ K^T`` (whose accumulator has ``s_layout``).
+
+    Every key tile's product reads its A operand again; from shared memory that is 12 KiB a tile and warpgroup,
+    a fifth of what its products read there, and at the power cap bytes moved cost clock. In registers it takes
+    24 a thread for the whole item, and needs no keeping alive (``warpgroup_mma_wait``'s deps, which take no
+    8-bit values) since nothing writes it before the item ends. Under Triton 3.6 and 3.7 the partitions keep
+    their budgets with 0 spills (``compile_sm90.py --dtype float8_e4m3fn``); under 3.9 the chunk's would spill 52
+    bytes, so the register-lean spellings (:func:`~mla_ops.kernels.triton_compat.lean_registers`, Triton 3.8 on)
+    keep Q in shared memory. The 16-bit Q would take 48 registers and spill. Design: docs/design/fp8.md."""
+    return q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=4))
+
+
+@gluon.jit
 def _issue_scores(q_a, q_b, k_a, k_b, s_init):
-    """Start ``q @ k^T`` of one tile, unscaled, as two asynchronous products (both parts of the head)."""
+    """Start ``q @ k^T`` of one tile, unscaled, as two asynchronous products (both parts of the head); ``q_a`` and
+    ``q_b`` are shared-memory tiles, or (fp8) register operands (:func:`_register_q`)."""
     s = warpgroup_mma(q_a, k_a.permute((1, 0)), s_init, use_acc=False, is_async=True)
     return warpgroup_mma(q_b, k_b.permute((1, 0)), s, is_async=True)
 
@@ -629,13 +645,18 @@ def _consume_item(
     keys0 = gl.arange(0, BN, gl.SliceLayout(0, s_layout))
     q_a = q_smem_a.index(WG)
     q_b = q_smem_b.index(WG)
+    if FP8 and not _LEAN:  # Q as the register operand of Q @ K^T, read from shared memory once an item
+        mbarrier.wait(q_bar, n & 1)
+        q_a = _register_q(q_a, s_layout)
+        q_b = _register_q(q_b, s_layout)
     m_i = gl.full([_HALF], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([_HALF], gl.float32, row_layout)
     acc = gl.zeros([_HALF, D_V], gl.float32, o_layout)
     s_init = gl.zeros([_HALF, BN], gl.float32, s_layout)
     if FP8:  # dequantised scores: this head's factors of q and k scale them with the softmax scale
         qk_scale = qk_scale * gl.load(QDescale + h * stride_qd) * gl.load(KDescale + h * stride_kd)
-    mbarrier.wait(q_bar, n & 1)
+    if not FP8 or _LEAN:  # (fp8 under Triton 3.6 and 3.7 waited for Q above)
+        mbarrier.wait(q_bar, n & 1)
     if FP8:
         p = p_smem
     else:
