@@ -105,8 +105,8 @@ def smi_targets(device: torch.device) -> list[str]:
 
 class ClockSampler:
     """A context manager that samples the GPU every ``interval_ms`` while it is active (``nvidia-smi -lms``, in a
-    process of its own) and keeps the samples; :attr:`summary` is their :class:`ClockSummary`, or ``None`` where
-    nothing was sampled (on CPU, without ``nvidia-smi``, or within a phase shorter than one interval).
+    process of its own) and keeps the samples in :attr:`samples` (summarised by :meth:`ClockSummary.of`), none
+    where nothing was sampled (on CPU, without ``nvidia-smi``, or within a phase shorter than one interval).
 
     ``command``: the sampling command (for tests); by default ``nvidia-smi`` on ``device``, or nothing where
     ``device`` is not CUDA or ``nvidia-smi`` is missing."""
@@ -141,7 +141,3 @@ class ClockSampler:
             process.kill()
             text, _ = process.communicate()
         self.samples += parse_samples(text or "")
-
-    @property
-    def summary(self) -> ClockSummary | None:
-        return ClockSummary.of(self.samples)
